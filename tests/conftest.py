@@ -1,0 +1,53 @@
+"""Shared fixtures: seeded tiny random Llama models (no hub, no network) and every drafter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tts_service.config import PlainDrafterConfig, PldDrafterConfig, RecyclingDrafterConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DRAFTER_CONFIGS = {
+    "plain": PlainDrafterConfig(),
+    "pld": PldDrafterConfig(num_draft_tokens=5),
+    "recycling-16": RecyclingDrafterConfig(num_nodes=16),
+    "recycling-80": RecyclingDrafterConfig(num_nodes=80),
+}
+
+
+def tiny_llama(vocab_size: int = 64, seed: int = 0, dtype=torch.float64, scale: float = 1.0):
+    """A seeded random Llama; float64 keeps greedy ties out of the way (testing-notes.md).
+
+    `scale` multiplies the lm_head so the distributions are peaked enough to be interesting.
+    """
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama(vocab_size=64, seed=0, scale=8.0)
+
+
+@pytest.fixture(params=sorted(DRAFTER_CONFIGS))
+def drafter_config(request):
+    return DRAFTER_CONFIGS[request.param]

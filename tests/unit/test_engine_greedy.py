@@ -1,0 +1,99 @@
+"""Greedy losslessness: every drafter commits exactly what plain decoding and HF generate do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tts_service.config import SamplingConfig
+from tts_service.drafters.registry import build_drafter
+from tts_service.engine.decode import generate, plain_generate
+
+NEW = 40
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(24):
+        base = torch.randint(3, 64, (4 + i % 5,), generator=gen).tolist()
+        # every other prompt repeats itself, so drafts get accepted for real
+        out.append(
+            base * 3 if i % 2 == 0 else base + torch.randint(3, 64, (6,), generator=gen).tolist()
+        )
+    out.append([5])  # a one-token prompt: nothing to prefill
+    return out
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=NEW)
+    refs = []
+    for prompt in PROMPTS:
+        ref = plain_generate(tiny_model, prompt, cfg, eos_ids=[])
+        ids = torch.tensor([prompt])
+        # a) explicit attention mask: HF would otherwise mask prompt tokens equal to pad_token_id
+        hf = tiny_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert list(ref.token_ids) == hf
+        refs.append(ref.token_ids)
+    return refs
+
+
+def test_every_drafter_is_token_identical_to_plain_greedy(tiny_model, drafter_config, references):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=NEW)
+    drafter = build_drafter(drafter_config, tiny_model.config.vocab_size)
+    accepted_on_repetitive = []
+    for i, (prompt, ref) in enumerate(zip(PROMPTS, references, strict=True)):
+        res = generate(tiny_model, prompt, drafter, cfg, eos_ids=[])
+        assert res.token_ids == ref, f"prompt {i} diverged"
+        assert res.finish_reason == "length" and res.stats.new_tokens == NEW
+        if i % 2 == 0:
+            accepted_on_repetitive.append(res.stats.acceptance_length)
+    mean = sum(accepted_on_repetitive) / len(accepted_on_repetitive)
+    if drafter_config.kind == "plain":
+        assert mean == 1.0
+    else:
+        assert mean > 1.3, mean
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7, 13])
+def test_max_new_tokens_cuts_inside_an_accepted_block(tiny_model, drafter_config, max_new):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=max_new)
+    prompt = PROMPTS[0]
+    ref = plain_generate(tiny_model, prompt, cfg, eos_ids=[])
+    res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, eos_ids=[])
+    assert res.token_ids == ref.token_ids and len(res.token_ids) == max_new
+    assert res.finish_reason == "length"
+
+
+def test_eos_cuts_inside_an_accepted_block(tiny_model, drafter_config, references):
+    cfg = SamplingConfig(temperature=0, max_new_tokens=NEW)
+    for prompt, ref in list(zip(PROMPTS, references, strict=True))[:12:2]:
+        eos = ref[len(ref) // 2]  # a token the model really emits mid-stream
+        expect = plain_generate(tiny_model, prompt, cfg, eos_ids=[eos])
+        res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, eos_ids=[eos])
+        assert res.token_ids == expect.token_ids and res.token_ids[-1] == eos
+        assert res.finish_reason == "stop"
+
+
+def test_stop_strings_cut_like_plain_decoding(tiny_model, drafter_config, references):
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(ord("A") + i % 26) + chr(ord("a") + i // 26) for i in ids)
+
+    prompt, ref = PROMPTS[2], references[2]
+    stop = decode(list(ref[9:11]))  # two tokens that really occur
+    cfg = SamplingConfig(temperature=0, max_new_tokens=NEW, stop=(stop,))
+    expect = plain_generate(tiny_model, prompt, cfg, eos_ids=[], decode=decode)
+    res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, [], decode)
+    assert res.token_ids == expect.token_ids and res.stop_text == stop
+    assert len(res.token_ids) <= 11 and res.finish_reason == "stop"

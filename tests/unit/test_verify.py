@@ -1,0 +1,174 @@
+"""Verifier exactness (algorithms.md §2.2, Appendix A): enumerate every random outcome of a node
+verifier on a small vocabulary and compare the emitted distribution with p."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
+from tts_service.engine.verify import (
+    proposal,
+    rrs_step,
+    sample_and_match_step,
+    verify_greedy,
+    verify_node,
+    verify_sampling,
+)
+
+V = 7
+
+
+def _rand_dist(gen: torch.Generator, zeros: int = 0) -> torch.Tensor:
+    x = torch.rand(V, generator=gen, dtype=torch.float64) ** 3
+    if zeros:
+        x[torch.randperm(V, generator=gen)[:zeros]] = 0.0
+    return x / x.sum()
+
+
+def _sparse(q: torch.Tensor) -> SparseDist:
+    ids = torch.nonzero(q).flatten().tolist()
+    return SparseDist(tuple(ids), tuple(float(q[i]) for i in ids))
+
+
+def emitted_distribution(p, q, spec, lossy_iid: bool = False) -> torch.Tensor:
+    """Exact output distribution of one node with children `spec`: a list of deterministic token
+    ids or the string "q" for a child sampled without replacement from q minus earlier siblings."""
+    out = torch.zeros(V, dtype=torch.float64)
+
+    def rec(r, tried, j, prob):
+        nonlocal out
+        if j == len(spec):
+            out += prob * r  # bonus from the residual
+            return
+        if spec[j] != "q":
+            x = spec[j]
+            a, r2 = sample_and_match_step(r, x)
+            out[x] += prob * a
+            rec(r2, [*tried, x], j + 1, prob * (1 - a))
+            return
+        qi = proposal(_sparse(q), tried, V)
+        if qi.sum() == 0:
+            out += prob * r
+            return
+        for x in torch.nonzero(qi).flatten().tolist():
+            if lossy_iid:  # SpecInfer's formula for i.i.d. drafts, applied to w/o-replacement draws
+                a = min(1.0, float(r[x] / q[x]))
+                rest = torch.clamp(r - q, min=0)
+                r2 = rest / rest.sum() if rest.sum() > 0 else r
+            else:
+                a, r2 = rrs_step(r, qi, x)
+            out[x] += prob * qi[x] * a
+            rec(r2, [*tried, x], j + 1, prob * qi[x] * (1 - a))
+
+    rec(p.clone(), [], 0, 1.0)
+    return out
+
+
+SPECS = {
+    "deterministic-1": [3],
+    "deterministic-3": [3, 0, 5],
+    "stochastic-1": ["q"],
+    "stochastic-3": ["q", "q", "q"],
+    "stochastic-exhausts-q": ["q"] * 6,
+    "mixed-spine-then-3": [4, "q", "q", "q"],
+    "mixed-two-spines": [1, 2, "q", "q"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(8))
+def test_node_verifier_output_equals_p(name, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = _rand_dist(gen, zeros=seed % 3)
+    q = _rand_dist(gen, zeros=2)
+    err = (emitted_distribution(p, q, SPECS[name]) - p).abs().max().item()
+    assert err < 1e-12, err
+
+
+def test_the_iid_formula_is_lossy_so_the_harness_can_fail():
+    """Test of the test: the with-replacement formula on without-replacement draws is caught."""
+    worst = 0.0
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        p, q = _rand_dist(gen), _rand_dist(gen, zeros=2)
+        out = emitted_distribution(p, q, ["q", "q", "q"], lossy_iid=True)
+        worst = max(worst, (out - p).abs().max().item())
+    assert worst > 1e-2
+
+
+def test_fallback_from_p_instead_of_residual_is_caught():
+    gen = torch.Generator().manual_seed(0)
+    p = _rand_dist(gen)
+    # deterministic child 3 rejected, then the bonus drawn from p (PTD's Algorithm 2 typo)
+    wrong = torch.zeros(V, dtype=torch.float64)
+    wrong[3] += p[3]
+    wrong += (1 - p[3]) * p
+    assert (wrong - p).abs().max().item() > 1e-2
+
+
+def _node_tree(p_children: list, q: torch.Tensor | None, gen: torch.Generator) -> DraftTree:
+    """Build a one-node tree, sampling "q" children without replacement like a drafter would."""
+    b = TreeBuilder(0)
+    tried: list[int] = []
+    for c in p_children:
+        if c == "q":
+            qi = proposal(_sparse(q), tried, V)
+            x = int(torch.multinomial(qi, 1, generator=gen))
+            b.add(0, x, sampled=True)
+        else:
+            x = c
+            b.add(0, x)
+        tried.append(x)
+    if q is not None:
+        b.set_q(0, _sparse(q))
+    return b.build()
+
+
+def test_verify_node_walker_matches_p_by_monte_carlo():
+    """The walker (children order, uniforms, bonus) on a mixed node, 20k draws, 5 sigma."""
+    gen = torch.Generator().manual_seed(123)
+    p, q = _rand_dist(gen), _rand_dist(gen, zeros=1)
+    counts = torch.zeros(V, dtype=torch.float64)
+    n = 20_000
+    for _ in range(n):
+        tree = _node_tree([2, "q", "q"], q, gen)
+        acc = verify_sampling(tree, torch.stack([p] + [p] * (tree.size - 1)), gen)
+        counts[acc.tokens[0] if acc.tokens else acc.bonus] += 1
+    sigma = torch.sqrt(p * (1 - p) / n)
+    assert ((counts / n - p).abs() <= 5 * sigma + 1e-9).all(), (counts / n, p)
+
+
+def test_verify_node_returns_residual_without_children():
+    p = torch.tensor([0.2, 0.8], dtype=torch.float64)
+    child, r = verify_node(DraftTree.root_only(0), 0, p, torch.Generator())
+    assert child is None and torch.equal(r, p)
+
+
+def test_greedy_follows_argmax_and_prefers_first_matching_child():
+    #        0
+    #      /   \
+    #     1(5)  2(6)
+    #     |
+    #     3(7)
+    tree = DraftTree((9, 5, 6, 7), (-1, 0, 0, 1), (False,) * 4, (None,) * 4)
+    logits = torch.full((4, 10), -1.0)
+    logits[0, 5] = 1.0  # root -> 5: accept node 1
+    logits[1, 7] = 1.0  # node 1 -> 7: accept node 3
+    logits[3, 2] = 1.0  # node 3 -> 2: bonus
+    acc = verify_greedy(tree, logits)
+    assert acc.path == (1, 3) and acc.tokens == (5, 7) and acc.bonus == 2
+    logits[0, 5], logits[0, 4] = -1.0, 1.0  # root -> 4: nothing accepted ("not 5, not 6")
+    acc = verify_greedy(tree, logits)
+    assert acc.path == () and acc.bonus == 4 and acc.committed == (4,)
+
+
+def test_sampling_accepts_a_certain_draft_and_never_an_impossible_one():
+    tree = DraftTree.chain(0, [3, 1])
+    p = torch.zeros(3, 5, dtype=torch.float64)
+    p[0, 3] = 1.0  # root: 3 for sure
+    p[1, 2] = 1.0  # after 3: 2 for sure, so the draft 1 is impossible
+    p[2, 4] = 1.0
+    for seed in range(20):
+        acc = verify_sampling(tree, p, torch.Generator().manual_seed(seed))
+        assert acc.committed == (3, 2)

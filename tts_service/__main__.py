@@ -1,0 +1,3 @@
+from tts_service.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Pydantic schemas for every config, validated once at the boundary (CLI, YAML, HTTP).
+
+Inner code receives the slice it uses (`SamplingConfig`, one member of `DrafterConfig`), never
+the whole tree, and no module below the edge reads environment variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Strict):
+    """How the target model's next token is chosen: exactly what plain decoding samples from."""
+
+    temperature: float = Field(0.6, ge=0.0, description="0 means greedy (argmax).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filter, (0, 1].")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    max_new_tokens: int = Field(256, ge=1, description="Generation stops after this many tokens.")
+    seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
+    stop: tuple[str, ...] = Field((), description="Stop strings; the output ends with the first.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks only).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class ModelConfig(_Strict):
+    """Which target model to load and where it runs."""
+
+    name: str = Field("smollm2-135m", min_length=1, description="Alias, hub id or local path.")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda:0'.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class PlainDrafterConfig(_Strict):
+    """No drafting: every step verifies the root only (plain decoding through the engine)."""
+
+    kind: Literal["plain"] = "plain"
+
+
+class PldDrafterConfig(_Strict):
+    """Prompt Lookup Decoding (Saxena 2023): copy the continuation of the latest n-gram match."""
+
+    kind: Literal["pld"] = "pld"
+    max_ngram: int = Field(3, ge=1, le=8, description="Longest suffix n-gram tried first.")
+    min_ngram: int = Field(1, ge=1, le=8, description="Shortest suffix n-gram tried last.")
+    num_draft_tokens: int = Field(6, ge=1, le=64, description="Chain length drafted per step.")
+
+
+class RecyclingDrafterConfig(_Strict):
+    """Token Recycling (Luo et al. 2024): top-k successor table refreshed from every forward."""
+
+    kind: Literal["recycling"] = "recycling"
+    k: int = Field(8, ge=1, le=10, description="Successors kept per token (table width).")
+    tree: str = Field("recycling-80", description="Tree shape: a name in configs/trees or a path.")
+    num_nodes: int = Field(
+        16, ge=1, le=1024, description="Use the first N nodes (BFS) of the tree."
+    )
+
+
+DrafterConfig = Annotated[
+    PlainDrafterConfig | PldDrafterConfig | RecyclingDrafterConfig,
+    Field(discriminator="kind"),
+]
+
+METHODS: dict[str, str] = {"plain": "plain", "pld": "pld", "recycle": "recycling"}
+"""CLI method names -> drafter kinds."""
+
+
+class GenerateRequest(_Strict):
+    """One `tts generate` call: validated before anything is loaded."""
+
+    prompt: str = Field(min_length=1)
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = PldDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    chat: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a preset from `configs/`; the caller validates it into a model."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data

@@ -1,0 +1,1 @@
+"""Model-free drafters: each proposes a `DraftTree` from the context and learns from the verify."""

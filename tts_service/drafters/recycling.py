@@ -1,0 +1,45 @@
+"""Token Recycling (Luo et al. 2024): an adjacency table of each token's top-k successors,
+overwritten from the target's distributions at every tree node of every forward (accepted and
+rejected), drafted over a static template tree. The table persists across trajectories
+(the paper's hot start)."""
+
+from __future__ import annotations
+
+import torch
+
+from tts_service.config import RecyclingDrafterConfig
+from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
+from tts_service.engine.verify import Acceptance
+
+
+class TokenRecyclingDrafter:
+    def __init__(self, cfg: RecyclingDrafterConfig, vocab_size: int) -> None:
+        self.cfg = cfg
+        self.shape = load_tree_shape(cfg.tree)
+        self.table = torch.full((vocab_size, cfg.k), -1, dtype=torch.long)  # -1 = unknown
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """Hot start: the table carries over from earlier trajectories."""
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        shape = self.shape.prefix(min(self.cfg.num_nodes, ctx.max_nodes, self.shape.num_nodes))
+        builder = TreeBuilder(ctx.tokens[-1])
+        placed = [0] + [-1] * shape.num_nodes  # template node -> tree node (-1: pruned)
+        rows: dict[int, list[int]] = {}
+        for i in range(1, len(shape.parents)):
+            parent = placed[shape.parents[i]]
+            if parent < 0:
+                continue
+            token = builder.tokens[parent]
+            row = rows.get(token)
+            if row is None:
+                row = rows[token] = self.table[token].tolist()
+            candidate = row[shape.ranks[i]] if shape.ranks[i] < len(row) else -1
+            if candidate >= 0:
+                placed[i] = builder.add(parent, candidate)
+        return builder.build()
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        k = min(self.cfg.k, topk.ids.shape[1])
+        self.table[torch.tensor(tree.tokens), :k] = topk.ids[:, :k]

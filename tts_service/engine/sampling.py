@@ -1,0 +1,50 @@
+"""Target logits -> `p`, the exact distribution plain decoding samples from.
+
+Every verifier and every store update reads `p` through this one function, so speculative and
+plain decoding can never disagree on temperature, top-k or top-p (algorithms.md §2.3 item 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tts_service.config import SamplingConfig
+
+
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Turn logits into the sampling distribution `p`, row-wise.
+
+    Args:
+        logits: `[n, V]` target logits, any float dtype.
+        cfg: temperature (> 0 here; greedy never samples), top-k, top-p.
+
+    Returns:
+        `[n, V]` float64 probabilities; each row sums to 1.
+    """
+    if cfg.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    x = logits.to(torch.float64) / cfg.temperature
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(p, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        p = p.masked_fill(drop, 0.0)
+        p = p / p.sum(dim=-1, keepdim=True)
+    return p
+
+
+def store_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution drafters learn from: `p` when sampling, softmax(logits) under greedy."""
+    if cfg.greedy:
+        return torch.softmax(logits.to(torch.float64), dim=-1)
+    return target_probs(logits, cfg)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from a `[V]` distribution with an explicit random stream."""
+    return int(torch.multinomial(p, 1, generator=generator).item())

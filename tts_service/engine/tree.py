@@ -1,0 +1,187 @@
+"""Draft trees as data, and packing a tree into one verify forward (SpecInfer-style tree attention).
+
+Conventions (style.md vocabulary): node 0 is the **root**, the last committed token, whose KV is
+not cached yet; every other node holds one draft token. Nodes are topologically ordered
+(`parents[i] < i`; drafters emit BFS order). Siblings are verified in list order, which for
+stochastic children is their sampling order. `q` is the sparse draft distribution a node's
+*sampled* children were drawn from (a snapshot taken at drafting time); deterministic children
+have no `q`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A draft distribution over a few token ids; `probs` are renormalised on use."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.ids) == len(self.probs), "ids and probs must align"
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft token tree. All lists are `[n]`, node 0 is the root."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[0] == -1
+    sampled: tuple[bool, ...]  # node i was drawn from q[parents[i]] (else deterministic)
+    q: tuple[SparseDist | None, ...]  # per node: what its sampled children were drawn from
+    depths: tuple[int, ...] = field(init=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        assert len(self.parents) == len(self.sampled) == len(self.q) == n and n >= 1
+        assert self.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(self.parents) if i)
+        depths = [0] * n
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            depths[i] = depths[self.parents[i]] + 1
+            kids[self.parents[i]].append(i)
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Draft tokens from the root's first child down to `node` (root excluded)."""
+        out: list[int] = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    @staticmethod
+    def root_only(root: int) -> DraftTree:
+        return DraftTree((root,), (-1,), (False,), (None,))
+
+    @staticmethod
+    def chain(root: int, draft: list[int]) -> DraftTree:
+        """A linear chain of deterministic drafts (PLD)."""
+        n = len(draft) + 1
+        return DraftTree((root, *draft), tuple(range(-1, n - 1)), (False,) * n, (None,) * n)
+
+
+class TreeBuilder:
+    """Grow a tree node by node; drafters use it so trees are always well formed."""
+
+    def __init__(self, root: int) -> None:
+        self.tokens = [root]
+        self.parents = [-1]
+        self.sampled = [False]
+        self.q: list[SparseDist | None] = [None]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, sampled: bool = False) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.sampled.append(sampled)
+        self.q.append(None)
+        return len(self.tokens) - 1
+
+    def set_q(self, node: int, q: SparseDist) -> None:
+        self.q[node] = q
+
+    def build(self) -> DraftTree:
+        return DraftTree(
+            tuple(self.tokens), tuple(self.parents), tuple(self.sampled), tuple(self.q)
+        )
+
+
+def ancestor_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """`[n, n]` bool: entry (i, j) is True iff j is i or an ancestor of i."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
+def pack(
+    tree: DraftTree, prefix_len: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of the verify forward for one sequence whose cache holds `prefix_len` tokens.
+
+    Returns:
+        input_ids `[1, n]`, position_ids `[1, n]` (prefix_len + depth), and the additive 4-D
+        mask `[1, 1, n, prefix_len + n]` in `dtype` (0 = attend, finfo.min = blocked; a bool
+        mask is silently wrong with eager attention, platform-notes §3).
+    """
+    n = tree.size
+    allowed = torch.cat(
+        [torch.ones(n, prefix_len, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1
+    )
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
+    pos = torch.tensor([tree.depths], dtype=torch.long, device=device) + prefix_len
+    return ids, pos, mask[None, None].to(device)
+
+
+TREES_DIR = Path(__file__).resolve().parents[2] / "configs" / "trees"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree template: parent indices (node 0 = root) and each node's rank among its
+    siblings (rank i = the parent's i-th candidate)."""
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("a tree shape starts with the root, whose parent is -1")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+            raise ValueError("tree shape parents must precede their children")
+        counts: dict[int, int] = {}
+        ranks = [0]
+        for p in self.parents[1:]:
+            ranks.append(counts.get(p, 0))
+            counts[p] = ranks[-1] + 1
+        object.__setattr__(self, "ranks", tuple(ranks))
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes, root excluded."""
+        return len(self.parents) - 1
+
+    def prefix(self, num_nodes: int) -> TreeShape:
+        """The first `num_nodes` draft nodes (parents always come first, so this is a tree)."""
+        return TreeShape(self.parents[: num_nodes + 1])
+
+
+def load_tree_shape(name_or_path: str) -> TreeShape:
+    """Load `configs/trees/<name>.json` or a JSON file path with a `parents` list.
+
+    Raises:
+        ValueError: unknown name, unreadable file or malformed parents.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = TREES_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in TREES_DIR.glob("*.json"))
+        raise ValueError(f"tree {name_or_path!r} not found (known: {', '.join(known)})")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.get("parents"), list):
+        raise ValueError(f"{path}: expected an object with a 'parents' list")
+    return TreeShape(tuple(int(p) for p in data["parents"]))

