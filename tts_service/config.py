@@ -12,6 +12,23 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+TREES_DIR = Path(__file__).resolve().parents[1] / "configs" / "trees"
+
+
+def resolve_tree_path(name_or_path: str) -> Path:
+    """`configs/trees/<name>.json` for a bare name, else the path itself.
+
+    Raises:
+        ValueError: no such file (the message lists the known names).
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = TREES_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in TREES_DIR.glob("*.json"))
+        raise ValueError(f"tree {name_or_path!r} not found (known: {', '.join(known)})")
+    return path
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -73,6 +90,12 @@ class RecyclingDrafterConfig(_Strict):
     num_nodes: int = Field(
         16, ge=1, le=1024, description="Use the first N nodes (BFS) of the tree."
     )
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_exists(cls, v: str) -> str:
+        resolve_tree_path(v)
+        return v
 
 
 DrafterConfig = Annotated[

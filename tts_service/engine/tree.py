@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+
+from tts_service.config import resolve_tree_path
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,6 @@ def pack(
     return ids, pos, mask[None, None].to(device)
 
 
-TREES_DIR = Path(__file__).resolve().parents[2] / "configs" / "trees"
-
-
 @dataclass(frozen=True)
 class TreeShape:
     """A static tree template: parent indices (node 0 = root) and each node's rank among its
@@ -175,12 +173,7 @@ def load_tree_shape(name_or_path: str) -> TreeShape:
     Raises:
         ValueError: unknown name, unreadable file or malformed parents.
     """
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = TREES_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in TREES_DIR.glob("*.json"))
-        raise ValueError(f"tree {name_or_path!r} not found (known: {', '.join(known)})")
+    path = resolve_tree_path(name_or_path)
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not isinstance(data.get("parents"), list):
         raise ValueError(f"{path}: expected an object with a 'parents' list")

@@ -1,0 +1,57 @@
+"""CLI boundary: bad input exits 2 with one line naming the field and prints nothing to stdout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tts_service.cli import main
+
+BAD = [
+    (["generate", ""], "--prompt"),
+    (["generate", "   "], "--prompt"),
+    (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens"),
+    (["generate", "--temperature", "-0.1", "hi"], "--temperature"),
+    (["generate", "--top-p", "0", "hi"], "--top-p"),
+    (["generate", "--top-p", "1.01", "hi"], "--top-p"),
+    (["generate", "--method", "medusa", "hi"], "--method"),
+    (["generate", "--temperature", "warm", "hi"], "--temperature"),
+    (["generate", "--seed", "-3", "hi"], "--seed"),
+    (["generate", "--method", "recycle", "--num-nodes", "0", "hi"], "--num-nodes"),
+    (["generate", "--method", "recycle", "--tree", "nope", "hi"], "--tree"),
+    (["generate", "--dtype", "int8", "hi"], "--dtype"),
+    (["generate", "--config", "/no/such.yaml", "hi"], "--config"),
+    (["generate", "--stop", "", "hi"], "--stop"),
+    (["generate"], "prompt"),
+    (["frobnicate"], "frobnicate"),
+]
+
+
+@pytest.mark.parametrize("argv,field", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and field in err
+
+
+def test_unknown_model_exits_2_from_a_real_process():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tts_service",
+            "generate",
+            "--model",
+            "no-such-org/no-such-model",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--model" in proc.stderr and "no-such-org/no-such-model" in proc.stderr

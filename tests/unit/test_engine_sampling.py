@@ -1,0 +1,94 @@
+"""Sampling losslessness: the joint distribution of the first 3 tokens under speculative decoding
+equals plain sampling's, by chi-square against the exact distribution (fixed seeds, so CI is
+deterministic). A deliberately broken verifier must fail the same test."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tests.conftest import DRAFTER_CONFIGS, tiny_llama
+from tts_service.config import SamplingConfig
+from tts_service.drafters.registry import build_drafter
+from tts_service.engine import verify
+from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.sampling import target_probs
+
+VOCAB = 12
+PROMPT = [3, 7, 1, 3, 7, 1, 3, 7]  # repetitive, so PLD and recycling drafts exist
+SAMPLES = 1500
+CFG = SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=VOCAB, seed=11, scale=6.0)
+
+
+@pytest.fixture(scope="module")
+def exact(model) -> dict[tuple[int, ...], float]:
+    return exact_distribution(model)
+
+
+def exact_distribution(model) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) by enumerating every context with batched forwards."""
+    with torch.inference_mode():
+        p1 = target_probs(model(torch.tensor([PROMPT])).logits[0, -1:], CFG)[0]
+        ctx2 = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = target_probs(model(ctx2).logits[:, -1], CFG)
+        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        p3 = target_probs(model(ctx3).logits[:, -1], CFG).view(VOCAB, VOCAB, VOCAB)
+    return {
+        (a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c])
+        for a, b, c in itertools.product(range(VOCAB), repeat=3)
+    }
+
+
+def _chisquare_pvalue(samples: list[tuple[int, ...]], exact: dict) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    n = len(samples)
+    big = [k for k, p in exact.items() if p * n >= 5]  # other cells are pooled
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _speculative_samples(model, drafter_config) -> tuple[list, float]:
+    drafter = build_drafter(drafter_config, VOCAB)
+    out, accepted = [], 0
+    for seed in range(SAMPLES):
+        res = generate(model, PROMPT, drafter, CFG.model_copy(update={"seed": seed}), eos_ids=[])
+        out.append(res.token_ids)
+        accepted += res.stats.new_tokens - res.stats.target_forwards
+    return out, accepted / SAMPLES
+
+
+def test_plain_sampler_matches_the_exact_distribution(model, exact):
+    samples = [
+        plain_generate(model, PROMPT, CFG.model_copy(update={"seed": s}), eos_ids=[]).token_ids
+        for s in range(SAMPLES)
+    ]
+    assert _chisquare_pvalue(samples, exact) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["pld", "recycling-16"])
+def test_speculative_sampling_matches_the_exact_distribution(model, exact, name):
+    samples, accepted_per_run = _speculative_samples(model, DRAFTER_CONFIGS[name])
+    assert accepted_per_run > 0.08  # drafts were really accepted (~0.12 per 3 tokens)
+    assert _chisquare_pvalue(samples, exact) > 1e-3
+
+
+def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
+    """Test of the test: drawing the bonus from p instead of the residual (PTD's typo)."""
+
+    def bonus_from_p(r: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
+        return float(r[x]), r
+
+    monkeypatch.setattr(verify, "sample_and_match_step", bonus_from_p)
+    samples, _ = _speculative_samples(model, DRAFTER_CONFIGS["pld"])
+    assert _chisquare_pvalue(samples, exact) < 1e-3

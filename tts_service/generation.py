@@ -1,0 +1,84 @@
+"""One loaded model, text in, text out: the glue the CLI, the actors and the benchmarks share.
+
+Drafters are kept per drafter config, so state that is meant to persist (Token Recycling's
+successor table, the hot start) carries over between calls on the same `Generator`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
+from tts_service.drafters.base import Drafter
+from tts_service.drafters.registry import build_drafter
+from tts_service.engine.decode import FinishReason, generate, plain_generate
+from tts_service.engine.metrics import GenerationStats
+from tts_service.models import LoadedModel, encode_prompt, load_model
+
+
+class InputTooLongError(ValueError):
+    """The prompt plus max_new_tokens does not fit the model's context."""
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+class Generator:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self._drafters: dict[str, Drafter] = {}
+
+    @classmethod
+    def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
+        return cls(load_model(cfg, cache_dir))
+
+    def drafter(self, cfg: DrafterConfig) -> Drafter:
+        key = cfg.model_dump_json()
+        if key not in self._drafters:
+            self._drafters[key] = build_drafter(cfg, self.loaded.model.config.vocab_size)
+        return self._drafters[key]
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        return encode_prompt(self.loaded.tokenizer, prompt, chat)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate_ids(
+        self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig
+    ) -> GenerationOutput:
+        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
+        if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
+            raise InputTooLongError(
+                f"{len(prompt_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                f"exceed the model's context of {limit}"
+            )
+        args = (self.loaded.model, prompt_ids)
+        eos, decode = self.loaded.eos_token_ids, self.decode
+        if drafter.kind == "plain":
+            res = plain_generate(*args, sampling, eos, decode)
+        else:
+            res = generate(*args, self.drafter(drafter), sampling, eos, decode)
+        text = self.decode(list(res.token_ids))
+        if res.stop_text is not None:
+            text = text[: text.find(res.stop_text)] if res.stop_text in text else text
+        return GenerationOutput(text, res.token_ids, res.finish_reason, res.stats)
+
+    def generate(
+        self, prompt: str, drafter: DrafterConfig, sampling: SamplingConfig, chat: bool = False
+    ) -> GenerationOutput:
+        return self.generate_ids(self.encode(prompt, chat), drafter, sampling)
