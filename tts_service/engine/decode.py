@@ -96,7 +96,7 @@ def plain_generate(
     cache = _new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     while rule.finish is None:
-        logits = model(ids, past_key_values=cache, use_cache=True).logits[0, -1:]
+        logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]
         if cfg.greedy:
             token = int(logits[0].argmax())
         else:
@@ -128,7 +128,8 @@ def generate(
     cache = _new_cache(model)
     tokens = list(prompt_ids)
     if len(tokens) > 1:  # prefill everything but the root
-        model(torch.tensor([tokens[:-1]], device=model.device), past_key_values=cache)
+        prefix = torch.tensor([tokens[:-1]], device=model.device)
+        model(prefix, past_key_values=cache, logits_to_keep=1)
     drafter.start(tokens)
     while rule.finish is None:
         step(model, cache, drafter, tokens, len(prompt_ids), cfg, gen, rule, stats, max_nodes)
