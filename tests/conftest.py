@@ -8,7 +8,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tts_service.config import PlainDrafterConfig, PldDrafterConfig, RecyclingDrafterConfig
+from store.memory import InMemoryNgramStore
+from tts_service.config import (
+    PlainDrafterConfig,
+    PldDrafterConfig,
+    RecyclingDrafterConfig,
+    StandDrafterConfig,
+)
+from tts_service.drafters.registry import build_drafter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -18,6 +25,9 @@ DRAFTER_CONFIGS = {
     "pld": PldDrafterConfig(num_draft_tokens=5),
     "recycling-16": RecyclingDrafterConfig(num_nodes=16),
     "recycling-80": RecyclingDrafterConfig(num_nodes=80),
+    "stand-16": StandDrafterConfig(num_nodes=16, tree="stand-625"),
+    "stand-80-deterministic": StandDrafterConfig(num_nodes=80, tree="stand-625", stochastic=False),
+    "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
 }
 
 
@@ -51,3 +61,8 @@ def tiny_model():
 @pytest.fixture(params=sorted(DRAFTER_CONFIGS))
 def drafter_config(request):
     return DRAFTER_CONFIGS[request.param]
+
+
+def make_drafter(cfg, vocab_size: int, seed: int = 0):
+    """Any registered drafter; STAND gets a fresh in-process store of its own."""
+    return build_drafter(cfg, vocab_size, InMemoryNgramStore(), seed)

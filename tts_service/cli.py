@@ -13,9 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from tts_service.config import METHODS, GenerateRequest, load_yaml
+from tts_service.config import (
+    METHODS,
+    CalibrateTreeRequest,
+    GenerateRequest,
+    ReplayRequest,
+    SolveRequest,
+    load_yaml,
+)
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -33,13 +40,10 @@ def _field_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = [str(x) for x in first["loc"] if not str(x).isdigit()]
     name = loc[-1] if loc else "input"
-    if loc and loc[0] == "drafter" and len(loc) > 1:
-        name = loc[-1]
     return f"--{name.replace('_', '-')}: {first['msg']}"
 
 
-def _add_generation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the prompt text")
+def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(DEFAULT_PRESET), help="YAML preset (configs/)")
     p.add_argument("--model", help="alias (smollm2-135m), hub id or local path")
     p.add_argument("--method", help=f"one of {', '.join(METHODS)}")
@@ -51,14 +55,19 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--num-nodes", type=int, help="draft tree size (recycle)")
-    p.add_argument("--tree", help="tree shape name or JSON path (recycle)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--num-nodes", type=int, help="draft tree size (recycle, stand)")
+    p.add_argument("--tree", help="tree shape name or JSON path (recycle, stand)")
+    p.add_argument("--deterministic", action="store_true", help="stand: top-k, not Gumbel")
+    p.add_argument(
+        "--harvest-rejected",
+        action="store_true",
+        help="stand: also store distributions at rejected tree nodes",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def build_request(args: argparse.Namespace) -> GenerateRequest:
-    """Merge preset and flags into a validated request (raises UsageError)."""
+def _request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -> Any:
+    """Merge the preset and the flags into a validated request (raises UsageError)."""
     try:
         preset = load_yaml(args.config)
     except (OSError, ValueError) as e:
@@ -68,13 +77,13 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
         raise UsageError(f"--method: unknown method {method!r} (choose {', '.join(METHODS)})")
     kind = METHODS[method]
     drafter = {"kind": kind, **preset.get("drafters", {}).get(kind, {})}
-    drafter.update(
-        {
-            k: v
-            for k, v in (("num_nodes", args.num_nodes), ("tree", args.tree))
-            if v is not None and kind == "recycling"
-        }
-    )
+    if kind in ("recycling", "stand"):
+        drafter.update(
+            {k: getattr(args, k) for k in ("num_nodes", "tree") if getattr(args, k) is not None}
+        )
+    if kind == "stand":
+        drafter.update({"stochastic": False} if args.deterministic else {})
+        drafter.update({"harvest_rejected": True} if args.harvest_rejected else {})
     model = dict(preset.get("model", {}))
     model.update({k: getattr(args, k) for k in ("device", "dtype") if getattr(args, k)})
     if args.model is not None:
@@ -83,29 +92,30 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
     for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop"):
         if getattr(args, key) is not None:
             sampling[key] = tuple(args.stop) if key == "stop" else getattr(args, key)
-    raw: dict[str, Any] = {
-        "prompt": args.prompt,
-        "model": model,
-        "drafter": drafter,
-        "sampling": sampling,
-        "chat": args.chat,
-    }
+    raw = {"model": model, "drafter": drafter, "sampling": sampling, **extra}
     try:
-        return GenerateRequest.model_validate(raw)
+        return model_cls.model_validate(raw)
     except ValidationError as e:
         raise UsageError(_field_error(e)) from e
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    req = build_request(args)
-    from tts_service.generation import Generator, InputTooLongError  # heavy: after validation
+def _load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
+    from tts_service.generation import Generator  # heavy: only after validation
     from tts_service.models import ModelNotFoundError
 
     try:
-        gen = Generator.load(req.model)
-        result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat)
+        return Generator.load(req.model)
     except ModelNotFoundError as e:
         raise UsageError(f"--model: {e}") from e
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    req = _request(args, GenerateRequest, {"prompt": args.prompt, "chat": args.chat})
+    gen = _load(req)
+    from tts_service.generation import InputTooLongError
+
+    try:
+        result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat)
     except InputTooLongError as e:
         raise UsageError(f"prompt: {e}") from e
     if args.json:
@@ -116,12 +126,172 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_solve(args: argparse.Namespace) -> int:
+    req = _request(
+        args, SolveRequest, {"question": args.question, "n": args.n, "chat": not args.no_chat}
+    )
+    gen = _load(req)
+    from tqdm import tqdm
+
+    from tts_service.generation import InputTooLongError
+    from tts_service.solve import problem_store, solve
+
+    ids = gen.encode(req.question, chat=req.chat)
+    bar = tqdm(total=req.n, desc="trajectories", file=sys.stderr, disable=None)
+
+    def progress(t) -> None:
+        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
+        bar.update(1)
+
+    try:
+        result = solve(
+            gen,
+            ids,
+            req.n,
+            req.drafter,
+            req.sampling,
+            problem_store(req.store),
+            on_trajectory=progress,
+            record=args.log is not None,
+        )
+    except InputTooLongError as e:
+        raise UsageError(f"question: {e}") from e
+    finally:
+        bar.close()
+    if args.log is not None:
+        from tts_service.replay import LogWriter
+
+        LogWriter(Path(args.log)).write(result.logged(args.prompt_id, ids))
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        for t in result.trajectories:
+            print(f"--- trajectory {t.index} ({t.output.finish_reason}) ---\n{t.output.text}")
+        print(json.dumps(result.to_dict()["stats"]), file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate_tree(args: argparse.Namespace) -> int:
+    sampling = {
+        k: getattr(args, k)
+        for k in ("temperature", "max_new_tokens", "seed")
+        if getattr(args, k) is not None
+    }
+    raw = {
+        "prompts": None if args.trajectories else args.prompts,
+        "trajectories": args.trajectories,
+        "n": args.n,
+        "init_tree": args.init_tree,
+        "nodes": args.nodes,
+        "out": args.out,
+        "sampling": sampling,
+        "model": {"name": args.model} if args.model else {},
+    }
+    try:
+        req = CalibrateTreeRequest.model_validate(raw)
+    except ValidationError as e:
+        raise UsageError(_field_error(e)) from e
+    from tts_service.calibrate import calibrate, calibrate_from_log
+
+    if req.trajectories is not None:
+        from tts_service.replay import LogFormatError, read_log
+
+        try:
+            problems, _ = read_log(req.trajectories, strict=True)
+        except LogFormatError as e:
+            raise UsageError(str(e)) from e
+        tree = calibrate_from_log(req, problems)
+    else:
+        tree = calibrate(_load(req), req)
+    print(
+        json.dumps(
+            {
+                "out": str(req.out),
+                "num_nodes": len(tree.parents) - 1,
+                "expected_acceptance_length": round(tree.expected_acceptance_length, 4),
+            }
+        )
+    )
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    raw = {
+        "method": args.method,
+        "trajectories": args.trajectories,
+        "tree": args.tree,
+        "nodes": args.nodes,
+        "vocab_size": args.vocab_size,
+        "strict": args.strict,
+    }
+    try:
+        req = ReplayRequest.model_validate({k: v for k, v in raw.items() if v is not None})
+    except ValidationError as e:
+        raise UsageError(_field_error(e)) from e
+    from tts_service.replay import LogFormatError, read_log, replay, replay_drafters
+
+    try:
+        problems, errors = read_log(req.trajectories, req.vocab_size, req.strict)
+    except LogFormatError as e:
+        raise UsageError(str(e)) from e
+    for err in errors:
+        print(f"tts replay: skipped {err}", file=sys.stderr)
+    try:
+        drafters = replay_drafters(req, problems)
+    except ValidationError as e:
+        raise UsageError(_field_error(e)) from e
+    report = replay(problems, drafters)
+    out = {
+        "method": req.method,
+        "problems": len(problems),
+        "skipped_lines": len(errors),
+        **report.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {value}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="one generation with a speculative method")
-    _add_generation_flags(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    _add_common_flags(gen)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=cmd_generate)
+    sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
+    sol.add_argument("question", help="the problem text")
+    _add_common_flags(sol)
+    sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
+    sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
+    sol.add_argument("--prompt-id", default="q0", help="the problem's id in the log")
+    sol.set_defaults(func=cmd_solve)
+    cal = sub.add_parser("calibrate-tree", help="data-driven STAND tree (625 nodes -> best K)")
+    cal.add_argument("--prompts", default="configs/calibration.jsonl", help="live calibration")
+    cal.add_argument("--trajectories", help="replay this trajectory log instead (no model)")
+    cal.add_argument("--n", type=int, default=4, help="trajectories per prompt")
+    cal.add_argument("--init-tree", default="stand-625")
+    cal.add_argument("--nodes", type=int, default=80)
+    cal.add_argument("--out", default="configs/trees/stand-80.json")
+    cal.add_argument("--model")
+    cal.add_argument("--temperature", type=float)
+    cal.add_argument("--max-new-tokens", type=int)
+    cal.add_argument("--seed", type=int)
+    cal.set_defaults(func=cmd_calibrate_tree)
+    rep = sub.add_parser("replay", help="acceptance length of a drafter on a trajectory log")
+    rep.add_argument("--method", required=True, help="pld, recycle or stand")
+    rep.add_argument("--trajectories", required=True, help="JSONL trajectory log")
+    rep.add_argument("--tree", help="tree shape name or JSON path (recycle, stand)")
+    rep.add_argument("--nodes", type=int, help="draft tree size (pld: chain length)")
+    rep.add_argument("--vocab-size", type=int, help="reject token ids >= this")
+    rep.add_argument("--strict", action="store_true", help="reject the file at a bad line")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=cmd_replay)
     return parser
 
 

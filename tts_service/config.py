@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 TREES_DIR = Path(__file__).resolve().parents[1] / "configs" / "trees"
 
@@ -28,6 +35,14 @@ def resolve_tree_path(name_or_path: str) -> Path:
         known = sorted(p.stem for p in TREES_DIR.glob("*.json"))
         raise ValueError(f"tree {name_or_path!r} not found (known: {', '.join(known)})")
     return path
+
+
+def _check_tree(name_or_path: str) -> str:
+    resolve_tree_path(name_or_path)
+    return name_or_path
+
+
+TreeName = Annotated[str, AfterValidator(_check_tree)]
 
 
 class _Strict(BaseModel):
@@ -86,24 +101,49 @@ class RecyclingDrafterConfig(_Strict):
 
     kind: Literal["recycling"] = "recycling"
     k: int = Field(8, ge=1, le=10, description="Successors kept per token (table width).")
-    tree: str = Field("recycling-80", description="Tree shape: a name in configs/trees or a path.")
+    tree: TreeName = Field(
+        "recycling-80", description="Tree shape: a name in configs/trees or a path."
+    )
     num_nodes: int = Field(
         16, ge=1, le=1024, description="Use the first N nodes (BFS) of the tree."
     )
 
-    @field_validator("tree")
-    @classmethod
-    def _tree_exists(cls, v: str) -> str:
-        resolve_tree_path(v)
-        return v
+
+class StandDrafterConfig(_Strict):
+    """STAND (Song et al. 2025): stochastic trees drawn from a shared logit n-gram store."""
+
+    kind: Literal["stand"] = "stand"
+    tree: TreeName = Field("stand-80", description="A name in configs/trees or a JSON path.")
+    num_nodes: int = Field(16, ge=1, le=1024, description="Use the tree's first N nodes.")
+    stochastic: bool = Field(True, description="Gumbel-Top-K children; False: top-k (ablation).")
+    harvest_rejected: bool = Field(
+        False, description="Also store the target's distributions at rejected tree nodes."
+    )
+    noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
+
+
+class StoreConfig(_Strict):
+    """The logit n-gram store STAND drafts from."""
+
+    max_order: int = Field(4, ge=1, le=8, description="Longest n-gram key.")
+    topk: int = Field(10, ge=1, le=10, description="Token ids kept per entry.")
+    max_entries: int = Field(1_000_000, ge=1, description="Entry cap per scope (LRU eviction).")
+    global_scope: bool = Field(
+        False, description="Also keep a store that persists across problems (read second)."
+    )
 
 
 DrafterConfig = Annotated[
-    PlainDrafterConfig | PldDrafterConfig | RecyclingDrafterConfig,
+    PlainDrafterConfig | PldDrafterConfig | RecyclingDrafterConfig | StandDrafterConfig,
     Field(discriminator="kind"),
 ]
 
-METHODS: dict[str, str] = {"plain": "plain", "pld": "pld", "recycle": "recycling"}
+METHODS: dict[str, str] = {
+    "plain": "plain",
+    "pld": "pld",
+    "recycle": "recycling",
+    "stand": "stand",
+}
 """CLI method names -> drafter kinds."""
 
 
@@ -121,6 +161,70 @@ class GenerateRequest(_Strict):
     def _not_blank(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("prompt must not be empty")
+        return v
+
+
+class SolveRequest(_Strict):
+    """One `tts solve` call: best-of-N trajectories for one question."""
+
+    question: str = Field(min_length=1)
+    n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = StandDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    store: StoreConfig = StoreConfig()
+    chat: bool = True
+
+    @field_validator("question")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("question must not be empty")
+        return v
+
+
+class CalibrateTreeRequest(_Strict):
+    """`tts calibrate-tree`: grow a big STAND tree on calibration prompts, keep the best nodes."""
+
+    prompts: Path | None = Field(None, description="JSONL file with a 'prompt' field per line.")
+    trajectories: Path | None = Field(None, description="Replay this trajectory log instead.")
+    n: int = Field(4, ge=1, le=64, description="Trajectories per prompt (they share a store).")
+    init_tree: TreeName = "stand-625"
+    nodes: int = Field(80, ge=1, le=1024, description="Nodes kept in the calibrated tree.")
+    out: Path
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=128)
+    chat: bool = True
+
+    @field_validator("prompts", "trajectories")
+    @classmethod
+    def _exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"no such file: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CalibrateTreeRequest:
+        if (self.prompts is None) == (self.trajectories is None):
+            raise ValueError("give exactly one of prompts (live) or trajectories (replay)")
+        return self
+
+
+class ReplayRequest(_Strict):
+    """`tts replay`: a drafter's acceptance length on logged trajectories, without the model."""
+
+    method: Literal["pld", "recycle", "stand"]
+    trajectories: Path
+    tree: TreeName | None = None
+    nodes: int | None = Field(None, ge=1, le=1024, description="Tree size (PLD: chain length).")
+    vocab_size: int | None = Field(None, ge=1)
+    strict: bool = False
+
+    @field_validator("trajectories")
+    @classmethod
+    def _exists(cls, v: Path) -> Path:
+        if not v.is_file():
+            raise ValueError(f"no such file: {v}")
         return v
 
 

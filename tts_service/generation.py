@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.base import NgramStore
+from store.memory import InMemoryNgramStore
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import build_drafter
@@ -41,15 +43,24 @@ class Generator:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self._drafters: dict[str, Drafter] = {}
+        self.store = InMemoryNgramStore()  # shared by this generator's single generations
 
     @classmethod
     def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
         return cls(load_model(cfg, cache_dir))
 
-    def drafter(self, cfg: DrafterConfig) -> Drafter:
+    def drafter(
+        self, cfg: DrafterConfig, store: NgramStore | None = None, seed: int = 0
+    ) -> Drafter:
+        """The drafter kept for this config (Token Recycling's table carries over: the hot
+        start), over this generator's own store; a STAND drafter over `store` if one is given
+        (a problem's scope)."""
+        vocab = self.loaded.model.config.vocab_size
+        if store is not None and cfg.kind == "stand":
+            return build_drafter(cfg, vocab, store, seed)
         key = cfg.model_dump_json()
         if key not in self._drafters:
-            self._drafters[key] = build_drafter(cfg, self.loaded.model.config.vocab_size)
+            self._drafters[key] = build_drafter(cfg, vocab, self.store)
         return self._drafters[key]
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
@@ -61,6 +72,14 @@ class Generator:
     def generate_ids(
         self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig
     ) -> GenerationOutput:
+        return self.run(
+            prompt_ids, None if drafter.kind == "plain" else self.drafter(drafter), sampling
+        )
+
+    def run(
+        self, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingConfig
+    ) -> GenerationOutput:
+        """Decode one trajectory: plain decoding when `drafter` is None."""
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
         if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
             raise InputTooLongError(
@@ -69,13 +88,13 @@ class Generator:
             )
         args = (self.loaded.model, prompt_ids)
         eos, decode = self.loaded.eos_token_ids, self.decode
-        if drafter.kind == "plain":
+        if drafter is None:
             res = plain_generate(*args, sampling, eos, decode)
         else:
-            res = generate(*args, self.drafter(drafter), sampling, eos, decode)
+            res = generate(*args, drafter, sampling, eos, decode)
         text = self.decode(list(res.token_ids))
-        if res.stop_text is not None:
-            text = text[: text.find(res.stop_text)] if res.stop_text in text else text
+        if res.stop_text is not None and res.stop_text in text:
+            text = text[: text.find(res.stop_text)]
         return GenerationOutput(text, res.token_ids, res.finish_reason, res.stats)
 
     def generate(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import make_drafter
 from tts_service.config import SamplingConfig
-from tts_service.drafters.registry import build_drafter
 from tts_service.engine.decode import generate, plain_generate
 
 NEW = 40
@@ -51,7 +51,7 @@ def references(tiny_model):
 
 def test_every_drafter_is_token_identical_to_plain_greedy(tiny_model, drafter_config, references):
     cfg = SamplingConfig(temperature=0, max_new_tokens=NEW)
-    drafter = build_drafter(drafter_config, tiny_model.config.vocab_size)
+    drafter = make_drafter(drafter_config, tiny_model.config.vocab_size)
     accepted_on_repetitive = []
     for i, (prompt, ref) in enumerate(zip(PROMPTS, references, strict=True)):
         res = generate(tiny_model, prompt, drafter, cfg, eos_ids=[])
@@ -71,7 +71,7 @@ def test_max_new_tokens_cuts_inside_an_accepted_block(tiny_model, drafter_config
     cfg = SamplingConfig(temperature=0, max_new_tokens=max_new)
     prompt = PROMPTS[0]
     ref = plain_generate(tiny_model, prompt, cfg, eos_ids=[])
-    res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, eos_ids=[])
+    res = generate(tiny_model, prompt, make_drafter(drafter_config, 64), cfg, eos_ids=[])
     assert res.token_ids == ref.token_ids and len(res.token_ids) == max_new
     assert res.finish_reason == "length"
 
@@ -81,7 +81,7 @@ def test_eos_cuts_inside_an_accepted_block(tiny_model, drafter_config, reference
     for prompt, ref in list(zip(PROMPTS, references, strict=True))[:12:2]:
         eos = ref[len(ref) // 2]  # a token the model really emits mid-stream
         expect = plain_generate(tiny_model, prompt, cfg, eos_ids=[eos])
-        res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, eos_ids=[eos])
+        res = generate(tiny_model, prompt, make_drafter(drafter_config, 64), cfg, eos_ids=[eos])
         assert res.token_ids == expect.token_ids and res.token_ids[-1] == eos
         assert res.finish_reason == "stop"
 
@@ -94,6 +94,6 @@ def test_stop_strings_cut_like_plain_decoding(tiny_model, drafter_config, refere
     stop = decode(list(ref[9:11]))  # two tokens that really occur
     cfg = SamplingConfig(temperature=0, max_new_tokens=NEW, stop=(stop,))
     expect = plain_generate(tiny_model, prompt, cfg, eos_ids=[], decode=decode)
-    res = generate(tiny_model, prompt, build_drafter(drafter_config, 64), cfg, [], decode)
+    res = generate(tiny_model, prompt, make_drafter(drafter_config, 64), cfg, [], decode)
     assert res.token_ids == expect.token_ids and res.stop_text == stop
     assert len(res.token_ids) <= 11 and res.finish_reason == "stop"

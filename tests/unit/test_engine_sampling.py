@@ -10,9 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tests.conftest import DRAFTER_CONFIGS, tiny_llama
+from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
-from tts_service.drafters.registry import build_drafter
 from tts_service.engine import verify
 from tts_service.engine.decode import generate, plain_generate
 from tts_service.engine.sampling import target_probs
@@ -59,7 +58,7 @@ def _chisquare_pvalue(samples: list[tuple[int, ...]], exact: dict) -> float:
 
 
 def _speculative_samples(model, drafter_config) -> tuple[list, float]:
-    drafter = build_drafter(drafter_config, VOCAB)
+    drafter = make_drafter(drafter_config, VOCAB)
     out, accepted = [], 0
     for seed in range(SAMPLES):
         res = generate(model, PROMPT, drafter, CFG.model_copy(update={"seed": seed}), eos_ids=[])
@@ -76,7 +75,7 @@ def test_plain_sampler_matches_the_exact_distribution(model, exact):
     assert _chisquare_pvalue(samples, exact) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["pld", "recycling-16"])
+@pytest.mark.parametrize("name", ["pld", "recycling-16", "stand-16", "stand-80-deterministic"])
 def test_speculative_sampling_matches_the_exact_distribution(model, exact, name):
     samples, accepted_per_run = _speculative_samples(model, DRAFTER_CONFIGS[name])
     assert accepted_per_run > 0.08  # drafts were really accepted (~0.12 per 3 tokens)

@@ -22,6 +22,7 @@ class DraftContext:
     tokens: list[int]  # prompt + committed tokens; tokens[-1] is the tree's root
     prompt_len: int
     max_nodes: int  # draft nodes allowed this step, root excluded
+    greedy: bool = False  # the verifier takes the argmax: sampled children buy nothing
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class NodeTopK:
 
     ids: torch.Tensor  # [n, k] long
     probs: torch.Tensor  # [n, k] float64
+    known: tuple[int, ...] | None = None  # nodes whose rows are real (None: all); replay
+
+    def has(self, node: int) -> bool:
+        return self.known is None or node in self.known
 
 
 class Drafter(Protocol):

@@ -42,4 +42,5 @@ class TokenRecyclingDrafter:
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         k = min(self.cfg.k, topk.ids.shape[1])
-        self.table[torch.tensor(tree.tokens), :k] = topk.ids[:, :k]
+        rows = list(range(tree.size)) if topk.known is None else list(topk.known)
+        self.table[torch.tensor([tree.tokens[v] for v in rows]), :k] = topk.ids[rows, :k]

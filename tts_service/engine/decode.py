@@ -116,7 +116,7 @@ def generate(
     cfg: SamplingConfig,
     eos_ids: Sequence[int],
     decode: Callable[[list[int]], str] | None = None,
-    max_nodes: int = 64,
+    max_nodes: int = 1024,
 ) -> GenerationResult:
     """Speculative tree decoding; commits exactly what `plain_generate` would (greedy), or the
     same distribution (sampling)."""
@@ -152,7 +152,7 @@ def step(
     """One speculative step; appends the committed tokens to `tokens` and `rule`."""
     # 1. draft
     t0 = time.perf_counter()
-    tree = drafter.draft(DraftContext(tokens, prompt_len, max_nodes))
+    tree = drafter.draft(DraftContext(tokens, prompt_len, max_nodes, cfg.greedy))
     t1 = time.perf_counter()
     # 2. pack: root + draft nodes, positions prefix_len + depth, ancestor-only mask
     prefix_len = cache.get_seq_length()

@@ -1,0 +1,68 @@
+"""The `NgramStore` seam, its row types, and STAND's merge rule (a pure function).
+
+STAND (Song et al. 2025, §3.2 of algorithms.md) keeps, for every 1- to 4-gram of context, the
+target's next-token distribution compressed to its top-10 ids and probabilities plus a count.
+A repeat merges as the running mean k/(k+1)·old + 1/(k+1)·new over the union of ids (absent ids
+count as 0), cut back to the top 10. Lookup tries the longest order first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class NgramEntry:
+    """A stored next-token distribution (ids sorted by probability, descending)."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+    count: int
+    order: int = 0  # n-gram length it was found under (set by lookups)
+
+
+@dataclass(frozen=True)
+class NgramRow:
+    """One observation: the target's distribution after `context` (its last <= 4 tokens)."""
+
+    context: tuple[int, ...]
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+def merge(
+    old: NgramEntry | None, ids: Sequence[int], probs: Sequence[float], topk: int
+) -> NgramEntry:
+    """STAND's merge: count-weighted running mean over the union of ids, truncated to `topk`.
+
+    Ties are broken by token id so every backend produces the same entry.
+    """
+    if old is None:
+        pairs = sorted(zip(ids, probs, strict=True), key=lambda t: (-t[1], t[0]))[:topk]
+        return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), 1)
+    k = old.count
+    acc: dict[int, float] = {i: p * k / (k + 1) for i, p in zip(old.ids, old.probs, strict=True)}
+    for i, p in zip(ids, probs, strict=True):
+        acc[i] = acc.get(i, 0.0) + p / (k + 1)
+    pairs = sorted(acc.items(), key=lambda t: (-t[1], t[0]))[:topk]
+    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), k + 1)
+
+
+class NgramStore(Protocol):
+    """A logit n-gram store. Implementations: `store.memory` (in-process, the reference)."""
+
+    max_order: int
+
+    def lookup(self, context: Sequence[int]) -> NgramEntry | None:
+        """The entry of the longest suffix of `context` (orders max_order..1) that is stored."""
+
+    def add(self, rows: Sequence[NgramRow]) -> None:
+        """Merge one decoding step's observations (every order 1..max_order of each row)."""
+
+    def stats(self) -> dict:
+        """Entry counts per order, hits, misses, evictions."""
+
+    def clear(self) -> None:
+        """Forget everything."""

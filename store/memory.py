@@ -1,0 +1,86 @@
+"""In-process logit n-gram store: the reference backend, and the local fallback of remote ones.
+
+Bounded: at most `max_entries` n-grams over all orders; the least recently updated is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from store.base import NgramEntry, NgramRow, NgramStore, merge
+
+
+class InMemoryNgramStore:
+    def __init__(self, max_order: int = 4, topk: int = 10, max_entries: int = 1_000_000) -> None:
+        if not 1 <= max_order <= 8 or topk < 1 or max_entries < 1:
+            raise ValueError("max_order must be in 1..8, topk and max_entries >= 1")
+        self.max_order = max_order
+        self.topk = topk
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], NgramEntry] = OrderedDict()
+        self._hits = [0] * (max_order + 1)  # [n]: lookups answered by an n-gram
+        self._misses = 0
+        self._evictions = 0
+
+    def lookup(self, context: Sequence[int]) -> NgramEntry | None:
+        entries = self._entries
+        for n in range(min(self.max_order, len(context)), 0, -1):
+            hit = entries.get(tuple(context[-n:]))
+            if hit is not None:
+                self._hits[n] += 1
+                return NgramEntry(hit.ids, hit.probs, hit.count, n)
+        self._misses += 1
+        return None
+
+    def add(self, rows: Sequence[NgramRow]) -> None:
+        entries = self._entries
+        for row in rows:
+            for n in range(1, min(self.max_order, len(row.context)) + 1):
+                key = tuple(row.context[-n:])
+                entries[key] = merge(entries.get(key), row.ids, row.probs, self.topk)
+                entries.move_to_end(key)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+            self._evictions += 1
+
+    def stats(self) -> dict:
+        by_order = [0] * (self.max_order + 1)
+        for key in self._entries:
+            by_order[len(key)] += 1
+        return {
+            "entries": len(self._entries),
+            "entries_by_order": {str(n): by_order[n] for n in range(1, self.max_order + 1)},
+            "hits_by_order": {str(n): self._hits[n] for n in range(1, self.max_order + 1)},
+            "misses": self._misses,
+            "evictions": self._evictions,
+        }
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class TieredStore:
+    """Problem scope over an optional global scope: writes go to both, reads prefer the problem.
+
+    The global store persists across problems; the problem store is made fresh for each one.
+    """
+
+    def __init__(self, problem: NgramStore, global_: NgramStore) -> None:
+        self.problem = problem
+        self.global_ = global_
+        self.max_order = problem.max_order
+
+    def lookup(self, context: Sequence[int]) -> NgramEntry | None:
+        hit = self.problem.lookup(context)
+        return hit if hit is not None else self.global_.lookup(context)
+
+    def add(self, rows: Sequence[NgramRow]) -> None:
+        self.problem.add(rows)
+        self.global_.add(rows)
+
+    def stats(self) -> dict:
+        return {"problem": self.problem.stats(), "global": self.global_.stats()}
+
+    def clear(self) -> None:
+        self.problem.clear()

@@ -1,0 +1,176 @@
+"""Data-driven static trees (STAND §3.6): count how often each node of a big tree lies on the
+accepted path, keep the best K as a tree.
+
+With in-order verification, whether a node is accepted depends only on its ancestors and
+earlier siblings, so any subtree closed under parents and earlier siblings has expected
+acceptance length 1 + the sum of its nodes' on-path frequencies (algorithms.md §3.6). Best-first
+selection over that closure keeps the most useful K nodes, and its order makes every prefix
+of the result the best tree of that size.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.stand import StandDrafter
+from tts_service.engine.tree import DraftTree, TreeShape
+from tts_service.engine.verify import Acceptance
+
+
+class OnPathCounter:
+    """Wraps a STAND drafter and counts, per shape node, how often it was accepted."""
+
+    def __init__(self, inner: StandDrafter) -> None:
+        self.inner = inner
+        self.counts = [0] * len(inner.shape.parents)
+        self.steps = 0
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.inner.start(prompt_ids)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        return self.inner.draft(ctx)
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        self.steps += 1
+        for node in acc.path:
+            self.counts[self.inner.template_of[node]] += 1
+        self.inner.observe(tree, acc, topk)
+
+
+def select_subtree(shape: TreeShape, counts: list[int], k: int) -> list[int]:
+    """The best `k` shape nodes by count, closed under parents and earlier siblings.
+
+    Returns shape node ids in selection order (root first); ties go to the lower id.
+    """
+    children: list[list[int]] = [[] for _ in shape.parents]
+    for i, p in enumerate(shape.parents[1:], start=1):
+        children[p].append(i)
+    chosen = [0]
+    frontier: list[tuple[int, int]] = []  # (-count, node): each parent's next untaken child
+    if children[0]:
+        heapq.heappush(frontier, (-counts[children[0][0]], children[0][0]))
+    while frontier and len(chosen) < k + 1:
+        _, node = heapq.heappop(frontier)
+        chosen.append(node)
+        parent = shape.parents[node]
+        siblings = children[parent]
+        nxt = siblings.index(node) + 1
+        if nxt < len(siblings):
+            heapq.heappush(frontier, (-counts[siblings[nxt]], siblings[nxt]))
+        if children[node]:
+            first = children[node][0]
+            heapq.heappush(frontier, (-counts[first], first))
+    return chosen
+
+
+@dataclass(frozen=True)
+class CalibratedTree:
+    parents: list[int]
+    frequencies: list[float]  # per node: accepted-on-path count / verify steps
+
+    @property
+    def expected_acceptance_length(self) -> float:
+        return 1.0 + sum(self.frequencies[1:])
+
+
+def build_tree(shape: TreeShape, counts: list[int], steps: int, k: int) -> CalibratedTree:
+    chosen = select_subtree(shape, counts, k)
+    new_id = {old: new for new, old in enumerate(chosen)}
+    parents = [-1] + [new_id[shape.parents[old]] for old in chosen[1:]]
+    freqs = [1.0] + [counts[old] / max(steps, 1) for old in chosen[1:]]
+    return CalibratedTree(parents, freqs)
+
+
+def write_tree(path: Path, name: str, tree: CalibratedTree, provenance: dict) -> None:
+    depth = [0] * len(tree.parents)
+    for i, p in enumerate(tree.parents[1:], start=1):
+        depth[i] = depth[p] + 1
+    data = {
+        "name": name,
+        "source": provenance,
+        "num_nodes": len(tree.parents) - 1,
+        "max_depth": max(depth),
+        "expected_acceptance_length": round(tree.expected_acceptance_length, 4),
+        "parents": tree.parents,
+        "on_path_frequency": [round(f, 5) for f in tree.frequencies],
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def _provenance(req, **facts) -> dict:
+    return {
+        "made_by": "tts calibrate-tree",
+        "procedure": "STAND App. A.1: run a big tree over a calibration set, count how often "
+        "each node lies on the accepted path, keep the best nodes (closed under parents and "
+        "earlier siblings, best first, so every prefix is the best tree of its size)",
+        "init_tree": req.init_tree,
+        **facts,
+    }
+
+
+def _finish(req, counters: list[OnPathCounter], facts: dict) -> CalibratedTree:
+    shape = counters[0].inner.shape
+    counts = [sum(c.counts[i] for c in counters) for i in range(len(shape.parents))]
+    steps = sum(c.steps for c in counters)
+    tree = build_tree(shape, counts, steps, req.nodes)
+    write_tree(req.out, req.out.stem, tree, _provenance(req, verify_steps=steps, **facts))
+    return tree
+
+
+def calibrate(generator, req) -> CalibratedTree:
+    """Live: `req.n` trajectories per calibration prompt with the big tree, a fresh store per
+    prompt; write the best `req.nodes` nodes to `req.out`."""
+    from tqdm import tqdm
+
+    from store.memory import InMemoryNgramStore
+    from tts_service.config import StandDrafterConfig
+
+    prompts = [json.loads(x)["prompt"] for x in req.prompts.read_text().splitlines() if x.strip()]
+    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=1024)
+    counters: list[OnPathCounter] = []
+    tokens = 0
+    with tqdm(total=len(prompts) * req.n, desc="calibration trajectories") as bar:
+        for p_idx, prompt in enumerate(prompts):
+            counter = OnPathCounter(StandDrafter(cfg, InMemoryNgramStore(), seed=p_idx))
+            counters.append(counter)
+            ids = generator.encode(prompt, chat=req.chat)
+            for i in range(req.n):
+                sampling = req.sampling.model_copy(update={"seed": req.sampling.seed + i})
+                tokens += generator.run(ids, counter, sampling).stats.new_tokens
+                bar.update(1)
+    facts = {
+        "mode": "live",
+        "model": req.model.name,
+        "prompts": str(req.prompts),
+        "num_prompts": len(prompts),
+        "trajectories_per_prompt": req.n,
+        "temperature": req.sampling.temperature,
+        "max_new_tokens": req.sampling.max_new_tokens,
+        "generated_tokens": tokens,
+    }
+    return _finish(req, counters, facts)
+
+
+def calibrate_from_log(req, problems) -> CalibratedTree:
+    """Replay: the same counts from logged trajectories (deterministic drafting), no model."""
+    from store.memory import InMemoryNgramStore
+    from tts_service.config import StandDrafterConfig
+    from tts_service.replay import replay
+
+    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=1024)
+    counters = [
+        OnPathCounter(StandDrafter(cfg, InMemoryNgramStore(), seed=i)) for i in range(len(problems))
+    ]
+    report = replay(problems, lambda i: counters[i])
+    facts = {
+        "mode": "replay",
+        "trajectories": str(req.trajectories),
+        "num_prompts": len(problems),
+        "generated_tokens": report.tokens,
+    }
+    return _finish(req, counters, facts)

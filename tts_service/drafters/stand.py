@@ -1,0 +1,112 @@
+"""STAND: stochastic tree drafting from a logit n-gram store (Song et al. 2025; algorithms.md §3).
+
+At every node of a static tree shape the drafter looks up the longest stored n-gram of the
+node's path context and draws the node's k children *without replacement* from the stored
+distribution by Gumbel-Top-K (Kool et al. 2019): the top k of log q_i + G_i are a sample in
+sequential-sampling order. The node keeps the snapshot `q` it drew from, so the recursive-
+rejection verifier never re-reads the (shared, changing) store. Gumbel noise comes from a
+precomputed buffer that is consumed once and refilled when empty, never reused.
+After each verify forward the target's distributions at the root and the accepted nodes (the
+last one is the bonus position), and optionally at rejected nodes, are merged into the store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from store.base import NgramRow, NgramStore
+from tts_service.config import StandDrafterConfig
+from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
+from tts_service.engine.verify import Acceptance
+
+
+class GumbelNoise:
+    """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.values: list[float] = []
+        self.pos = 0
+        self.refills = 0
+
+    def take(self, n: int) -> list[float]:
+        if self.pos + n > len(self.values):  # the tail is discarded, never wrapped around
+            u = torch.rand(max(self.size, n), generator=self.gen, dtype=torch.float64)
+            u = u.clamp_(min=1e-300)
+            self.values = (-torch.log(-torch.log(u))).tolist()
+            self.pos = 0
+            self.refills += 1
+        out = self.values[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+
+def gumbel_top_k(ids: list[int], probs: list[float], k: int, noise: list[float]) -> list[int]:
+    """k ids sampled without replacement from `probs` (any positive scale), in sampling order."""
+    keys = [math.log(p) + g for p, g in zip(probs, noise, strict=True)]
+    order = sorted(range(len(ids)), key=lambda i: -keys[i])
+    return [ids[i] for i in order[:k]]
+
+
+class StandDrafter:
+    def __init__(self, cfg: StandDrafterConfig, store: NgramStore, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.shape = load_tree_shape(cfg.tree)
+        kids: list[list[int]] = [[] for _ in self.shape.parents]
+        for i, p in enumerate(self.shape.parents[1:], start=1):
+            kids[p].append(i)
+        self._shape_children = kids
+        self.noise = GumbelNoise(cfg.noise_buffer, seed)
+        self.template_of: list[int] = [0]  # last tree: tree node -> shape node (calibration)
+        self._tails: list[tuple[int, ...]] = []  # last tree: context tail ending at each node
+
+    def start(self, prompt_ids: list[int]) -> None:
+        """Trajectories share the store; nothing is per-trajectory."""
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        order = self.store.max_order
+        num = min(self.cfg.num_nodes, ctx.max_nodes, self.shape.num_nodes)
+        stochastic = self.cfg.stochastic and not ctx.greedy
+        builder = TreeBuilder(ctx.tokens[-1])
+        placed = {0: 0}  # shape node -> tree node
+        template_of, tails = [0], [tuple(ctx.tokens[-order:])]
+        for s in range(num + 1):
+            node = placed.get(s)
+            kids = [c for c in self._shape_children[s] if c <= num]
+            if node is None or not kids:
+                continue
+            entry = self.store.lookup(tails[node])
+            if entry is None:
+                continue
+            cands = [(i, p) for i, p in zip(entry.ids, entry.probs, strict=True) if p > 0]
+            k = min(len(kids), len(cands))
+            ids = [i for i, _ in cands]
+            if stochastic:
+                chosen = gumbel_top_k(ids, [p for _, p in cands], k, self.noise.take(len(ids)))
+                builder.set_q(node, SparseDist(entry.ids, entry.probs))
+            else:
+                chosen = ids[:k]  # stored ids are sorted by probability
+            for shape_child, token in zip(kids, chosen, strict=False):
+                placed[shape_child] = builder.add(node, token, sampled=stochastic)
+                template_of.append(shape_child)
+                tails.append((*tails[node], token)[-order:])
+        self.template_of, self._tails = template_of, tails
+        return builder.build()
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        nodes = [0, *acc.path]
+        if self.cfg.harvest_rejected:
+            nodes += [v for v in range(1, tree.size) if v not in set(acc.path)]
+        nodes = [v for v in nodes if topk.has(v)]
+        ids, probs = topk.ids[nodes].tolist(), topk.probs[nodes].tolist()
+        self.store.add(
+            [
+                NgramRow(self._tails[v], tuple(i), tuple(p))
+                for v, i, p in zip(nodes, ids, probs, strict=True)
+            ]
+        )

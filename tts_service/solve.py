@@ -1,0 +1,106 @@
+"""Best-of-N for one problem: N trajectories sharing one logit n-gram store.
+
+Trajectory i samples with seed `seed + i`. Trajectories run one after another here, so the
+i-th drafts from everything the earlier ones stored (STAND's setting); the acceptance length
+per trajectory index shows the store's growth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from store.base import NgramStore
+from store.memory import InMemoryNgramStore, TieredStore
+from tts_service.config import DrafterConfig, SamplingConfig, StoreConfig
+from tts_service.drafters.registry import NoDrafter
+from tts_service.engine.metrics import GenerationStats
+from tts_service.generation import GenerationOutput, Generator
+from tts_service.replay import LoggedProblem, TrajectoryRecorder
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    index: int
+    seed: int
+    output: GenerationOutput
+    top_ids: list[list[int]] | None = None  # per token: the target's top-k (when logging)
+    top_probs: list[list[float]] | None = None
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "seed": self.seed, **self.output.to_dict()}
+
+
+@dataclass
+class SolveResult:
+    trajectories: list[Trajectory] = field(default_factory=list)
+    store_stats: dict = field(default_factory=dict)
+
+    def totals(self) -> GenerationStats:
+        total = GenerationStats()
+        for t in self.trajectories:
+            total.merge(t.output.stats)
+        return total
+
+    def logged(self, prompt_id: str, prompt_ids: list[int]) -> LoggedProblem:
+        """This problem as one line of a trajectory log (see `tts_service.replay`)."""
+        recorded = all(t.top_ids is not None for t in self.trajectories)
+        return LoggedProblem(
+            prompt_id,
+            list(prompt_ids),
+            [list(t.output.token_ids) for t in self.trajectories],
+            [t.top_ids for t in self.trajectories] if recorded else None,
+            [t.top_probs for t in self.trajectories] if recorded else None,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "trajectories": [t.to_dict() for t in self.trajectories],
+            "stats": {
+                "num_trajectories": len(self.trajectories),
+                "total": self.totals().to_dict(),
+                "acceptance_length_by_index": [
+                    round(t.output.stats.acceptance_length, 4) for t in self.trajectories
+                ],
+                "store": self.store_stats,
+            },
+        }
+
+
+def problem_store(cfg: StoreConfig, global_store: NgramStore | None = None) -> NgramStore:
+    """A fresh store for one problem, read before `global_store` when that scope is on."""
+    local = InMemoryNgramStore(cfg.max_order, cfg.topk, cfg.max_entries)
+    return local if global_store is None else TieredStore(local, global_store)
+
+
+def solve(
+    generator: Generator,
+    prompt_ids: list[int],
+    n: int,
+    drafter: DrafterConfig,
+    sampling: SamplingConfig,
+    store: NgramStore,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
+    record: bool = False,
+) -> SolveResult:
+    """Run `n` trajectories sequentially; `on_trajectory` sees each one as it finishes.
+
+    With `record`, every trajectory keeps the target's top-k at each of its tokens (for the
+    trajectory log); plain decoding then runs through the speculative engine with no drafts.
+    """
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    shared = None if drafter.kind == "plain" else generator.drafter(drafter, store, sampling.seed)
+    recorder = TrajectoryRecorder(shared or NoDrafter()) if record else None
+    result = SolveResult()
+    for i in range(n):
+        seed = sampling.seed + i
+        cfg = sampling.model_copy(update={"seed": seed})
+        out = generator.run(prompt_ids, recorder or shared, cfg)
+        rows = recorder.rows(len(out.token_ids)) if recorder else (None, None)
+        traj = Trajectory(i, seed, out, *rows)
+        result.trajectories.append(traj)
+        if on_trajectory is not None:
+            on_trajectory(traj)
+    result.store_stats = store.stats()
+    return result
