@@ -50,6 +50,16 @@ def merge(
     return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), k + 1)
 
 
+def mean_entry(count: int, sums: dict[int, float], topk: int) -> NgramEntry | None:
+    """The commutative form of the merge: per-id probability sums over `count` observations ->
+    the mean distribution's top k (ties: lower id). Order-independent, so concurrent writers
+    agree; it equals STAND's running mean without the intermediate truncations."""
+    if count <= 0:
+        return None
+    pairs = sorted(((i, s / count) for i, s in sums.items()), key=lambda t: (-t[1], t[0]))[:topk]
+    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), count)
+
+
 class NgramStore(Protocol):
     """A logit n-gram store. Implementations: `store.memory` (in-process, the reference)."""
 

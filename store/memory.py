@@ -1,6 +1,8 @@
 """In-process logit n-gram store: the reference backend, and the local fallback of remote ones.
 
 Bounded: at most `max_entries` n-grams over all orders; the least recently updated is evicted.
+`merge="stand"` is STAND's rule exactly (running mean, truncated after every update);
+`merge="sum"` keeps per-id sums and a count, the order-independent form the Redis store uses.
 """
 
 from __future__ import annotations
@@ -8,13 +10,23 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from store.base import NgramEntry, NgramRow, NgramStore, merge
+from store.base import NgramEntry, NgramRow, NgramStore, mean_entry, merge
 
 
 class InMemoryNgramStore:
-    def __init__(self, max_order: int = 4, topk: int = 10, max_entries: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        max_order: int = 4,
+        topk: int = 10,
+        max_entries: int = 1_000_000,
+        merge: str = "stand",
+    ) -> None:
         if not 1 <= max_order <= 8 or topk < 1 or max_entries < 1:
             raise ValueError("max_order must be in 1..8, topk and max_entries >= 1")
+        if merge not in ("stand", "sum"):
+            raise ValueError(f"merge must be 'stand' or 'sum', not {merge!r}")
+        self.merge = merge
+        self._sums: dict[tuple[int, ...], dict[int, float]] = {}  # merge="sum": id -> sum
         self.max_order = max_order
         self.topk = topk
         self.max_entries = max_entries
@@ -38,10 +50,18 @@ class InMemoryNgramStore:
         for row in rows:
             for n in range(1, min(self.max_order, len(row.context)) + 1):
                 key = tuple(row.context[-n:])
-                entries[key] = merge(entries.get(key), row.ids, row.probs, self.topk)
+                if self.merge == "stand":
+                    entries[key] = merge(entries.get(key), row.ids, row.probs, self.topk)
+                else:
+                    sums = self._sums.setdefault(key, {})
+                    for token, p in zip(row.ids, row.probs, strict=True):
+                        sums[token] = sums.get(token, 0.0) + p
+                    count = entries[key].count + 1 if key in entries else 1
+                    entries[key] = mean_entry(count, sums, self.topk)
                 entries.move_to_end(key)
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            key, _ = entries.popitem(last=False)
+            self._sums.pop(key, None)
             self._evictions += 1
 
     def stats(self) -> dict:
@@ -58,6 +78,7 @@ class InMemoryNgramStore:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sums.clear()
 
 
 class TieredStore:

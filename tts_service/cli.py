@@ -7,7 +7,9 @@ loading anything, and exits with code 2 and one line on stderr naming the bad fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,15 +128,81 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_flags(args: argparse.Namespace) -> dict:
+    """--store overrides TTS_STORE_URL (read here, at the edge); neither: in-process."""
+    url = args.store or os.environ.get("TTS_STORE_URL") or None
+    out: dict[str, Any] = {"url": url} if url else {}
+    if getattr(args, "store_fallback", False):
+        out["fallback"] = True
+    return out
+
+
+@contextlib.contextmanager
+def _store_server(url: str | None):
+    """Resolve 'local-redis' to a private redis-server that lives as long as the command."""
+    if url != "local-redis":
+        yield url
+        return
+    from store.local_server import LocalRedisServer, RedisServerError
+
+    try:
+        server = LocalRedisServer().start()
+    except RedisServerError as e:
+        raise UsageError(f"--store: {e}") from e
+    try:
+        print(f"tts: started redis-server at {server.url}", file=sys.stderr)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    url = args.store or os.environ.get("TTS_STORE_URL")
+    if not url or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError("--store: give a redis://host:port/db URL (or set TTS_STORE_URL)")
+    if args.scope != "all" and args.id is None and args.scope != "global":
+        raise UsageError(f"--id: the {args.scope} scope needs an id (or use --scope all)")
+    import redis
+
+    from store.redis_store import delete_scope, scope_stats
+
+    prefix = "tts:" if args.scope == "all" else f"tts:{args.scope}:{args.id or 'default'}:"
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    try:
+        if args.action == "stats":
+            out = {
+                **scope_stats(client, prefix),
+                "used_memory": client.info("memory").get("used_memory_human"),
+                "maxmemory_policy": client.config_get("maxmemory-policy").get("maxmemory-policy"),
+            }
+        else:
+            out = {"prefix": prefix, "deleted": delete_scope(client, prefix)}
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise UsageError(f"--store: cannot reach Redis at {url}: {e}") from e
+    print(json.dumps(out))
+    return 0
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     req = _request(
-        args, SolveRequest, {"question": args.question, "n": args.n, "chat": not args.no_chat}
+        args,
+        SolveRequest,
+        {
+            "question": args.question,
+            "n": args.n,
+            "chat": not args.no_chat,
+            "batch": args.batch,
+            "token_budget": args.token_budget,
+            "store": _store_flags(args),
+        },
     )
     gen = _load(req)
     from tqdm import tqdm
 
+    from store.factory import open_problem_store
+    from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
-    from tts_service.solve import problem_store, solve
+    from tts_service.solve import solve
 
     ids = gen.encode(req.question, chat=req.chat)
     bar = tqdm(total=req.n, desc="trajectories", file=sys.stderr, disable=None)
@@ -144,16 +212,23 @@ def cmd_solve(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        result = solve(
-            gen,
-            ids,
-            req.n,
-            req.drafter,
-            req.sampling,
-            problem_store(req.store),
-            on_trajectory=progress,
-            record=args.log is not None,
-        )
+        with _store_server(req.store.url) as url:
+            try:
+                store = open_problem_store(req.store, url, ids)
+            except StoreUnavailableError as e:
+                raise UsageError(f"--store: {e}") from e
+            result = solve(
+                gen,
+                ids,
+                req.n,
+                req.drafter,
+                req.sampling,
+                store,
+                on_trajectory=progress,
+                record=args.log is not None,
+                batch=req.batch,
+                token_budget=req.token_budget,
+            )
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
     finally:
@@ -269,6 +344,17 @@ def make_parser() -> argparse.ArgumentParser:
     sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
+    sol.add_argument("--batch", type=int, default=1, help="rows decoded together (waves)")
+    sol.add_argument(
+        "--store",
+        help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",
+    )
+    sol.add_argument(
+        "--store-fallback",
+        action="store_true",
+        help="if Redis is unreachable at start, go on with a local store",
+    )
+    sol.add_argument("--token-budget", type=int, default=64, help="tokens per batched forward")
     sol.add_argument("--prompt-id", default="q0", help="the problem's id in the log")
     sol.set_defaults(func=cmd_solve)
     cal = sub.add_parser("calibrate-tree", help="data-driven STAND tree (625 nodes -> best K)")
@@ -292,6 +378,12 @@ def make_parser() -> argparse.ArgumentParser:
     rep.add_argument("--strict", action="store_true", help="reject the file at a bad line")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=cmd_replay)
+    sto = sub.add_parser("store", help="look at or clean the Redis n-gram store")
+    sto.add_argument("action", choices=["stats", "clear"])
+    sto.add_argument("--scope", choices=["job", "problem", "global", "all"], default="all")
+    sto.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
+    sto.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
+    sto.set_defaults(func=cmd_store)
     return parser
 
 

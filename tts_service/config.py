@@ -131,6 +131,29 @@ class StoreConfig(_Strict):
     global_scope: bool = Field(
         False, description="Also keep a store that persists across problems (read second)."
     )
+    url: str | None = Field(
+        None,
+        description="None: in-process; 'redis://host:port/db'; or 'local-redis' (a private "
+        "redis-server for this command).",
+    )
+    fallback: bool = Field(
+        False, description="If Redis is unreachable at start, go on with a local store."
+    )
+    ttl_s: int = Field(24 * 3600, ge=1, description="Redis TTL of a scope's entries.")
+    max_staleness_s: float = Field(2.0, ge=0.0, description="Local read cache staleness bound.")
+
+    @field_validator("url")
+    @classmethod
+    def _store_url(cls, v: str | None) -> str | None:
+        if (
+            v is not None
+            and v != "local-redis"
+            and not v.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ValueError(
+                "expected redis://host:port/db, rediss://..., unix://... or local-redis"
+            )
+        return v
 
 
 DrafterConfig = Annotated[
@@ -174,6 +197,10 @@ class SolveRequest(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     store: StoreConfig = StoreConfig()
     chat: bool = True
+    batch: int = Field(1, ge=1, le=64, description="Rows decoded together (1: sequential).")
+    token_budget: int = Field(
+        64, ge=1, le=4096, description="Tokens per batched forward, shared out over the rows."
+    )
 
     @field_validator("question")
     @classmethod

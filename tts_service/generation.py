@@ -14,7 +14,8 @@ from store.memory import InMemoryNgramStore
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import build_drafter
-from tts_service.engine.decode import FinishReason, generate, plain_generate
+from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.decode import FinishReason, GenerationResult, generate, plain_generate
 from tts_service.engine.metrics import GenerationStats
 from tts_service.models import LoadedModel, encode_prompt, load_model
 
@@ -80,18 +81,47 @@ class Generator:
         self, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingConfig
     ) -> GenerationOutput:
         """Decode one trajectory: plain decoding when `drafter` is None."""
-        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
-        if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
-            raise InputTooLongError(
-                f"{len(prompt_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
-                f"exceed the model's context of {limit}"
-            )
+        self.check_fits(prompt_ids, sampling)
         args = (self.loaded.model, prompt_ids)
         eos, decode = self.loaded.eos_token_ids, self.decode
         if drafter is None:
             res = plain_generate(*args, sampling, eos, decode)
         else:
             res = generate(*args, drafter, sampling, eos, decode)
+        return self.output(res)
+
+    def run_batch(
+        self,
+        prompt_ids: list[int],
+        drafters: list[Drafter],
+        samplings: list[SamplingConfig],
+        token_budget: int,
+    ) -> list[GenerationOutput]:
+        """Decode len(drafters) trajectories of one prompt together, one forward per step."""
+        for s in samplings:
+            self.check_fits(prompt_ids, s)
+        decoder = BatchDecoder(
+            self.loaded.model, self.loaded.eos_token_ids, self.decode, token_budget
+        )
+        rows = decoder.rows([prompt_ids] * len(drafters), drafters, samplings)
+        return [self.output(r) for r in decoder.run(rows)]
+
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
+        """A drafter for one batch row: rows need their own per-sequence state (PLD's index,
+        STAND's last tree); Token Recycling's table stays shared."""
+        if cfg.kind == "recycling":
+            return self.drafter(cfg)
+        return build_drafter(cfg, self.loaded.model.config.vocab_size, store, seed)
+
+    def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
+        if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
+            raise InputTooLongError(
+                f"{len(prompt_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                f"exceed the model's context of {limit}"
+            )
+
+    def output(self, res: GenerationResult) -> GenerationOutput:
         text = self.decode(list(res.token_ids))
         if res.stop_text is not None and res.stop_text in text:
             text = text[: text.find(res.stop_text)]

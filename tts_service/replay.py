@@ -244,6 +244,13 @@ def replay(problems: list[LoggedProblem], drafter_for: Callable[[int], Drafter])
     return report
 
 
+def _max_id(problem: LoggedProblem) -> int:
+    ids = [max(seq, default=0) for seq in (problem.prompt_ids, *problem.responses)]
+    for response in problem.top_ids or []:
+        ids += [max(row, default=0) for row in response]
+    return max(ids)
+
+
 def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int], Drafter]:
     """Drafters as the live service keeps them: PLD and Token Recycling once for the whole log
     (the recycling table's hot start), STAND over a fresh store per problem."""
@@ -259,9 +266,7 @@ def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int], Draft
         cfg = RecyclingDrafterConfig(**size, **tree)
     else:
         cfg = StandDrafterConfig(**size, **tree)
-    vocab = req.vocab_size or 1 + max(
-        (t for p in problems for seq in (p.prompt_ids, *p.responses) for t in seq), default=0
-    )
+    vocab = req.vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
     if req.method != "stand":
         shared = build_drafter(cfg, vocab)
         return lambda _: shared

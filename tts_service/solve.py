@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from store.base import NgramStore
-from store.memory import InMemoryNgramStore, TieredStore
-from tts_service.config import DrafterConfig, SamplingConfig, StoreConfig
+from tts_service.config import DrafterConfig, SamplingConfig
 from tts_service.drafters.registry import NoDrafter
 from tts_service.engine.metrics import GenerationStats
 from tts_service.generation import GenerationOutput, Generator
@@ -67,12 +66,6 @@ class SolveResult:
         }
 
 
-def problem_store(cfg: StoreConfig, global_store: NgramStore | None = None) -> NgramStore:
-    """A fresh store for one problem, read before `global_store` when that scope is on."""
-    local = InMemoryNgramStore(cfg.max_order, cfg.topk, cfg.max_entries)
-    return local if global_store is None else TieredStore(local, global_store)
-
-
 def solve(
     generator: Generator,
     prompt_ids: list[int],
@@ -82,14 +75,32 @@ def solve(
     store: NgramStore,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     record: bool = False,
+    batch: int = 1,
+    token_budget: int = 64,
 ) -> SolveResult:
-    """Run `n` trajectories sequentially; `on_trajectory` sees each one as it finishes.
+    """Run `n` trajectories; `on_trajectory` sees each one as it finishes.
 
-    With `record`, every trajectory keeps the target's top-k at each of its tokens (for the
-    trajectory log); plain decoding then runs through the speculative engine with no drafts.
+    `batch` = 1 runs them one after another; larger runs waves of `batch` rows decoded together
+    (`token_budget` tokens per forward, shared out over the rows), later waves drafting from
+    what earlier ones stored. With `record`, every trajectory keeps the target's top-k at each
+    of its tokens (for the trajectory log); plain decoding then runs through the speculative
+    engine with no drafts.
     """
-    if n < 1:
-        raise ValueError("n must be >= 1")
+    if n < 1 or batch < 1:
+        raise ValueError("n and batch must be >= 1")
+    if batch > 1:
+        return _solve_waves(
+            generator,
+            prompt_ids,
+            n,
+            drafter,
+            sampling,
+            store,
+            on_trajectory,
+            record,
+            batch,
+            token_budget,
+        )
     shared = None if drafter.kind == "plain" else generator.drafter(drafter, store, sampling.seed)
     recorder = TrajectoryRecorder(shared or NoDrafter()) if record else None
     result = SolveResult()
@@ -102,5 +113,32 @@ def solve(
         result.trajectories.append(traj)
         if on_trajectory is not None:
             on_trajectory(traj)
+    result.store_stats = store.stats()
+    return result
+
+
+def _solve_waves(
+    generator, prompt_ids, n, drafter, sampling, store, on_trajectory, record, batch, token_budget
+) -> SolveResult:
+    result = SolveResult()
+    for first in range(0, n, batch):
+        seeds = list(range(sampling.seed + first, sampling.seed + min(first + batch, n)))
+        drafters = [
+            NoDrafter() if drafter.kind == "plain" else generator.row_drafter(drafter, store, s)
+            for s in seeds
+        ]
+        recorders = [TrajectoryRecorder(d) for d in drafters] if record else None
+        outs = generator.run_batch(
+            prompt_ids,
+            recorders or drafters,
+            [sampling.model_copy(update={"seed": s}) for s in seeds],
+            token_budget,
+        )
+        for j, (seed, out) in enumerate(zip(seeds, outs, strict=True)):
+            rows = recorders[j].rows(len(out.token_ids)) if recorders else (None, None)
+            traj = Trajectory(first + j, seed, out, *rows)
+            result.trajectories.append(traj)
+            if on_trajectory is not None:
+                on_trajectory(traj)
     result.store_stats = store.stats()
     return result
