@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -330,6 +331,47 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_job(args: argparse.Namespace) -> int:
+    """A thin wrapper over Ray's JobSubmissionClient (RAY_AUTH_MODE decides token auth)."""
+    if args.action == "results":
+        if not args.out:
+            raise UsageError("--out: the job's output directory is needed for results")
+        summary = Path(args.out) / "summary.json"
+        if not summary.is_file():
+            raise UsageError(f"--out: no summary.json in {args.out} (job still running?)")
+        print(summary.read_text())
+        return 0
+    from ray.job_submission import JobSubmissionClient
+
+    address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or "http://127.0.0.1:8265"
+    try:
+        client = JobSubmissionClient(address)
+    except (ConnectionError, RuntimeError) as e:
+        raise UsageError(f"--address: cannot reach the Ray job server at {address}: {e}") from e
+    if args.action == "submit":
+        entry = [a for a in args.rest if a != "--"]
+        if not entry:
+            raise UsageError(
+                "entrypoint: give the command after --, e.g. -- python -m "
+                "jobs.best_of_n --problems p.jsonl --out results/"
+            )
+        env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TTS_STORE_URL") if k in os.environ}
+        job_id = client.submit_job(
+            entrypoint=" ".join(shlex.quote(a) for a in entry),
+            runtime_env={
+                "working_dir": args.working_dir,
+                "env_vars": env,
+                "excludes": [".venv", "runs", ".git", "results"],
+            },
+        )
+        print(job_id)
+    elif args.action == "status":
+        print(client.get_job_status(args.job_id).value)
+    elif args.action == "logs":
+        print(client.get_job_logs(args.job_id), end="")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -384,6 +426,17 @@ def make_parser() -> argparse.ArgumentParser:
     sto.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
     sto.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
     sto.set_defaults(func=cmd_store)
+    job = sub.add_parser("job", help="submit and follow best-of-N Ray jobs")
+    job.add_argument("action", choices=["submit", "status", "logs", "results"])
+    job.add_argument("job_id", nargs="?", help="status, logs: the job id submit printed")
+    job.add_argument(
+        "--address",
+        help="Ray job server (default $RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)",
+    )
+    job.add_argument("--working-dir", default=".", help="submit: uploaded to the cluster")
+    job.add_argument("--out", help="results: the job's --out directory")
+    job.add_argument("rest", nargs=argparse.REMAINDER, help="submit: -- ENTRYPOINT ...")
+    job.set_defaults(func=cmd_job)
     return parser
 
 

@@ -255,6 +255,37 @@ class ReplayRequest(_Strict):
         return v
 
 
+class Problem(_Strict):
+    """One line of a problems file."""
+
+    id: str = Field(min_length=1)
+    question: str = Field(min_length=1)
+    task: Literal["math", "choice", "code"] = "math"
+    answer: str | None = None
+
+
+class JobConfig(_Strict):
+    """A best-of-N job: what runs, on how many actors, and how trajectories are spread."""
+
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = StandDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=512)
+    store: StoreConfig = StoreConfig()
+    n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
+    batch: int = Field(4, ge=1, le=64, description="Trajectories per actor call, decoded together.")
+    token_budget: int = Field(64, ge=1, le=4096, description="Tokens per batched forward.")
+    replicas: int | None = Field(
+        None, ge=1, description="Generator actors; None: as many as the placement plan allows."
+    )
+    cpus_per_replica: float = Field(1.0, gt=0, description="Ray CPUs per actor (its threads).")
+    gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU, for the plan.")
+    chat: bool = True
+    early_stop: bool = Field(
+        False, description="Stop launching a problem's trajectories once its vote is decided."
+    )
+    max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a preset from `configs/`; the caller validates it into a model."""
     with open(path, encoding="utf-8") as f:

@@ -11,3 +11,50 @@ from tts_service.generation import Generator
 @pytest.fixture(scope="session")
 def smollm2() -> Generator:
     return Generator.load(ModelConfig(name="smollm2-135m", device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One small local Ray for the session (declared GPUs stand in for real ones)."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2,
+            num_gpus=8,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=300 * 1024**2,
+            log_to_driver=False,
+        )
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2):
+    """A seeded tiny random Llama with SmolLM2's tokenizer, saved like any local model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    tok = smollm2.loaded.tokenizer
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=smollm2.loaded.eos_token_ids[0],
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

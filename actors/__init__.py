@@ -1,0 +1,1 @@
+"""Ray edges: generator actors, placement, the trajectory pool."""

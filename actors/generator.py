@@ -1,0 +1,91 @@
+"""`GeneratorActor`: one model, one engine, trajectories on request.
+
+A plain class: tests build it in-process; `actors.pool` wraps it with `ray.remote`. Its duties:
+(1) load the model once, (2) open the problem's store scope (Redis when configured, so that
+every actor of a job shares it), (3) decode the requested trajectory indices together, (4)
+return small records (token ids, text, counters), never tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from store.base import NgramStore
+from store.factory import open_store
+from tts_service.config import JobConfig
+from tts_service.drafters.registry import NoDrafter
+from tts_service.generation import Generator
+
+
+@dataclass(frozen=True)
+class TrajectoryRecord:
+    """One finished trajectory, keyed by (problem_id, index): the unit of retry and resume."""
+
+    problem_id: str
+    index: int
+    seed: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+    actor: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GeneratorActor:
+    def __init__(self, cfg: JobConfig, store_url: str | None = None) -> None:
+        self.cfg = cfg
+        self.store_url = store_url
+        self.generator = Generator.load(cfg.model)
+        self.name = f"pid{os.getpid()}"
+        self._stores: dict[str, NgramStore] = {}  # scope id -> store (a client when Redis)
+
+    def ready(self) -> str:
+        return self.name
+
+    def _store(self, job_id: str, problem_id: str) -> NgramStore:
+        scope_id = f"{job_id}/{problem_id}"
+        if scope_id not in self._stores:
+            if len(self._stores) >= 8:  # keep only the problems in flight
+                self._stores.pop(next(iter(self._stores)))
+            self._stores[scope_id] = open_store(self.cfg.store, self.store_url, "problem", scope_id)
+        return self._stores[scope_id]
+
+    def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
+        """Decode trajectories `indices` of a problem (seeds: sampling.seed + index)."""
+        gen, cfg = self.generator, self.cfg
+        ids = gen.encode(question, chat=cfg.chat)
+        store = self._store(job_id, problem_id)
+        seeds = [cfg.sampling.seed + i for i in indices]
+        samplings = [cfg.sampling.model_copy(update={"seed": s}) for s in seeds]
+        if len(indices) == 1:
+            drafter = (
+                None
+                if cfg.drafter.kind == "plain"
+                else gen.row_drafter(cfg.drafter, store, seeds[0])
+            )
+            outs = [gen.run(ids, drafter, samplings[0])]
+        else:
+            drafters = [
+                NoDrafter()
+                if cfg.drafter.kind == "plain"
+                else gen.row_drafter(cfg.drafter, store, s)
+                for s in seeds
+            ]
+            outs = gen.run_batch(ids, drafters, samplings, cfg.token_budget)
+        return [
+            TrajectoryRecord(
+                problem_id,
+                i,
+                s,
+                o.text,
+                list(o.token_ids),
+                o.finish_reason,
+                o.stats.to_dict(),
+                self.name,
+            ).to_dict()
+            for i, s, o in zip(indices, seeds, outs, strict=True)
+        ]

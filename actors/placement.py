@@ -1,0 +1,257 @@
+"""How many GPUs one generator replica needs, and how Ray and accelerate are told about it.
+
+The arithmetic (`plan_placement`, `count_params_from_config`) is pure so it can be checked on a
+box without GPUs. The Ray side (`create_placement_groups`, `scheduling_strategy`) works against
+Ray's *declared* resources, so `ray.init(num_gpus=8)` on a CPU box exercises it for real.
+`ray` is imported lazily: planning must not pay for (or depend on) a Ray import, and nothing
+here touches CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+# Fraction of a GPU's memory we let the model (weights + KV cache) use. The rest is for the CUDA
+# context, cuBLAS workspaces and allocator fragmentation, which do not show up in any estimate.
+USABLE_GPU_FRACTION = 0.9
+
+_GIB = 2**30
+_MIB = 2**20
+_KIB = 2**10
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """One replica's shape, decided once on the driver and handed to every replica.
+
+    `max_memory` is keyed like accelerate expects: local GPU indices (0..gpus_per_replica-1, as
+    seen inside the actor after Ray narrows CUDA_VISIBLE_DEVICES) plus "cpu". Treat it as
+    read-only; `sharded_device_map_kwargs` hands out copies because accelerate mutates it.
+    """
+
+    gpus_per_replica: int
+    num_replicas: int
+    bytes_per_replica: int  # weights + KV headroom estimate
+    max_memory: dict[int | str, str]
+    reason: str
+
+
+def _format_bytes(num_bytes: float, round_up: bool) -> str:
+    """A size string accelerate's `convert_file_size_to_int` parses, e.g. "61.49GiB".
+
+    Rounded to 0.01 of the unit: down for GPU budgets (never promise more than is there), up for
+    the CPU budget (never make the weights miss it by a rounding error).
+    """
+    unit, name = (_GIB, "GiB") if num_bytes >= _GIB else (_MIB, "MiB")
+    if num_bytes < _MIB:
+        unit, name = _KIB, "KiB"
+    scaled = num_bytes / unit * 100
+    hundredths = math.ceil(scaled) if round_up else math.floor(scaled)
+    return f"{hundredths / 100:.2f}{name}"
+
+
+def plan_placement(
+    num_params: int,
+    dtype_bytes: int,
+    gpu_memory_bytes: int,
+    num_gpus: int,
+    kv_headroom: float = 0.3,
+    max_gpus_per_replica: int = 8,
+) -> PlacementPlan:
+    """Pick the smallest power-of-two GPU count that holds the weights plus KV headroom.
+
+    Smallest, because every extra GPU in a replica is a GPU not running another best-of-N
+    replica, and sharding adds cross-GPU hops per layer. Power of two, because tensor/pipeline
+    splits (heads, layers) divide evenly over 1, 2, 4, 8 and nodes come in those sizes.
+    `kv_headroom` is the KV cache (and activations) as a fraction of the weights; best-of-N
+    keeps N sequences' caches alive, so the default is generous.
+
+    Raises ValueError if the model does not fit in `max_gpus_per_replica` GPUs or in the
+    `num_gpus` available. `num_gpus == 0` plans one CPU replica.
+    """
+    if num_params <= 0 or dtype_bytes <= 0:
+        raise ValueError(
+            f"num_params and dtype_bytes must be positive: {num_params}, {dtype_bytes}"
+        )
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if kv_headroom < 0:
+        raise ValueError(f"kv_headroom must be >= 0, got {kv_headroom}")
+    if max_gpus_per_replica < 1:
+        raise ValueError(f"max_gpus_per_replica must be >= 1, got {max_gpus_per_replica}")
+
+    weights = num_params * dtype_bytes
+    need = math.ceil(weights * (1 + kv_headroom))
+
+    if num_gpus == 0:
+        return PlacementPlan(
+            gpus_per_replica=0,
+            num_replicas=1,
+            bytes_per_replica=need,
+            max_memory={"cpu": _format_bytes(need, round_up=True)},
+            reason=(
+                f"CPU only (no GPUs): one replica in host memory, "
+                f"{weights / 1e9:.1f} GB weights + {kv_headroom:.0%} KV headroom"
+            ),
+        )
+
+    if gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes must be positive, got {gpu_memory_bytes}")
+    usable = USABLE_GPU_FRACTION * gpu_memory_bytes
+    min_gpus = math.ceil(need / usable)
+    gpus = 1 << (min_gpus - 1).bit_length()  # next power of two >= min_gpus
+    described = (
+        f"{num_params / 1e9:.1f}B params x {dtype_bytes} B = {weights / 1e9:.1f} GB weights, "
+        f"+{kv_headroom:.0%} KV headroom = {need / 1e9:.1f} GB; "
+        f"{usable / 1e9:.1f} GB usable per GPU ({USABLE_GPU_FRACTION:.0%} of "
+        f"{gpu_memory_bytes / 1e9:.1f} GB)"
+    )
+    if gpus > max_gpus_per_replica:
+        raise ValueError(
+            f"model does not fit: {described}; it needs {gpus} GPUs per replica "
+            f"(at least {min_gpus}), more than max_gpus_per_replica={max_gpus_per_replica}"
+        )
+    num_replicas = num_gpus // gpus
+    if num_replicas < 1:
+        raise ValueError(
+            f"model does not fit: {described}; it needs {gpus} GPUs per replica "
+            f"but only {num_gpus} are available"
+        )
+
+    # Per-GPU weight budget: usable memory minus this GPU's even share of the KV headroom. Because
+    # gpus * usable >= need, this is >= weights / gpus, so an even split fits with slack for
+    # layer granularity, and however accelerate splits it, each GPU keeps its KV share free.
+    # "cpu": 0 - a replica that quietly spills layers to host memory runs orders of magnitude
+    # slower; failing the load is better than that.
+    weight_budget = usable - weights * kv_headroom / gpus
+    max_memory: dict[int | str, str] = {
+        i: _format_bytes(weight_budget, round_up=False) for i in range(gpus)
+    }
+    max_memory["cpu"] = "0GiB"
+    return PlacementPlan(
+        gpus_per_replica=gpus,
+        num_replicas=num_replicas,
+        bytes_per_replica=need,
+        max_memory=max_memory,
+        reason=f"{described} -> {gpus} GPU(s) per replica, {num_replicas} replica(s) "
+        f"on {num_gpus} GPU(s)",
+    )
+
+
+def count_params_from_config(config: Any) -> int:
+    """Estimate a dense decoder's parameter count from its transformers config, without weights.
+
+    An *estimate*: exact for Llama-shaped models (Llama, Mistral, Qwen2/3 without their q/k/v
+    biases, SmolLM2), but it ignores architecture extras (MoE experts, q/k norms, extra
+    projections). It exists to size placement before anything is downloaded; a few percent off
+    is well inside the KV headroom.
+
+        embeddings  vocab * hidden            (x2 if lm_head is not tied)
+        attention   q, o: hidden * heads * head_dim; k, v: hidden * kv_heads * head_dim (GQA)
+        MLP         3 * hidden * intermediate (gate, up, down)
+        norms       2 * hidden per layer + hidden final
+    """
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # multimodal configs keep the decoder in a sub-config
+    vocab = config.vocab_size
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = config.intermediate_size
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    q_o = 2 * hidden * heads * head_dim
+    k_v = 2 * hidden * kv_heads * head_dim
+    attention = q_o + k_v
+    if getattr(config, "attention_bias", False):
+        attention += heads * head_dim + 2 * kv_heads * head_dim + hidden  # q, k, v, o biases
+    mlp = 3 * hidden * intermediate
+    if getattr(config, "mlp_bias", False):
+        mlp += 2 * intermediate + hidden
+    per_layer = attention + mlp + 2 * hidden
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return embeddings + layers * per_layer + hidden
+
+
+def create_placement_groups(
+    plan: PlacementPlan, cpus_per_replica: float = 0.5, timeout_s: float = 30
+) -> list[PlacementGroup]:
+    """Reserve one STRICT_PACK placement group per replica, all or nothing.
+
+    One bundle holds all of a replica's GPUs, so Ray must find them on one node (sharding a
+    model across nodes would put every layer boundary on the network). All groups are created
+    first and then awaited against one shared deadline, so N replicas wait at most `timeout_s`
+    in total. If any is not ready by then, every group created here is removed and RuntimeError
+    is raised: a half-placed fleet would hold GPUs that nothing uses.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle: dict[str, float] = {}
+    if plan.gpus_per_replica > 0:
+        bundle["GPU"] = plan.gpus_per_replica
+    if cpus_per_replica > 0:
+        bundle["CPU"] = cpus_per_replica
+    if not bundle:
+        raise ValueError("a CPU plan needs cpus_per_replica > 0: the bundle would be empty")
+
+    groups: list[PlacementGroup] = []
+    try:
+        for _ in range(plan.num_replicas):
+            groups.append(placement_group([dict(bundle)], strategy="STRICT_PACK"))
+        deadline = time.monotonic() + timeout_s
+        for index, group in enumerate(groups):
+            if not group.wait(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(
+                    f"placement group {index + 1} of {plan.num_replicas} (bundle {bundle}, "
+                    f"STRICT_PACK) was not placed within {timeout_s:g}s; cluster has "
+                    f"{ray.cluster_resources()}, free {ray.available_resources()}. "
+                    f"All {len(groups)} groups created for this plan were removed."
+                )
+    except BaseException:
+        for group in groups:
+            remove_placement_group(group)
+        raise
+    return groups
+
+
+def scheduling_strategy(pg: PlacementGroup) -> PlacementGroupSchedulingStrategy:
+    """Schedule an actor into the group's single bundle; its child tasks stay in the group too,
+    so anything the replica spawns draws on the replica's reservation, not the free pool."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(
+        placement_group=pg,
+        placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True,
+    )
+
+
+def sharded_device_map_kwargs(plan: PlacementPlan, device_type: str) -> dict[str, Any]:
+    """`from_pretrained` kwargs that shard the model over exactly the replica's visible GPUs.
+
+    Inside the actor Ray has narrowed CUDA_VISIBLE_DEVICES to the replica's GPUs, so local
+    indices 0..g-1 in `max_memory` are exactly those GPUs. One GPU or CPU needs no device map
+    (`{}`; the caller moves the model with `.to(device)` as usual). `device_type` is a torch
+    device string ("cpu", "cuda", "cuda:0"); resolve "auto" before calling.
+    """
+    kind = device_type.split(":", 1)[0]
+    if kind == "auto":
+        raise ValueError("resolve device 'auto' to 'cuda' or 'cpu' before asking for a device map")
+    if kind == "cpu" or plan.gpus_per_replica <= 1:
+        return {}
+    if kind != "cuda":
+        raise ValueError(
+            f"a {plan.gpus_per_replica}-GPU plan shards over CUDA devices, not {device_type!r}"
+        )
+    # A copy: accelerate converts the size strings in place.
+    return {"device_map": "auto", "max_memory": dict(plan.max_memory)}

@@ -1,0 +1,192 @@
+"""The trajectory pool: spreads every problem's N trajectories over generator actors, streams
+results in finish order, retries what a dead actor lost, and writes each trajectory the moment
+it finishes, so a crash loses nothing and a re-run resumes where it stopped.
+
+Each trajectory is keyed by (problem id, index). Calls carry a chunk of indices of one
+problem; a chunk whose actor died is resubmitted, and a second result for a key is dropped,
+so nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
+
+from actors.generator import GeneratorActor
+from tts_service.config import JobConfig, Problem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Chunk:
+    problem: Problem
+    indices: list[int]
+    attempts: int = 0
+
+
+@dataclass
+class ProblemState:
+    problem: Problem
+    records: dict[int, dict] = field(default_factory=dict)  # index -> trajectory record
+    stopped_early: bool = False
+    reported: bool = False
+    result: dict | None = None  # the vote and stats, set by the job when reported
+
+    def answers(self) -> list[str | None]:
+        return [
+            extract_answer(self.records[i]["text"], self.problem.task) for i in sorted(self.records)
+        ]
+
+
+class ResultsFile:
+    """Append-only JSONL of finished trajectories; the resume point of a job."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def load(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash: its trajectory is redone
+                continue
+        return rows
+
+    def append(self, record: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def start_actors(
+    cfg: JobConfig,
+    num: int,
+    store_url: str | None,
+    gpus_per_replica: int = 0,
+    strategies: list | None = None,
+) -> list:
+    """Start `num` generator actors and wait until every model is loaded."""
+    remote = ray.remote(GeneratorActor)
+    actors = []
+    for i in range(num):
+        opts = {
+            "num_cpus": cfg.cpus_per_replica,
+            "num_gpus": gpus_per_replica,
+            "max_restarts": 3,
+            "max_task_retries": 0,
+        }
+        if strategies:
+            opts["scheduling_strategy"] = strategies[i]
+        actors.append(remote.options(**opts).remote(cfg, store_url))
+    ray.get([a.ready.remote() for a in actors])
+    return actors
+
+
+class TrajectoryPool:
+    def __init__(self, cfg: JobConfig, actors: list, job_id: str, results: ResultsFile) -> None:
+        if not actors:
+            raise ValueError("the pool needs at least one actor")
+        self.cfg = cfg
+        self.actors = actors
+        self.job_id = job_id
+        self.results = results
+        self.retries = 0
+
+    def run(
+        self,
+        problems: list[Problem],
+        on_trajectory: Callable[[dict], None] | None = None,
+        on_problem: Callable[[ProblemState], None] | None = None,
+    ) -> dict[str, ProblemState]:
+        """Run every missing trajectory; returns each problem's state when all are done."""
+        states = {p.id: ProblemState(p) for p in problems}
+        for rec in self.results.load():  # resume: finished work is never redone
+            state = states.get(rec.get("problem_id"))
+            if state is not None and rec.get("index", -1) < self.cfg.n:
+                state.records.setdefault(rec["index"], rec)
+        queue: deque[_Chunk] = deque()
+        for p in problems:
+            todo = [i for i in range(self.cfg.n) if i not in states[p.id].records]
+            queue.extend(
+                _Chunk(p, todo[k : k + self.cfg.batch]) for k in range(0, len(todo), self.cfg.batch)
+            )
+        in_flight: dict = {}
+
+        def report_if_done(state: ProblemState) -> None:
+            busy = any(c.problem.id == state.problem.id for c in in_flight.values())
+            finished = len(state.records) == self.cfg.n or (state.stopped_early and not busy)
+            if finished and not state.reported:
+                state.reported = True
+                if on_problem is not None:
+                    on_problem(state)
+
+        for state in states.values():
+            report_if_done(state)
+        turn = 0
+        while queue or in_flight:
+            while queue and len(in_flight) < 2 * len(self.actors):
+                chunk = queue.popleft()
+                if states[chunk.problem.id].stopped_early:
+                    continue
+                actor = self.actors[turn % len(self.actors)]
+                turn += 1
+                ref = actor.run.remote(
+                    self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
+                )
+                in_flight[ref] = chunk
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            chunk = in_flight.pop(done[0])
+            try:
+                records = ray.get(done[0])
+            except (RayActorError, RayTaskError) as e:
+                self._retry(chunk, queue, e)
+                continue
+            state = states[chunk.problem.id]
+            for rec in records:
+                if rec["index"] in state.records:  # a duplicate from a retried call
+                    continue
+                state.records[rec["index"]] = rec
+                self.results.append(rec)
+                if on_trajectory is not None:
+                    on_trajectory(rec)
+            self._maybe_stop_early(state)
+            report_if_done(state)
+        return states
+
+    def _retry(self, chunk: _Chunk, queue: deque, err: Exception) -> None:
+        chunk.attempts += 1
+        self.retries += 1
+        if chunk.attempts > self.cfg.max_retries:
+            raise RuntimeError(
+                f"problem {chunk.problem.id}: trajectories {chunk.indices} failed "
+                f"{chunk.attempts} times; last error: {err}"
+            ) from err
+        log.warning(
+            "problem %s, trajectories %s: %s; retrying",
+            chunk.problem.id,
+            chunk.indices,
+            type(err).__name__,
+        )
+        queue.appendleft(chunk)
+
+    def _maybe_stop_early(self, state: ProblemState) -> None:
+        """Stop launching once no outcome of the missing trajectories can change the winner
+        (those already in flight still finish and are recorded)."""
+        if not self.cfg.early_stop or state.stopped_early or len(state.records) == self.cfg.n:
+            return
+        vote = majority_vote(state.answers(), state.problem.task)
+        if vote.answer is not None and leader_is_final(vote.votes, self.cfg.n - len(state.records)):
+            state.stopped_early = True

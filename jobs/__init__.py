@@ -1,0 +1,1 @@
+"""Ray Job entrypoints: parse, validate, run the trajectory pool, write results."""

@@ -1,0 +1,196 @@
+"""Best-of-N jobs over real Ray actors: faults lose nothing, re-runs resume, Ray Jobs work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.pool import ResultsFile, TrajectoryPool, start_actors
+from jobs.best_of_n import main as job_main
+from jobs.best_of_n import run as run_job
+from tts_service.config import JobConfig, Problem
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+PROBLEMS = [
+    Problem(id="p1", question="What is 1 + 1? Put the answer in \\boxed{}.", answer="2"),
+    Problem(
+        id="p2",
+        question="Which is larger, A) 3 or B) 5? End with Answer: X.",
+        task="choice",
+        answer="B",
+    ),
+    Problem(id="p3", question="Compute 2 * 3 and box it.", answer="6"),
+]
+
+
+def _cfg(model_dir, **kw) -> JobConfig:
+    base = {
+        "model": {"name": str(model_dir), "device": "cpu", "dtype": "float32"},
+        "drafter": {"kind": "stand", "num_nodes": 8},
+        "sampling": {"temperature": 0.6, "max_new_tokens": 12},
+        "n": 4,
+        "batch": 1,
+        "replicas": 2,
+        "cpus_per_replica": 0.5,
+    }
+    return JobConfig.model_validate({**base, **kw})
+
+
+def _keys(path: Path) -> list[tuple[str, int]]:
+    return [(r["problem_id"], r["index"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_killing_an_actor_mid_job_loses_and_doubles_nothing(ray_local, tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir)
+    actors = start_actors(cfg, 2, None)
+    results = ResultsFile(tmp_path / "trajectories.jsonl")
+    pool = TrajectoryPool(cfg, actors, "kill-test", results)
+    killed = []
+
+    def kill_once(rec: dict) -> None:
+        if not killed:
+            killed.append(rec)
+            ray_local.kill(actors[0], no_restart=False)  # Ray restarts it: a crash
+
+    states = pool.run(PROBLEMS, on_trajectory=kill_once)
+    keys = _keys(results.path)
+    assert sorted(keys) == sorted((p.id, i) for p in PROBLEMS for i in range(4))  # no dupes
+    assert all(sorted(s.records) == [0, 1, 2, 3] for s in states.values())
+    assert pool.retries >= 1
+
+
+def test_a_rerun_resumes_without_redoing_finished_work(ray_local, tiny_model_dir, tmp_path):
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(p.model_dump_json() + "\n" for p in PROBLEMS))
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, replicas=1, batch=2)
+    # a crash after some work: keep only the first 5 trajectories of a full run
+    run_job(cfg, PROBLEMS, out)
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    (out / "trajectories.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    summary = run_job(cfg, PROBLEMS, out)
+    keys = _keys(out / "trajectories.jsonl")
+    assert len(keys) == len(set(keys)) == 12 and keys[:5] == _keys_of(lines[:5])
+    assert summary["trajectories"] == 12 and summary["problems"] == 3
+    result = json.loads((out / "problems" / "p2.json").read_text())
+    assert {"answer", "votes", "correct", "trajectories", "stats"} <= set(result)
+    assert len(result["trajectories"]) == 4
+
+
+def _keys_of(lines: list[str]) -> list[tuple[str, int]]:
+    return [(r["problem_id"], r["index"]) for r in map(json.loads, lines)]
+
+
+def test_bad_config_or_problems_exit_2_before_any_actor(tmp_path, capsys):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"id": "a", "question": "q", "task": "poetry"}\n')
+    assert job_main(["--problems", str(problems), "--out", str(tmp_path / "o")]) == 2
+    assert "task" in capsys.readouterr().err
+    problems.write_text('{"id": "a", "question": "q"}\n')
+    assert (
+        job_main(["--problems", str(problems), "--out", str(tmp_path / "o"), "--set", "n=0"]) == 2
+    )
+    assert "n:" in capsys.readouterr().err
+    assert (
+        job_main(
+            [
+                "--problems",
+                str(problems),
+                "--out",
+                str(tmp_path / "o"),
+                "--set",
+                "sampling.temperature=-1",
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A real `ray start --head` cluster (the one Ray Jobs need), stopped by its PID."""
+    from store.local_server import free_port
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port, dash = free_port(), free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-port={dash}",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + 90
+    client = None
+    while time.monotonic() < deadline:
+        try:
+            client = JobSubmissionClient(address)
+            client.list_jobs()
+            break
+        except Exception:  # the dashboard is still starting
+            client = None
+            time.sleep(1)
+    assert client is not None, "ray start --head did not come up"
+    yield client, address
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def test_best_of_4_through_the_ray_job_api(ray_head, tiny_model_dir, tmp_path):
+    client, _ = ray_head
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(p.model_dump_json() + "\n" for p in PROBLEMS[:2]))
+    out = tmp_path / "out"
+    entry = (
+        f"{sys.executable} -m jobs.best_of_n --config configs/best_of_16.yaml "
+        f"--problems {problems} --out {out} --set model.name={tiny_model_dir} "
+        "--set n=4 --set batch=2 --set sampling.max_new_tokens=12 --set cpus_per_replica=1"
+    )
+    job_id = client.submit_job(
+        entrypoint=entry,
+        runtime_env={
+            "working_dir": str(REPO),
+            "excludes": [".venv", "runs", ".git"],
+            "env_vars": {"HF_HUB_OFFLINE": "1"},
+        },
+    )
+    deadline = time.monotonic() + 300
+    status = None
+    while time.monotonic() < deadline:
+        status = client.get_job_status(job_id).value
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(2)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", logs[-3000:]
+    assert "[job] trajectories 8/8" in logs
+    keys = _keys(out / "trajectories.jsonl")
+    assert sorted(keys) == sorted((p.id, i) for p in PROBLEMS[:2] for i in range(4))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trajectories"] == 8 and summary["graded"] == 2

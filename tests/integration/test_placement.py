@@ -1,0 +1,270 @@
+"""Placement: the sizing arithmetic, real Ray placement groups on declared (fake) GPUs, and the
+accelerate load path on CPU. No GPU needed: `ray.init(num_gpus=8)` declares the resources."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.utils import convert_file_size_to_int
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.placement import (
+    USABLE_GPU_FRACTION,
+    PlacementPlan,
+    count_params_from_config,
+    create_placement_groups,
+    plan_placement,
+    scheduling_strategy,
+    sharded_device_map_kwargs,
+)
+
+GB = 10**9
+BF16 = 2
+
+
+# ---------------------------------------------------------------- pure arithmetic
+
+
+@pytest.mark.parametrize(
+    ("billions", "kv_headroom", "gpus_per_replica", "num_replicas"),
+    [
+        (7, 0.3, 1, 8),  # 14 GB + 30% = 18.2 GB <= 72 GB
+        (33, 0.3, 2, 4),  # 66 GB + 30% = 85.8 GB > 72 GB
+        (70, 0.3, 4, 2),  # 140 GB + 30% = 182 GB > 2 * 72 GB
+        (70, 0.0, 2, 4),  # 140 GB <= 2 * 72 GB
+    ],
+)
+def test_plan_placement_sizes(
+    billions: int, kv_headroom: float, gpus_per_replica: int, num_replicas: int
+) -> None:
+    plan = plan_placement(billions * 10**9, BF16, 80 * GB, 8, kv_headroom=kv_headroom)
+    assert plan.gpus_per_replica == gpus_per_replica
+    assert plan.num_replicas == num_replicas
+    weights = billions * 10**9 * BF16
+    assert plan.bytes_per_replica == pytest.approx(weights * (1 + kv_headroom))
+    assert set(plan.max_memory) == {*range(gpus_per_replica), "cpu"}
+    assert convert_file_size_to_int(plan.max_memory["cpu"]) == 0  # never spill to host memory
+    budgets = [convert_file_size_to_int(plan.max_memory[i]) for i in range(gpus_per_replica)]
+    assert len(set(budgets)) == 1  # an even split
+    # The weights fit split evenly, and each GPU keeps its share of the KV headroom free.
+    assert budgets[0] >= weights / gpus_per_replica
+    assert budgets[0] <= USABLE_GPU_FRACTION * 80 * GB - weights * kv_headroom / gpus_per_replica
+    assert f"{gpus_per_replica} GPU(s) per replica" in plan.reason
+
+
+def test_plan_placement_7b_in_gib() -> None:
+    """A 7B model on 80 GiB cards: the GiB string accelerate will see is what we expect."""
+    plan = plan_placement(7 * 10**9, BF16, 80 * 2**30, 8)
+    assert (plan.gpus_per_replica, plan.num_replicas) == (1, 8)
+    assert plan.max_memory[0].endswith("GiB")
+    assert 60 < float(plan.max_memory[0][:-3]) < 72
+
+
+def test_plan_placement_too_big_for_a_replica() -> None:
+    with pytest.raises(ValueError, match=r"does not fit.*needs 16 GPUs per replica"):
+        plan_placement(405 * 10**9, BF16, 80 * GB, 8)  # 1053 GB: 15 GPUs -> 16
+
+
+def test_plan_placement_too_big_for_the_cluster() -> None:
+    with pytest.raises(ValueError, match=r"does not fit.*needs 4 GPUs per replica.*only 2"):
+        plan_placement(70 * 10**9, BF16, 80 * GB, 2)
+
+
+def test_plan_placement_cpu_only() -> None:
+    plan = plan_placement(135 * 10**6, 4, 0, 0)
+    assert (plan.gpus_per_replica, plan.num_replicas) == (0, 1)
+    assert "CPU" in plan.reason
+    assert set(plan.max_memory) == {"cpu"}
+    assert convert_file_size_to_int(plan.max_memory["cpu"]) >= plan.bytes_per_replica
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_count_params_matches_a_real_tiny_llama(tied: bool) -> None:
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA: k and v are a quarter of q
+        tie_word_embeddings=tied,
+    )
+    real = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    estimate = count_params_from_config(config)
+    assert estimate == pytest.approx(real, rel=0.01)
+
+
+# ---------------------------------------------------------------- Ray, 8 declared GPUs
+
+
+@pytest.fixture(scope="module")
+def ray_8_gpus() -> Iterator[None]:
+    """A local Ray with 8 declared GPUs; shut down only if this fixture started it."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            num_gpus=8,
+            include_dashboard=False,
+            object_store_memory=300 * 1024**2,
+            _node_ip_address="127.0.0.1",
+        )
+        started = True
+    gpus = ray.cluster_resources().get("GPU", 0)
+    assert gpus == 8, f"these tests need a Ray cluster with exactly 8 GPUs; this one has {gpus}"
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _live_groups() -> set[str]:
+    """Ids of placement groups not yet removed (pending or created)."""
+    from ray.util import placement_group_table
+
+    return {pg_id for pg_id, row in placement_group_table().items() if row["state"] != "REMOVED"}
+
+
+def _wait_for_free_gpus(count: float, timeout_s: float = 10) -> float:
+    """Freed bundles and dead actors hand their GPUs back asynchronously; poll until they are."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ray.available_resources().get("GPU", 0)
+
+
+def _plan(gpus: int, replicas: int) -> PlacementPlan:
+    return PlacementPlan(gpus, replicas, 0, {}, "test")
+
+
+def test_placement_groups_give_each_actor_its_own_gpus(ray_8_gpus: None) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    @ray.remote(num_gpus=2, num_cpus=0)
+    class Probe:
+        def gpu_ids(self) -> list[int]:
+            return [int(i) for i in ray.get_gpu_ids()]
+
+    plan = plan_placement(33 * 10**9, BF16, 80 * GB, 8)
+    assert (plan.gpus_per_replica, plan.num_replicas) == (2, 4)
+    before = _live_groups()
+    groups = create_placement_groups(plan, timeout_s=10)
+    actors = []
+    try:
+        assert len(groups) == 4
+        actors = [
+            Probe.options(scheduling_strategy=scheduling_strategy(pg)).remote() for pg in groups
+        ]
+        ids = ray.get([a.gpu_ids.remote() for a in actors], timeout=60)
+        for got in ids:
+            assert len(got) == 2 and len(set(got)) == 2, ids
+        assert sorted(i for got in ids for i in got) == list(range(8)), ids
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        for pg in groups:
+            remove_placement_group(pg)
+    assert _live_groups() == before
+    assert _wait_for_free_gpus(8) == 8
+
+
+def test_a_group_that_cannot_be_placed_fails_fast_and_leaves_nothing(ray_8_gpus: None) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    assert _wait_for_free_gpus(8) == 8  # the previous test's groups are gone
+    before = _live_groups()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"not placed within 3s"):
+        create_placement_groups(_plan(gpus=2, replicas=5), timeout_s=3)  # 10 GPUs on 8
+    assert time.monotonic() - start < 10
+    assert _live_groups() == before  # the 4 that could be placed were removed too
+
+    # ...and their GPUs really came back: a full 4 x 2 fleet places at once.
+    groups = create_placement_groups(_plan(gpus=2, replicas=4), timeout_s=10)
+    try:
+        assert len(groups) == 4
+        # With all 8 GPUs held, one more 2-GPU replica cannot be placed either.
+        with pytest.raises(RuntimeError, match=r"placement group 1 of 1"):
+            create_placement_groups(_plan(gpus=2, replicas=1), timeout_s=1)
+    finally:
+        for pg in groups:
+            remove_placement_group(pg)
+    assert _live_groups() == before
+    assert _wait_for_free_gpus(8) == 8
+
+
+def test_cpu_plan_groups_hold_only_cpu(ray_8_gpus: None) -> None:
+    from ray.util import placement_group_table
+    from ray.util.placement_group import remove_placement_group
+
+    plan = plan_placement(135 * 10**6, 4, 0, 0)
+    groups = create_placement_groups(plan, cpus_per_replica=0.5, timeout_s=10)
+    try:
+        assert len(groups) == 1
+        assert placement_group_table(groups[0])["bundles"] == {0: {"CPU": 0.5}}
+    finally:
+        for pg in groups:
+            remove_placement_group(pg)
+
+
+# ---------------------------------------------------------------- the sharded-load path, on CPU
+
+
+def test_sharded_device_map_kwargs() -> None:
+    cpu = plan_placement(135 * 10**6, 4, 0, 0)
+    one = plan_placement(7 * 10**9, BF16, 80 * GB, 8)
+    two = plan_placement(33 * 10**9, BF16, 80 * GB, 8)
+    assert sharded_device_map_kwargs(cpu, "cpu") == {}
+    assert sharded_device_map_kwargs(one, "cuda") == {}
+    assert sharded_device_map_kwargs(one, "cuda:0") == {}
+    assert sharded_device_map_kwargs(two, "cpu") == {}
+    kwargs = sharded_device_map_kwargs(two, "cuda")
+    assert kwargs == {"device_map": "auto", "max_memory": two.max_memory}
+    kwargs["max_memory"][0] = 1  # accelerate does this to the dict it is given
+    assert two.max_memory[0] != 1
+    with pytest.raises(ValueError, match="auto"):
+        sharded_device_map_kwargs(two, "auto")
+    with pytest.raises(ValueError, match="mps"):
+        sharded_device_map_kwargs(two, "mps")
+
+
+def test_device_mapped_load_on_cpu_gives_the_same_logits(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    reference = LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = reference(ids).logits
+
+    plan = plan_placement(count_params_from_config(config), 4, 0, 0)
+    assert sharded_device_map_kwargs(plan, "cpu") == {}
+    loads = {
+        "cpu+1GiB": {"device_map": "cpu", "max_memory": {"cpu": "1GiB"}},
+        # The plan's own budget string goes through accelerate's parser and device-map inference.
+        "auto+plan": {"device_map": "auto", "max_memory": dict(plan.max_memory)},
+    }
+    for name, kwargs in loads.items():
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kwargs).eval()
+        assert {p.device.type for p in loaded.parameters()} == {"cpu"}, name
+        with torch.no_grad():
+            got = loaded(ids).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
