@@ -16,6 +16,7 @@ from store.factory import open_store
 from tts_service.config import JobConfig
 from tts_service.drafters.registry import NoDrafter
 from tts_service.generation import Generator
+from tts_service.replay import TrajectoryRecorder
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,15 @@ class GeneratorActor:
         store = self._store(job_id, problem_id)
         seeds = [cfg.sampling.seed + i for i in indices]
         samplings = [cfg.sampling.model_copy(update={"seed": s}) for s in seeds]
+        plain = cfg.drafter.kind == "plain"
+        drafters = [NoDrafter() if plain else gen.row_drafter(cfg.drafter, store, s) for s in seeds]
+        recorders = [TrajectoryRecorder(d) for d in drafters] if cfg.log_trajectories else []
         if len(indices) == 1:
-            drafter = (
-                None
-                if cfg.drafter.kind == "plain"
-                else gen.row_drafter(cfg.drafter, store, seeds[0])
-            )
-            outs = [gen.run(ids, drafter, samplings[0])]
+            single = None if plain and not recorders else (recorders or drafters)[0]
+            outs = [gen.run(ids, single, samplings[0])]
         else:
-            drafters = [
-                NoDrafter()
-                if cfg.drafter.kind == "plain"
-                else gen.row_drafter(cfg.drafter, store, s)
-                for s in seeds
-            ]
-            outs = gen.run_batch(ids, drafters, samplings, cfg.token_budget)
-        return [
+            outs = gen.run_batch(ids, recorders or drafters, samplings, cfg.token_budget)
+        records = [
             TrajectoryRecord(
                 problem_id,
                 i,
@@ -89,3 +83,7 @@ class GeneratorActor:
             ).to_dict()
             for i, s, o in zip(indices, seeds, outs, strict=True)
         ]
+        for rec, recorder, out in zip(records, recorders, outs, strict=False):
+            rec["prompt_ids"] = ids  # only when logging: the replay format needs them
+            rec["top_ids"], rec["top_probs"] = recorder.rows(len(out.token_ids))
+        return records

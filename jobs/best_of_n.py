@@ -126,7 +126,13 @@ def problem_result(state, cfg: JobConfig) -> dict:
         "no_answer": vote.num_no_answer,
         "correct": correct,
         "stopped_early": state.stopped_early,
-        "trajectories": [{**r, "answer": a} for r, a in zip(recs, answers, strict=True)],
+        "trajectories": [
+            {
+                **{k: v for k, v in r.items() if k not in ("top_ids", "top_probs", "prompt_ids")},
+                "answer": a,
+            }
+            for r, a in zip(recs, answers, strict=True)
+        ],
         "stats": {
             "trajectories": len(recs),
             "new_tokens": tokens,
@@ -134,6 +140,24 @@ def problem_result(state, cfg: JobConfig) -> dict:
             "acceptance_length": tokens / forwards if forwards else 0.0,
         },
     }
+
+
+def write_log_line(state, path: Path) -> None:
+    """The problem as one line of a trajectory log (`tts replay` reads it)."""
+    from tts_service.replay import LoggedProblem, LogWriter
+
+    recs = [state.records[i] for i in sorted(state.records)]
+    if not recs or any("top_ids" not in r for r in recs):
+        return  # resumed from a run without logging: nothing complete to write
+    LogWriter(path).write(
+        LoggedProblem(
+            state.problem.id,
+            recs[0]["prompt_ids"],
+            [r["token_ids"] for r in recs],
+            [r["top_ids"] for r in recs],
+            [r["top_probs"] for r in recs],
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -153,6 +177,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
 
     from actors.pool import ResultsFile, TrajectoryPool, start_actors
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init()  # inside `ray job submit`: attach to the cluster
@@ -183,6 +208,8 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
         done["problems"] += 1
         state.result = problem_result(state, cfg)
         (out / "problems" / f"{state.problem.id}.json").write_text(json.dumps(state.result))
+        if cfg.log_trajectories:
+            write_log_line(state, out / "trajectory-log.jsonl")
         print(
             f"[job] problem {state.problem.id}: answer {state.result['answer']!r} "
             f"share {state.result['share']:.2f} correct {state.result['correct']}",

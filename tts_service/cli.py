@@ -372,6 +372,51 @@ def cmd_job(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start a local Ray if none is running, deploy the app, serve until interrupted."""
+    try:
+        data = load_yaml(args.config)
+        app = (data.get("applications") or [{}])[0]
+        from tts_service.config import ServeConfig
+
+        cfg = ServeConfig.model_validate(app.get("args", {}))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config: {e}") from e
+    http = {
+        **data.get("http_options", {}),
+        **({"host": args.host} if args.host else {}),
+        **({"port": args.port} if args.port else {}),
+    }
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import time
+
+    import ray
+    from ray import serve
+
+    from tts_service.serve.app import build_app
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    serve.start(
+        http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))}
+    )
+    serve.run(
+        build_app(cfg), name=app.get("name", "tts"), route_prefix=app.get("route_prefix", "/")
+    )
+    print(
+        f"tts: serving {cfg.model.name} at http://{http.get('host', '127.0.0.1')}:"
+        f"{http.get('port', 8000)}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -437,6 +482,11 @@ def make_parser() -> argparse.ArgumentParser:
     job.add_argument("--out", help="results: the job's --out directory")
     job.add_argument("rest", nargs=argparse.REMAINDER, help="submit: -- ENTRYPOINT ...")
     job.set_defaults(func=cmd_job)
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP endpoint on Ray Serve")
+    srv.add_argument("--config", default="configs/serve.yaml", help="a Serve config file")
+    srv.add_argument("--host", help="bind address (default from the config: 127.0.0.1)")
+    srv.add_argument("--port", type=int)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -45,6 +45,22 @@ def _check_tree(name_or_path: str) -> str:
 TreeName = Annotated[str, AfterValidator(_check_tree)]
 
 
+def _check_text(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty or blank")
+    return text
+
+
+def _check_file(path: Path | None) -> Path | None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"no such file: {path}")
+    return path
+
+
+Text = Annotated[str, AfterValidator(_check_text)]
+ExistingFile = Annotated[Path, AfterValidator(_check_file)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -173,24 +189,17 @@ METHODS: dict[str, str] = {
 class GenerateRequest(_Strict):
     """One `tts generate` call: validated before anything is loaded."""
 
-    prompt: str = Field(min_length=1)
+    prompt: Text
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = PldDrafterConfig()
     sampling: SamplingConfig = SamplingConfig()
     chat: bool = False
 
-    @field_validator("prompt")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
-
 
 class SolveRequest(_Strict):
     """One `tts solve` call: best-of-N trajectories for one question."""
 
-    question: str = Field(min_length=1)
+    question: Text
     n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
@@ -202,19 +211,12 @@ class SolveRequest(_Strict):
         64, ge=1, le=4096, description="Tokens per batched forward, shared out over the rows."
     )
 
-    @field_validator("question")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("question must not be empty")
-        return v
-
 
 class CalibrateTreeRequest(_Strict):
     """`tts calibrate-tree`: grow a big STAND tree on calibration prompts, keep the best nodes."""
 
-    prompts: Path | None = Field(None, description="JSONL file with a 'prompt' field per line.")
-    trajectories: Path | None = Field(None, description="Replay this trajectory log instead.")
+    prompts: ExistingFile | None = Field(None, description="JSONL, a 'prompt' field per line.")
+    trajectories: ExistingFile | None = Field(None, description="Replay this log instead.")
     n: int = Field(4, ge=1, le=64, description="Trajectories per prompt (they share a store).")
     init_tree: TreeName = "stand-625"
     nodes: int = Field(80, ge=1, le=1024, description="Nodes kept in the calibrated tree.")
@@ -222,13 +224,6 @@ class CalibrateTreeRequest(_Strict):
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig(max_new_tokens=128)
     chat: bool = True
-
-    @field_validator("prompts", "trajectories")
-    @classmethod
-    def _exists(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(f"no such file: {v}")
-        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> CalibrateTreeRequest:
@@ -241,18 +236,11 @@ class ReplayRequest(_Strict):
     """`tts replay`: a drafter's acceptance length on logged trajectories, without the model."""
 
     method: Literal["pld", "recycle", "stand"]
-    trajectories: Path
+    trajectories: ExistingFile
     tree: TreeName | None = None
     nodes: int | None = Field(None, ge=1, le=1024, description="Tree size (PLD: chain length).")
     vocab_size: int | None = Field(None, ge=1)
     strict: bool = False
-
-    @field_validator("trajectories")
-    @classmethod
-    def _exists(cls, v: Path) -> Path:
-        if not v.is_file():
-            raise ValueError(f"no such file: {v}")
-        return v
 
 
 class Problem(_Strict):
@@ -284,6 +272,33 @@ class JobConfig(_Strict):
         False, description="Stop launching a problem's trajectories once its vote is decided."
     )
     max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
+    log_trajectories: bool = Field(
+        False, description="Also write trajectory-log.jsonl (with top-k) for `tts replay`."
+    )
+
+
+class ServeConfig(_Strict):
+    """The HTTP service: one model per replica, OpenAI-compatible routes plus /v1/solve."""
+
+    model: ModelConfig = ModelConfig()
+    served_model_name: str | None = Field(None, description="Name in /v1/models (default: model).")
+    default_method: Literal["plain", "pld", "recycle", "stand"] = "stand"
+    drafters: dict[str, dict] = Field(
+        default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
+    )
+    store: StoreConfig = StoreConfig()
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")
+    cpus_per_replica: float = Field(1.0, gt=0)
+    max_n: int = Field(64, ge=1, le=64)
+    max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
+    default_max_tokens: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+    token_budget: int = Field(64, ge=1, le=4096)
+    batch: int = Field(4, ge=1, le=64, description="Rows decoded together for n > 1.")
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -15,7 +15,13 @@ from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import build_drafter
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.decode import FinishReason, GenerationResult, generate, plain_generate
+from tts_service.engine.decode import (
+    FinishReason,
+    GenerationResult,
+    OnCommit,
+    generate,
+    plain_generate,
+)
 from tts_service.engine.metrics import GenerationStats
 from tts_service.models import LoadedModel, encode_prompt, load_model
 
@@ -78,16 +84,21 @@ class Generator:
         )
 
     def run(
-        self, prompt_ids: list[int], drafter: Drafter | None, sampling: SamplingConfig
+        self,
+        prompt_ids: list[int],
+        drafter: Drafter | None,
+        sampling: SamplingConfig,
+        on_commit: OnCommit | None = None,
     ) -> GenerationOutput:
-        """Decode one trajectory: plain decoding when `drafter` is None."""
+        """Decode one trajectory: plain decoding when `drafter` is None. `on_commit` sees the
+        tokens of every step (streaming) and cancels by returning False."""
         self.check_fits(prompt_ids, sampling)
         args = (self.loaded.model, prompt_ids)
         eos, decode = self.loaded.eos_token_ids, self.decode
         if drafter is None:
-            res = plain_generate(*args, sampling, eos, decode)
+            res = plain_generate(*args, sampling, eos, decode, on_commit=on_commit)
         else:
-            res = generate(*args, drafter, sampling, eos, decode)
+            res = generate(*args, drafter, sampling, eos, decode, on_commit=on_commit)
         return self.output(res)
 
     def run_batch(

@@ -40,21 +40,13 @@ def ray_local():
 def tiny_model_dir(tmp_path_factory, smollm2):
     """A seeded tiny random Llama with SmolLM2's tokenizer, saved like any local model."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import tiny_llama
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
     tok = smollm2.loaded.tokenizer
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=smollm2.loaded.eos_token_ids[0],
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model = tiny_llama(vocab_size=len(tok), seed=0, dtype=torch.float32)
+    model.config.eos_token_id = smollm2.loaded.eos_token_ids[0]
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

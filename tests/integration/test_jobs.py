@@ -194,3 +194,17 @@ def test_best_of_4_through_the_ray_job_api(ray_head, tiny_model_dir, tmp_path):
     assert sorted(keys) == sorted((p.id, i) for p in PROBLEMS[:2] for i in range(4))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories"] == 8 and summary["graded"] == 2
+
+
+def test_a_job_can_write_a_trajectory_log_that_replay_reads(ray_local, tiny_model_dir, tmp_path):
+    from tts_service.replay import read_log
+
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, replicas=1, batch=2, n=2, log_trajectories=True)
+    run_job(cfg, PROBLEMS[:2], out)
+    problems, errors = read_log(out / "trajectory-log.jsonl", strict=True)
+    assert not errors and [p.prompt_id for p in problems] == ["p1", "p2"]
+    assert all(len(p.responses) == 2 and p.top_ids is not None for p in problems)
+    assert (
+        "top_ids" not in json.loads((out / "problems" / "p1.json").read_text())["trajectories"][0]
+    )

@@ -23,7 +23,9 @@ from tts_service.engine.sampling import sample, store_probs, target_probs
 from tts_service.engine.tree import pack
 from tts_service.engine.verify import Acceptance, verify_greedy, verify_sampling
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "cancelled"]
+OnCommit = Callable[[Sequence[int]], bool]
+"""Sees each step's committed tokens; returning False cancels the generation."""
 STORE_TOPK = 10
 
 
@@ -47,6 +49,7 @@ class StopRule:
         cfg: SamplingConfig,
         eos_ids: Sequence[int],
         decode: Callable[[list[int]], str] | None = None,
+        on_commit: OnCommit | None = None,
     ) -> None:
         if cfg.stop and decode is None:
             raise ValueError("stop strings need a tokenizer decode function")
@@ -55,12 +58,19 @@ class StopRule:
         self.stops = cfg.stop
         self.decode = decode
         self.window = max((len(s) for s in cfg.stop), default=0) + 16
+        self.on_commit = on_commit
         self.out: list[int] = []
         self.finish: FinishReason | None = None
         self.stop_text: str | None = None
 
     def push(self, tokens: Sequence[int]) -> int:
         """Append tokens until a stop; return how many were appended."""
+        n = self._append(tokens)
+        if self.on_commit is not None and not self.on_commit(tokens[:n]) and self.finish is None:
+            self.finish = "cancelled"
+        return n
+
+    def _append(self, tokens: Sequence[int]) -> int:
         for i, t in enumerate(tokens):
             self.out.append(t)
             if t in self.eos:
@@ -88,11 +98,12 @@ def plain_generate(
     cfg: SamplingConfig,
     eos_ids: Sequence[int],
     decode: Callable[[list[int]], str] | None = None,
+    on_commit: OnCommit | None = None,
 ) -> GenerationResult:
     """Reference autoregressive decoding with a KV cache: one forward per token."""
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
-    rule, stats = StopRule(cfg, eos_ids, decode), GenerationStats()
+    rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     while rule.finish is None:
@@ -117,6 +128,7 @@ def generate(
     eos_ids: Sequence[int],
     decode: Callable[[list[int]], str] | None = None,
     max_nodes: int = 1024,
+    on_commit: OnCommit | None = None,
 ) -> GenerationResult:
     """Speculative tree decoding; commits exactly what `plain_generate` would (greedy), or the
     same distribution (sampling)."""
@@ -124,7 +136,7 @@ def generate(
         raise ValueError("prompt_ids must not be empty")
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
-    rule, stats = StopRule(cfg, eos_ids, decode), GenerationStats()
+    rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     tokens = list(prompt_ids)
     if len(tokens) > 1:  # prefill everything but the root

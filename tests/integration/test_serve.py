@@ -1,0 +1,267 @@
+"""The Serve app on a local Ray over real HTTP: OpenAI shapes, streaming, limits, errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from store.local_server import free_port
+from tts_service.config import ServeConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_model_dir):
+    from ray import serve
+
+    from tts_service.serve.app import build_app
+
+    port = free_port()
+    cfg = ServeConfig(
+        model={"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"},
+        served_model_name="tiny",
+        cpus_per_replica=0.5,
+        max_tokens_cap=64,
+        default_max_tokens=16,
+        max_body_bytes=4096,
+        drafters={"stand": {"tree": "stand-80", "num_nodes": 8}},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="tts-test", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("tts-test")
+    serve.shutdown()
+
+
+def call(base: str, path: str, body=None, raw: bytes | None = None, method: str = "POST"):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(
+        base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+    "max_tokens": 8,
+    "temperature": 0.6,
+    "seed": 1,
+}
+
+
+def test_health_and_models(server):
+    status, body = call(server, "/healthz", method="GET")
+    assert status == 200 and json.loads(body) == {"status": "ok", "model": "tiny"}
+    status, body = call(server, "/v1/models", method="GET")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
+
+
+def test_chat_completion_n4_with_majority(server):
+    status, body = call(
+        server,
+        "/v1/chat/completions",
+        {**CHAT, "n": 4, "aggregate": "majority", "spec_method": "stand"},
+    )
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["object"] == "chat.completion" and len(out["choices"]) == 4
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert all(c["message"]["role"] == "assistant" for c in out["choices"])
+    assert (
+        out["usage"]["total_tokens"]
+        == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    )
+    agg = out["tts"]["aggregate"]
+    assert agg["method"] == "majority" and agg["no_answer"] + sum(agg["votes"].values()) == 4
+    assert len(out["tts"]["trajectories"]) == 4 and out["tts"]["spec_method"] == "stand"
+
+
+def test_completions_route(server):
+    status, body = call(server, "/v1/completions", {"prompt": "Once upon", "max_tokens": 5})
+    out = json.loads(body)
+    assert status == 200 and out["object"] == "text_completion" and "text" in out["choices"][0]
+
+
+def _sse(base: str, body: dict) -> list[str]:
+    req = urllib.request.Request(
+        base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+
+
+def test_streaming_is_well_formed_and_equals_the_plain_response_under_greedy(server):
+    body = {**CHAT, "temperature": 0, "max_tokens": 12}
+    events = _sse(server, {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    status, plain = call(server, "/v1/chat/completions", body)
+    assert text == json.loads(plain)["choices"][0]["message"]["content"]
+
+
+def test_solve_returns_every_field(server):
+    status, body = call(
+        server,
+        "/v1/solve",
+        {"question": "What is 3 + 4?", "n": 3, "max_tokens": 8, "return_trajectories": True},
+    )
+    assert status == 200, body
+    out = json.loads(body)
+    for key in (
+        "answer",
+        "votes",
+        "share",
+        "no_answer",
+        "task",
+        "n",
+        "method",
+        "stats",
+        "trajectories",
+    ):
+        assert key in out
+    assert len(out["trajectories"]) == 3 and out["stats"]["acceptance_length"] >= 1.0
+
+
+MALFORMED = [
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 65}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": "four"}, "n"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "seed": -1}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**70}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "spec_method": "medusa"}, "spec_method"),
+    ("/v1/chat/completions", {**CHAT, "aggregate": "mean"}, "aggregate"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, "model"),
+    ("/v1/chat/completions", [1, 2, 3], "body"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/solve", {"n": 4}, "question"),
+    ("/v1/solve", {"question": "q", "task": "poetry"}, "task"),
+    ("/v1/solve", {"question": "q", "n": 100}, "n"),
+    ("/v1/solve", {"question": "q", "unknown_field": 1}, "unknown_field"),
+    ("/v1/solve", {"question": "q", "method": "nope"}, "method"),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body,field", MALFORMED, ids=[f"{p}-{f}-{i}" for i, (p, _, f) in enumerate(MALFORMED)]
+)
+def test_malformed_requests_get_4xx_naming_the_field(server, path, body, field):
+    status, text = call(server, path, body)
+    assert 400 <= status < 500, (status, text)
+    err = json.loads(text)["error"]
+    assert field in (err["param"] or "") or field in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "raw,status_code",
+    [(b"{not json", 400), (b"", 400), (b'{"messages": "' + b"x" * 5000 + b'"}', 413)],
+)
+def test_invalid_json_and_oversized_bodies(server, raw, status_code):
+    status, text = call(server, "/v1/chat/completions", raw=raw)
+    assert status == status_code and json.loads(text)["error"]["param"] == "body"
+
+
+def test_unknown_route_is_an_openai_style_404(server):
+    status, text = call(server, "/v1/nothing", {})
+    assert status == 404 and "error" in json.loads(text)
+
+
+def test_still_answers_after_bad_requests_and_16_concurrent_requests(server):
+    for path, body, _ in MALFORMED[:5]:
+        call(server, path, body)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(
+            pool.map(
+                lambda i: call(
+                    server, "/v1/chat/completions", {**CHAT, "seed": i, "max_tokens": 4}
+                ),
+                range(16),
+            )
+        )
+    assert all(status == 200 for status, _ in results)
+    assert len({json.loads(b)["id"] for _, b in results}) == 16
+
+
+def test_the_openai_client_works_unchanged(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=6,
+        n=2,
+        temperature=0.7,
+        seed=3,
+    )
+    assert len(out.choices) == 2 and out.usage.completion_tokens > 0
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Say hi"}],
+            max_tokens=6,
+            stream=True,
+        )
+    ]
+    assert isinstance("".join(pieces), str)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=6)
+
+
+def test_a_cancelled_stream_stops_decoding(tiny_model_dir):
+    """In-process: the engine stops at the next step once the client is gone."""
+    from tts_service.serve.api import ChatCompletionRequest
+    from tts_service.serve.engine import ServeEngine
+
+    cfg = ServeConfig(model={"name": str(tiny_model_dir), "device": "cpu"}, max_tokens_cap=512)
+    engine = ServeEngine(cfg)
+    job = engine.prepare(
+        ChatCompletionRequest(
+            messages=[{"role": "user", "content": "go"}], max_tokens=400, temperature=0.8
+        )
+    )
+    cancel, chunks = threading.Event(), []
+
+    def emit(chunk):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            cancel.set()  # the client disconnects after two deltas
+
+    engine.stream(job, cancel, emit)
+    assert chunks[-1] is None and chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert len(chunks) < 60  # far fewer than 400 tokens were decoded

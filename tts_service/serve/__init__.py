@@ -1,0 +1,1 @@
+"""Ray Serve HTTP endpoint: OpenAI-compatible completions plus best-of-N solve."""

@@ -1,0 +1,114 @@
+"""Request and response shapes of the HTTP API (OpenAI's, plus our extension fields).
+
+Requests are validated here, at the boundary; an invalid one becomes an OpenAI-style error
+body that names the field (`{"error": {"message", "type", "param", "code"}}`), never a 500.
+Unknown OpenAI fields are ignored, as vLLM does, so the OpenAI client works unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Method = Literal["plain", "pld", "recycle", "stand"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=64)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    spec_method: Method | None = Field(None, description="Speculative method (extension).")
+    aggregate: Literal["majority"] | None = Field(None, description="Vote over the n choices.")
+    task: Literal["math", "choice", "code"] = Field("math", description="How to vote.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 non-empty stop strings")
+        return stops
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_Request):
+    prompt: str = Field(min_length=1)
+
+
+class SolveHttpRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(min_length=1)
+    task: Literal["math", "choice", "code"] = "math"
+    n: int = Field(16, ge=1, le=64)
+    temperature: float = Field(0.6, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    method: Method | None = None
+    return_trajectories: bool = False
+    model: str | None = None
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and the field it is about."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
+    """Bytes -> a validated request. Raises ApiError (400) naming the first bad field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", "body") from e
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", "body")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(x) for x in first["loc"]) or "body"
+        raise ApiError(400, f"{param}: {first['msg']}", param) from e
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

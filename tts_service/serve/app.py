@@ -1,0 +1,203 @@
+"""The Ray Serve application: FastAPI ingress over one engine per replica.
+
+Routes: POST /v1/chat/completions and /v1/completions (OpenAI shapes, `stream` as server-sent
+events, plus `spec_method`, `aggregate: "majority"` and `task`), POST /v1/solve (best-of-N
+with the vote), GET /v1/models, GET /healthz. Started by `serve run configs/serve.yaml` or
+`tts serve`. A replica runs one generation at a time (its model is busy); the others wait in
+its queue, which the `tts_queue_depth` gauge shows. A client that disconnects cancels its
+work at the next decoding step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tts_service.config import ServeConfig
+from tts_service.serve.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SolveHttpRequest,
+    parse,
+)
+from tts_service.serve.engine import ServeEngine
+
+fastapi_app = FastAPI(title="tts-service", docs_url=None, redoc_url=None)
+
+
+@fastapi_app.exception_handler(ApiError)
+async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        ApiError(err.status_code, str(err.detail), None, kind).body(), status_code=err.status_code
+    )
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body over {limit} bytes", "body")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ApiError(413, f"request body over {limit} bytes", "body")
+    return raw
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(0.25)
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@serve.deployment
+@serve.ingress(fastapi_app)
+class TTSServer:
+    """Duties: validate requests, queue them for the replica's engine, run them off the event
+    loop, stream or return OpenAI-shaped results, and count metrics."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = ServeConfig.model_validate(cfg)
+        self.engine = ServeEngine(self.cfg)
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+        from ray.util import metrics
+
+        self.m_requests = metrics.Counter(
+            "tts_requests", "HTTP requests", tag_keys=("route", "status")
+        )
+        self.m_tokens = metrics.Counter("tts_generated_tokens", "Generated tokens")
+        self.m_tok_s = metrics.Gauge("tts_tokens_per_s", "Tokens/s of the last request")
+        self.m_acc = metrics.Histogram(
+            "tts_acceptance_length",
+            "Tokens per target forward",
+            boundaries=[1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0],
+        )
+        self.m_queue = metrics.Gauge("tts_queue_depth", "Requests waiting for the engine")
+
+    def _count(self, route: str, status: int, stats: list[dict] | None = None) -> None:
+        self.m_requests.inc(1, tags={"route": route, "status": str(status)})
+        for s in stats or []:
+            self.m_tokens.inc(s["new_tokens"])
+            self.m_acc.observe(s["acceptance_length"])
+            self.m_tok_s.set(s["tokens_per_s"])
+
+    async def _run(self, fn, *args):
+        """Run blocking engine work in a thread, one request at a time per replica."""
+        self.waiting += 1
+        self.m_queue.set(self.waiting)
+        async with self.lock:
+            self.waiting -= 1
+            self.m_queue.set(self.waiting)
+            return await asyncio.to_thread(fn, *args)
+
+    @fastapi_app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok", "model": self.engine.served_name}
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": self.engine.served_name, "object": "model", "owned_by": "tts-service"}],
+        }
+
+    async def _complete(self, request: Request, route: str, model_cls) -> object:
+        try:
+            req = parse(model_cls, await _body(request, self.cfg.max_body_bytes))
+            job = self.engine.prepare(req)
+        except ApiError as e:
+            self._count(route, e.status)
+            raise
+        cancel = threading.Event()
+        if req.stream:
+            self._count(route, 200)
+            return _sse(self._stream(job, cancel))
+        result = await self._run_watched(request, self.engine.complete, job, cancel)
+        self._count(route, 200, [t["stats"] for t in result.get("tts", {}).get("trajectories", [])])
+        return result
+
+    async def _run_watched(self, request: Request, fn, job, cancel: threading.Event):
+        """Run `fn(job, cancel)`, setting `cancel` if the client disconnects meanwhile."""
+        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+        try:
+            return await self._run(fn, job, cancel)
+        finally:
+            cancel.set()
+            watcher.cancel()
+
+    async def _stream(self, job, cancel: threading.Event) -> AsyncIterator[dict]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(chunk: dict | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        task = asyncio.create_task(self._run(self.engine.stream, job, cancel, emit))
+        try:
+            while True:
+                chunk = await queue.get()
+                if chunk is None:
+                    break
+                yield chunk
+            await task
+        finally:  # the client went away: stop decoding at the next step
+            cancel.set()
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, "chat", ChatCompletionRequest)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, "completions", CompletionRequest)
+
+    @fastapi_app.post("/v1/solve")
+    async def solve(self, request: Request):
+        try:
+            req = parse(SolveHttpRequest, await _body(request, self.cfg.max_body_bytes))
+            job = self.engine.prepare_solve(req)
+        except ApiError as e:
+            self._count("solve", e.status)
+            raise
+        result = await self._run_watched(request, self.engine.solve, job, threading.Event())
+        self._count("solve", 200)
+        return result
+
+
+def build_app(cfg: ServeConfig):
+    """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config)."""
+    options: dict = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica}}
+    if cfg.autoscaling:
+        options["autoscaling_config"] = cfg.autoscaling
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    return TTSServer.options(**options).bind(cfg.model_dump(mode="json"))
+
+
+def app_builder(args: dict):
+    """Entry for `serve run configs/serve.yaml` (its `args` are ServeConfig fields)."""
+    return build_app(ServeConfig.model_validate(args))

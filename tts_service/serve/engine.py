@@ -1,0 +1,304 @@
+"""What one Serve replica does with a validated request: a plain class, testable without Serve.
+
+It checks what pydantic cannot (the model name, caps from the config, the model's context),
+turns requests into engine calls, and shapes OpenAI responses with our extension field `tts`
+(the speculative method, every trajectory's counters, and the vote when asked).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter
+
+from store.factory import open_store, problem_id
+from tts_service.aggregate import extract_answer, majority_vote
+from tts_service.config import METHODS, DrafterConfig, SamplingConfig, ServeConfig
+from tts_service.generation import GenerationOutput, Generator
+from tts_service.serve.api import ApiError, ChatCompletionRequest, SolveHttpRequest, new_id, now
+from tts_service.solve import solve
+
+_DRAFTER = TypeAdapter(DrafterConfig)
+
+
+class Cancelled(Exception):
+    """The client went away."""
+
+
+@dataclass(frozen=True)
+class Job:
+    chat: bool
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingConfig
+    method: str
+    drafter: DrafterConfig
+    aggregate: bool
+    task: str
+
+
+class ServeEngine:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.generator = Generator.load(cfg.model)
+        self.served_name = cfg.served_model_name or cfg.model.name
+        self.store_url = cfg.store.url if cfg.store.url != "local-redis" else None
+
+    # -- validation beyond the schema --------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.served_name, self.cfg.model.name):
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist (serving {self.served_name!r})",
+                "model",
+                "not_found_error",
+            )
+
+    def _drafter(self, method: str | None) -> tuple[str, DrafterConfig]:
+        method = method or self.cfg.default_method
+        kind = METHODS[method]
+        return method, _DRAFTER.validate_python({"kind": kind, **self.cfg.drafters.get(kind, {})})
+
+    def _sampling(self, temperature, top_p, max_tokens, seed, stop, n) -> SamplingConfig:
+        if n > self.cfg.max_n:
+            raise ApiError(400, f"n: at most {self.cfg.max_n}", "n")
+        max_new = max_tokens or self.cfg.default_max_tokens
+        if max_new > self.cfg.max_tokens_cap:
+            raise ApiError(400, f"max_tokens: at most {self.cfg.max_tokens_cap}", "max_tokens")
+        return SamplingConfig(
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new,
+            seed=secrets.randbelow(2**31) if seed is None else seed,
+            stop=tuple(stop),
+        )
+
+    def _fit(self, ids: list[int], sampling: SamplingConfig, field: str) -> None:
+        limit = getattr(self.generator.loaded.model.config, "max_position_embeddings", None)
+        if limit and len(ids) + sampling.max_new_tokens > limit:
+            raise ApiError(
+                400,
+                f"{field}: {len(ids)} prompt tokens + max_tokens "
+                f"{sampling.max_new_tokens} exceed the context of {limit}",
+                field,
+            )
+
+    def prepare(self, req) -> Job:
+        self._check_model(req.model)
+        chat = isinstance(req, ChatCompletionRequest)
+        field = "messages" if chat else "prompt"
+        sampling = self._sampling(
+            req.temperature, req.top_p, req.max_tokens, req.seed, req.stop, req.n
+        )
+        tok = self.generator.loaded.tokenizer
+        if chat:
+            enc = tok.apply_chat_template(
+                [m.model_dump() for m in req.messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )
+            ids = list(enc["input_ids"])
+        else:
+            ids = list(tok(req.prompt)["input_ids"])
+        if not ids:
+            raise ApiError(400, f"{field}: encodes to no tokens", field)
+        self._fit(ids, sampling, field)
+        method, drafter = self._drafter(req.spec_method)
+        return Job(
+            chat, ids, req.n, sampling, method, drafter, req.aggregate == "majority", req.task
+        )
+
+    def prepare_solve(self, req: SolveHttpRequest) -> tuple[Job, SolveHttpRequest]:
+        self._check_model(req.model)
+        sampling = self._sampling(req.temperature, req.top_p, req.max_tokens, req.seed, [], req.n)
+        ids = self.generator.encode(req.question, chat=True)
+        self._fit(ids, sampling, "question")
+        method, drafter = self._drafter(req.method)
+        return Job(True, ids, req.n, sampling, method, drafter, True, req.task), req
+
+    # -- execution -----------------------------------------------------------------------
+    def _trajectories(self, job: Job, cancel: threading.Event) -> list[GenerationOutput]:
+        store = open_store(self.cfg.store, self.store_url, "problem", problem_id(job.prompt_ids))
+
+        def check(_) -> None:
+            if cancel.is_set():
+                raise Cancelled
+
+        if job.n == 1:
+            drafter = (
+                None
+                if job.drafter.kind == "plain"
+                else self.generator.row_drafter(job.drafter, store, job.sampling.seed)
+            )
+            return [
+                self.generator.run(
+                    job.prompt_ids, drafter, job.sampling, on_commit=lambda _: not cancel.is_set()
+                )
+            ]
+        res = solve(
+            self.generator,
+            job.prompt_ids,
+            job.n,
+            job.drafter,
+            job.sampling,
+            store,
+            on_trajectory=check,
+            batch=min(self.cfg.batch, job.n),
+            token_budget=self.cfg.token_budget,
+        )
+        return [t.output for t in res.trajectories]
+
+    def _extension(self, job: Job, outs: list[GenerationOutput]) -> dict:
+        ext: dict = {
+            "spec_method": job.method,
+            "trajectories": [{"index": i, "stats": o.stats.to_dict()} for i, o in enumerate(outs)],
+        }
+        if job.aggregate:
+            vote = majority_vote([extract_answer(o.text, job.task) for o in outs], job.task)
+            ext["aggregate"] = {
+                "method": "majority",
+                "answer": vote.answer,
+                "votes": vote.votes,
+                "share": vote.share,
+                "no_answer": vote.num_no_answer,
+                "winner_indices": list(vote.winner_indices),
+            }
+        return ext
+
+    def complete(self, job: Job, cancel: threading.Event) -> dict:
+        try:
+            outs = self._trajectories(job, cancel)
+        except Cancelled:
+            return {}
+        finish = {"cancelled": "stop"}
+        if job.chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": finish.get(o.finish_reason, o.finish_reason),
+                }
+                for i, o in enumerate(outs)
+            ]
+        else:
+            choices = [
+                {
+                    "index": i,
+                    "text": o.text,
+                    "logprobs": None,
+                    "finish_reason": finish.get(o.finish_reason, o.finish_reason),
+                }
+                for i, o in enumerate(outs)
+            ]
+        completion = sum(len(o.token_ids) for o in outs)
+        return {
+            "id": new_id("chatcmpl" if job.chat else "cmpl"),
+            "object": "chat.completion" if job.chat else "text_completion",
+            "created": now(),
+            "model": self.served_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(job.prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(job.prompt_ids) + completion,
+            },
+            "tts": self._extension(job, outs),
+        }
+
+    def stream(self, job: Job, cancel: threading.Event, emit: Callable[[dict | None], None]):
+        """Choices one after another, each as text deltas; `emit(None)` ends the stream."""
+        cid, created = new_id("chatcmpl" if job.chat else "cmpl"), now()
+        hold = max((len(s) for s in job.sampling.stop), default=0)
+
+        def chunk(index: int, text: str | None, finish: str | None, first: bool = False):
+            if job.chat:
+                delta = {"role": "assistant"} if first else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text or "", "finish_reason": finish}
+            emit(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk" if job.chat else "text_completion",
+                    "created": created,
+                    "model": self.served_name,
+                    "choices": [choice],
+                }
+            )
+
+        try:
+            drafter = None if job.drafter.kind == "plain" else self.generator.drafter(job.drafter)
+            for i in range(job.n):
+                if cancel.is_set():
+                    break
+                ids: list[int] = []
+                sent = [0]
+                chunk(i, None, None, first=True)
+
+                def on_commit(tokens, i=i, ids=ids, sent=sent) -> bool:
+                    ids.extend(tokens)
+                    text = self.generator.decode(ids)
+                    safe = len(text) - hold
+                    while safe > sent[0] and text[safe - 1] == "\ufffd":
+                        safe -= 1
+                    if safe > sent[0]:
+                        chunk(i, text[sent[0] : safe], None)
+                        sent[0] = safe
+                    return not cancel.is_set()
+
+                seed = job.sampling.seed + i
+                out = self.generator.run(
+                    job.prompt_ids,
+                    drafter,
+                    job.sampling.model_copy(update={"seed": seed}),
+                    on_commit=on_commit,
+                )
+                if len(out.text) > sent[0]:
+                    chunk(i, out.text[sent[0] :], None)
+                chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
+        finally:
+            emit(None)
+
+    def solve(self, job_and_req, cancel: threading.Event) -> dict:
+        job, req = job_and_req
+        try:
+            outs = self._trajectories(job, cancel)
+        except Cancelled:
+            return {}
+        ext = self._extension(job, outs)
+        tokens = sum(o.stats.new_tokens for o in outs)
+        forwards = sum(o.stats.target_forwards for o in outs)
+        wall = sum(o.stats.wall_s for o in outs)
+        body = {
+            "answer": ext["aggregate"]["answer"],
+            "votes": ext["aggregate"]["votes"],
+            "share": ext["aggregate"]["share"],
+            "no_answer": ext["aggregate"]["no_answer"],
+            "task": job.task,
+            "n": job.n,
+            "method": job.method,
+            "stats": {
+                "new_tokens": tokens,
+                "target_forwards": forwards,
+                "acceptance_length": tokens / forwards if forwards else 0.0,
+                "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                "trajectories": ext["trajectories"],
+            },
+        }
+        if req.return_trajectories:
+            body["trajectories"] = [
+                {
+                    "index": i,
+                    "text": o.text,
+                    "finish_reason": o.finish_reason,
+                    "answer": extract_answer(o.text, job.task),
+                }
+                for i, o in enumerate(outs)
+            ]
+        return body
