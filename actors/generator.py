@@ -9,6 +9,7 @@ return small records (token ids, text, counters), never tensors.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from store.base import NgramStore
@@ -42,16 +43,22 @@ class GeneratorActor:
         self.store_url = store_url
         self.generator = Generator.load(cfg.model)
         self.name = f"pid{os.getpid()}"
-        self._stores: dict[str, NgramStore] = {}  # scope id -> store (a client when Redis)
+        self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
 
     def ready(self) -> str:
         return self.name
 
     def _store(self, job_id: str, problem_id: str) -> NgramStore:
+        """The problem's store, kept for the few problems in flight (least recently used go)."""
         scope_id = f"{job_id}/{problem_id}"
-        if scope_id not in self._stores:
-            if len(self._stores) >= 8:  # keep only the problems in flight
-                self._stores.pop(next(iter(self._stores)))
+        if scope_id in self._stores:
+            self._stores.move_to_end(scope_id)
+        else:
+            if len(self._stores) >= 8:
+                _, old = self._stores.popitem(last=False)
+                sync = getattr(old, "sync", None)  # a Redis store flushes its queued writes
+                if sync is not None:
+                    sync()
             self._stores[scope_id] = open_store(self.cfg.store, self.store_url, "problem", scope_id)
         return self._stores[scope_id]
 

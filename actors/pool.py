@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
-from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
+from ray.exceptions import RayError
 
 from actors.generator import GeneratorActor
+from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
 from tts_service.config import JobConfig, Problem
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,22 @@ class ResultsFile:
         self.path = path
 
     def load(self) -> list[dict]:
+        """Every complete record. A last line cut by a crash is dropped from the file too, so
+        the next append starts on a fresh line; its trajectory is simply redone."""
         if not self.path.exists():
             return []
+        text = self.path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+            self.path.write_text(text, encoding="utf-8")
         rows = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in text.splitlines():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash: its trajectory is redone
+                row = json.loads(line)
+            except json.JSONDecodeError:
                 continue
+            if isinstance(row, dict) and isinstance(row.get("index"), int):
+                rows.append(row)
         return rows
 
     def append(self, record: dict) -> None:
@@ -115,7 +123,7 @@ class TrajectoryPool:
         states = {p.id: ProblemState(p) for p in problems}
         for rec in self.results.load():  # resume: finished work is never redone
             state = states.get(rec.get("problem_id"))
-            if state is not None and rec.get("index", -1) < self.cfg.n:
+            if state is not None and 0 <= rec["index"] < self.cfg.n:
                 state.records.setdefault(rec["index"], rec)
         queue: deque[_Chunk] = deque()
         for p in problems:
@@ -140,18 +148,22 @@ class TrajectoryPool:
             while queue and len(in_flight) < 2 * len(self.actors):
                 chunk = queue.popleft()
                 if states[chunk.problem.id].stopped_early:
+                    report_if_done(states[chunk.problem.id])
                     continue
-                actor = self.actors[turn % len(self.actors)]
+                # a retried chunk goes to another actor than the one that failed it
+                actor = self.actors[(turn + chunk.attempts) % len(self.actors)]
                 turn += 1
                 ref = actor.run.remote(
                     self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
                 )
                 in_flight[ref] = chunk
+            if not in_flight:
+                continue
             done, _ = ray.wait(list(in_flight), num_returns=1)
             chunk = in_flight.pop(done[0])
             try:
                 records = ray.get(done[0])
-            except (RayActorError, RayTaskError) as e:
+            except RayError as e:  # actor died, worker crashed, object lost, OOM-killed
                 self._retry(chunk, queue, e)
                 continue
             state = states[chunk.problem.id]

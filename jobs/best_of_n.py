@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -50,7 +52,11 @@ def load_problems(path: Path) -> list[Problem]:
     if not path.is_file():
         raise JobInputError(f"--problems: no such file: {path}")
     problems, seen = [], set()
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobInputError(f"--problems: cannot read {path}: {e}") from e
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -81,7 +87,7 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     except ValidationError as e:
         first = e.errors()[0]
         raise JobInputError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from e
-    except OSError as e:
+    except (OSError, ValueError, yaml.YAMLError) as e:
         raise JobInputError(f"--config: {e}") from e
     return cfg, load_problems(Path(args.problems)), Path(args.out)
 
@@ -172,6 +178,40 @@ def store_url(cfg: JobConfig):
         yield server.url
 
 
+def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list | None]:
+    """(config, replicas, GPUs per replica, scheduling strategies). Without GPUs: `replicas`
+    CPU actors. With GPUs: the placement plan sizes each replica from the model's parameter
+    count and reserves its GPUs as one STRICT_PACK group; a replica of several GPUs loads the
+    model sharded over exactly those (device_map + max_memory)."""
+    import ray
+    import torch
+    from transformers import AutoConfig
+
+    from actors.placement import (
+        count_params_from_config,
+        create_placement_groups,
+        plan_placement,
+        scheduling_strategy,
+    )
+    from tts_service.models import model_source
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if not gpus or cfg.model.device == "cpu":
+        return cfg, cfg.replicas or 1, 0, None
+    dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    params = count_params_from_config(AutoConfig.from_pretrained(model_source(cfg.model)))
+    plan = plan_placement(params, dtype_bytes, int(cfg.gpu_memory_gb * 1024**3), gpus)
+    replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
+    plan = dataclasses.replace(plan, num_replicas=replicas)
+    print(f"[job] placement: {plan.reason}", flush=True)
+    groups = create_placement_groups(plan, cfg.cpus_per_replica)
+    if plan.gpus_per_replica > 1:
+        memory = {str(k): v for k, v in plan.max_memory.items()}
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_memory": memory})})
+    return cfg, replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
+
+
 def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
     import ray
 
@@ -183,7 +223,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
             ray.init()  # inside `ray job submit`: attach to the cluster
         else:
             ray.init(
-                num_cpus=max(2, int(cfg.cpus_per_replica * (cfg.replicas or 1))),
+                num_cpus=max(2, math.ceil(cfg.cpus_per_replica * (cfg.replicas or 1))),
                 include_dashboard=False,
                 object_store_memory=500 * 1024**2,
             )
@@ -217,7 +257,8 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
         )
 
     with store_url(cfg) as url:
-        actors = start_actors(cfg, cfg.replicas or 1, url)
+        placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
+        actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
         pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(out / "trajectories.jsonl"))
         states = pool.run(problems, on_trajectory, on_problem)
     with (out / "results.jsonl").open("w") as f:

@@ -25,6 +25,7 @@ snapshot of `q` to the verifier.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -37,7 +38,8 @@ from store.base import NgramEntry, NgramRow, mean_entry
 
 log = logging.getLogger(__name__)
 
-_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_ERRORS = (redis.RedisError, OSError)  # lost connection, timeouts, and server refusals (OOM)
+FLUSH_ROWS = 512  # rows per round trip: a long outage's queue drains in bounded pipelines
 
 
 class StoreUnavailableError(RuntimeError):
@@ -158,7 +160,7 @@ class RedisLogitNgramStore:
             if time.monotonic() - self._degraded_since < self.retry_s:
                 return
             self._degraded_since = time.monotonic()  # next attempt after another retry_s
-        rows = list(self._pending)
+        rows = list(itertools.islice(self._pending, FLUSH_ROWS))
         wanted = list(self._wanted)[: self.refresh_batch]
         try:
             replies = self._round_trip(rows, wanted)
@@ -173,7 +175,8 @@ class RedisLogitNgramStore:
             self._counts["reconnects"] += 1
             self._degraded_since = None
         self._counts["flushed_updates"] += len(rows)
-        self._pending.clear()
+        for _ in rows:
+            self._pending.popleft()
         now = time.monotonic()
         for key, raw in zip(wanted, replies, strict=True):
             self._wanted.discard(key)
@@ -248,14 +251,19 @@ class RedisLogitNgramStore:
         replies = pipe.execute()
         self._counts["round_trips"] += 1
         if written:
-            self._enforce_cap(recent)
+            self._enforce_cap(recent)  # after the writes landed; best effort, never retried
         return replies[len(replies) - len(wanted) :] if wanted else []
 
     def _enforce_cap(self, recent: str) -> None:
-        excess = int(self.client.zcard(recent)) - self.scope.max_entries
-        if excess > 0:
+        try:
+            excess = int(self.client.zcard(recent)) - self.scope.max_entries
+            if excess <= 0:
+                return
             old = [k for k, _ in self.client.zpopmin(recent, excess)]
             self.client.unlink(*old)
+        except _ERRORS as e:  # the cap is enforced again with the next write
+            self._counts["errors"] += 1
+            log.warning("Redis entry cap not enforced this step: %s", e)
 
     def _want(self, key: tuple[int, ...]) -> None:
         if len(self._wanted) < 16 * self.refresh_batch:

@@ -95,6 +95,11 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda:0'.")
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    max_memory: dict[str, str] | None = Field(
+        None,
+        description="Shard over the visible GPUs (device_map='auto') within these per-device "
+        "budgets, e.g. {'0': '70GiB', '1': '70GiB', 'cpu': '0GiB'}; set by the placement plan.",
+    )
 
 
 class PlainDrafterConfig(_Strict):
@@ -299,6 +304,13 @@ class ServeConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
     token_budget: int = Field(64, ge=1, le=4096)
     batch: int = Field(4, ge=1, le=64, description="Rows decoded together for n > 1.")
+
+    @field_validator("store")
+    @classmethod
+    def _no_private_redis(cls, v: StoreConfig) -> StoreConfig:
+        if v.url == "local-redis":
+            raise ValueError("local-redis is for one command; give the service a redis:// URL")
+        return v
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -107,6 +107,7 @@ class Generator:
         drafters: list[Drafter],
         samplings: list[SamplingConfig],
         token_budget: int,
+        on_commit: OnCommit | None = None,
     ) -> list[GenerationOutput]:
         """Decode len(drafters) trajectories of one prompt together, one forward per step."""
         for s in samplings:
@@ -114,7 +115,7 @@ class Generator:
         decoder = BatchDecoder(
             self.loaded.model, self.loaded.eos_token_ids, self.decode, token_budget
         )
-        rows = decoder.rows([prompt_ids] * len(drafters), drafters, samplings)
+        rows = decoder.rows([prompt_ids] * len(drafters), drafters, samplings, on_commit)
         return [self.output(r) for r in decoder.run(rows)]
 
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:

@@ -161,23 +161,35 @@ def _not_found(name: str, cause: str) -> ModelNotFoundError:
     )
 
 
+def model_source(cfg: ModelConfig, cache_dir: Path | None = None) -> str | Path:
+    """Where the weights are read from: the fp32 cache for an alias, else the name itself."""
+    if cfg.name == SMOLLM2_ALIAS:
+        return _smollm2_cache((cache_dir or DEFAULT_CACHE_DIR).expanduser())
+    return cfg.name
+
+
 def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
-    """Load the configured model and tokenizer on the configured device, ready for inference."""
+    """Load the configured model and tokenizer on the configured device, ready for inference.
+
+    With `cfg.max_memory` the model is sharded (device_map="auto") over the visible GPUs."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.name == SMOLLM2_ALIAS:
-        source: str | Path = _smollm2_cache((cache_dir or DEFAULT_CACHE_DIR).expanduser())
-    else:
-        source = cfg.name
+    source = model_source(cfg, cache_dir)
+    shard: dict[str, Any] = {}
+    if cfg.max_memory:
+        shard = {
+            "device_map": "auto",
+            "max_memory": {(int(k) if k.isdigit() else k): v for k, v in cfg.max_memory.items()},
+        }
     try:
         # Model first: a directory without config.json then fails with a clear OSError.
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=cfg.attn_implementation
+            source, dtype=dtype, attn_implementation=cfg.attn_implementation, **shard
         )
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:
         raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
-    model = model.to(device).eval()
+    model = (model if shard else model.to(device)).eval()
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from store.base import NgramStore
 from tts_service.config import DrafterConfig, SamplingConfig
 from tts_service.drafters.registry import NoDrafter
+from tts_service.engine.decode import OnCommit
 from tts_service.engine.metrics import GenerationStats
 from tts_service.generation import GenerationOutput, Generator
 from tts_service.replay import LoggedProblem, TrajectoryRecorder
@@ -77,6 +78,7 @@ def solve(
     record: bool = False,
     batch: int = 1,
     token_budget: int = 64,
+    on_commit: OnCommit | None = None,
 ) -> SolveResult:
     """Run `n` trajectories; `on_trajectory` sees each one as it finishes.
 
@@ -100,6 +102,7 @@ def solve(
             record,
             batch,
             token_budget,
+            on_commit,
         )
     shared = None if drafter.kind == "plain" else generator.drafter(drafter, store, sampling.seed)
     recorder = TrajectoryRecorder(shared or NoDrafter()) if record else None
@@ -107,7 +110,7 @@ def solve(
     for i in range(n):
         seed = sampling.seed + i
         cfg = sampling.model_copy(update={"seed": seed})
-        out = generator.run(prompt_ids, recorder or shared, cfg)
+        out = generator.run(prompt_ids, recorder or shared, cfg, on_commit)
         rows = recorder.rows(len(out.token_ids)) if recorder else (None, None)
         traj = Trajectory(i, seed, out, *rows)
         result.trajectories.append(traj)
@@ -118,7 +121,17 @@ def solve(
 
 
 def _solve_waves(
-    generator, prompt_ids, n, drafter, sampling, store, on_trajectory, record, batch, token_budget
+    generator,
+    prompt_ids,
+    n,
+    drafter,
+    sampling,
+    store,
+    on_trajectory,
+    record,
+    batch,
+    token_budget,
+    on_commit,
 ) -> SolveResult:
     result = SolveResult()
     for first in range(0, n, batch):
@@ -133,6 +146,7 @@ def _solve_waves(
             recorders or drafters,
             [sampling.model_copy(update={"seed": s}) for s in seeds],
             token_budget,
+            on_commit,
         )
         for j, (seed, out) in enumerate(zip(seeds, outs, strict=True)):
             rows = recorders[j].rows(len(out.token_ids)) if recorders else (None, None)

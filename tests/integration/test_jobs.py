@@ -50,7 +50,10 @@ def _keys(path: Path) -> list[tuple[str, int]]:
 
 
 def test_killing_an_actor_mid_job_loses_and_doubles_nothing(ray_local, tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir)
+    # long enough calls that the kill lands while the actor still has work in flight
+    cfg = _cfg(
+        tiny_model_dir, sampling={"temperature": 0.6, "max_new_tokens": 64, "ignore_eos": True}
+    )
     actors = start_actors(cfg, 2, None)
     results = ResultsFile(tmp_path / "trajectories.jsonl")
     pool = TrajectoryPool(cfg, actors, "kill-test", results)
@@ -122,7 +125,7 @@ def ray_head(tmp_path_factory):
     from store.local_server import free_port
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    port, dash = free_port(), free_port()
+    port, dash, agent, agent_grpc, metrics = (free_port() for _ in range(5))
     temp = tmp_path_factory.mktemp("ray")
     proc = subprocess.Popen(
         [
@@ -137,6 +140,10 @@ def ray_head(tmp_path_factory):
             "--include-dashboard=true",
             f"--temp-dir={temp}",
             "--disable-usage-stats",
+            # Ray's fixed default ports would clash with the session's own local Ray
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -172,14 +179,23 @@ def test_best_of_4_through_the_ray_job_api(ray_head, tiny_model_dir, tmp_path):
         f"--problems {problems} --out {out} --set model.name={tiny_model_dir} "
         "--set n=4 --set batch=2 --set sampling.max_new_tokens=12 --set cpus_per_replica=1"
     )
-    job_id = client.submit_job(
-        entrypoint=entry,
-        runtime_env={
-            "working_dir": str(REPO),
-            "excludes": [".venv", "runs", ".git"],
-            "env_vars": {"HF_HUB_OFFLINE": "1"},
-        },
-    )
+    job_id = None
+    for _ in range(60):  # the dashboard answers before its job agent is ready
+        try:
+            job_id = client.submit_job(
+                entrypoint=entry,
+                runtime_env={
+                    "working_dir": str(REPO),
+                    "excludes": [".venv", "runs", ".git"],
+                    "env_vars": {"HF_HUB_OFFLINE": "1"},
+                },
+            )
+            break
+        except RuntimeError as e:
+            if "No available agent" not in str(e):
+                raise
+            time.sleep(2)
+    assert job_id is not None, "the Ray job agent never became ready"
     deadline = time.monotonic() + 300
     status = None
     while time.monotonic() < deadline:
@@ -208,3 +224,35 @@ def test_a_job_can_write_a_trajectory_log_that_replay_reads(ray_local, tiny_mode
     assert (
         "top_ids" not in json.loads((out / "problems" / "p1.json").read_text())["trajectories"][0]
     )
+
+
+def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_dir, tmp_path):
+    """The session's Ray declares 8 GPUs: the plan gives each replica one, in its own group."""
+    from ray.util import remove_placement_group
+
+    from jobs.best_of_n import placed_actors
+
+    cfg = _cfg(
+        tiny_model_dir,
+        replicas=2,
+        n=2,
+        batch=2,
+        model={"name": str(tiny_model_dir), "device": "auto", "dtype": "float32"},
+    )
+    placed, replicas, gpus, strategies = placed_actors(cfg)
+    try:
+        assert (replicas, gpus, len(strategies)) == (2, 1, 2)
+        assert placed.model.max_memory is None  # one GPU per replica: no sharding
+        actors = start_actors(placed, replicas, None, gpus, strategies)
+        ids = ray_local.get(
+            [a.__ray_call__.remote(lambda self: ray_local.get_gpu_ids()) for a in actors]
+        )
+        assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == 2
+        pool = TrajectoryPool(placed, actors, "gpu", ResultsFile(tmp_path / "t.jsonl"))
+        states = pool.run(PROBLEMS[:1])
+        assert sorted(states["p1"].records) == [0, 1]
+        for a in actors:
+            ray_local.kill(a)
+    finally:
+        for strategy in strategies or []:
+            remove_placement_group(strategy.placement_group)

@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
-from tts_service.engine.decode import STORE_TOPK, GenerationResult, StopRule
+from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import GenerationStats
 from tts_service.engine.sampling import store_probs, target_probs
 from tts_service.engine.tree import DraftTree, ancestor_mask
@@ -101,9 +101,10 @@ class BatchDecoder:
         prompts: Sequence[list[int]],
         drafters: Sequence[Drafter],
         cfgs: Sequence[SamplingConfig],
+        on_commit: OnCommit | None = None,
     ) -> list[Row]:
         return [
-            Row(list(p), d, c, StopRule(c, self.eos_ids, self.decode))
+            Row(list(p), d, c, StopRule(c, self.eos_ids, self.decode, on_commit))
             for p, d, c in zip(prompts, drafters, cfgs, strict=True)
         ]
 

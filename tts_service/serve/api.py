@@ -25,7 +25,7 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     spec_method: Method | None = Field(None, description="Speculative method (extension).")

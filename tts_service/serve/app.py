@@ -11,6 +11,7 @@ work at the next decoding step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -66,8 +67,13 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        async with contextlib.aclosing(chunks):  # closing it sets the cancel flag at once
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            except Exception as e:  # headers are sent: report in-band, as OpenAI does
+                err = ApiError(500, f"generation failed: {e}", None, "server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -101,18 +107,31 @@ class TTSServer:
     def _count(self, route: str, status: int, stats: list[dict] | None = None) -> None:
         self.m_requests.inc(1, tags={"route": route, "status": str(status)})
         for s in stats or []:
-            self.m_tokens.inc(s["new_tokens"])
+            if s["new_tokens"] > 0:
+                self.m_tokens.inc(s["new_tokens"])
             self.m_acc.observe(s["acceptance_length"])
             self.m_tok_s.set(s["tokens_per_s"])
 
-    async def _run(self, fn, *args):
-        """Run blocking engine work in a thread, one request at a time per replica."""
+    async def _run(self, fn, job, cancel: threading.Event, *extra):
+        """Run blocking engine work in a thread, one request at a time per replica.
+
+        The lock is released when the thread finishes, not when the request is cancelled: a
+        cancelled request sets `cancel`, and its thread stops at the next decoding step.
+        """
         self.waiting += 1
         self.m_queue.set(self.waiting)
-        async with self.lock:
+        try:
+            await self.lock.acquire()
+        finally:
             self.waiting -= 1
             self.m_queue.set(self.waiting)
-            return await asyncio.to_thread(fn, *args)
+        work = asyncio.ensure_future(asyncio.to_thread(fn, job, cancel, *extra))
+        work.add_done_callback(lambda _: self.lock.release())
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     @fastapi_app.get("/healthz")
     async def healthz(self) -> dict:

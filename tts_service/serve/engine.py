@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from store.factory import open_store, problem_id
+from store.redis_store import StoreUnavailableError
 from tts_service.aggregate import extract_answer, majority_vote
 from tts_service.config import METHODS, DrafterConfig, SamplingConfig, ServeConfig
 from tts_service.generation import GenerationOutput, Generator
@@ -45,7 +46,7 @@ class ServeEngine:
         self.cfg = cfg
         self.generator = Generator.load(cfg.model)
         self.served_name = cfg.served_model_name or cfg.model.name
-        self.store_url = cfg.store.url if cfg.store.url != "local-redis" else None
+        self.store_url = cfg.store.url
 
     # -- validation beyond the schema --------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -95,12 +96,17 @@ class ServeEngine:
         )
         tok = self.generator.loaded.tokenizer
         if chat:
-            enc = tok.apply_chat_template(
-                [m.model_dump() for m in req.messages],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )
+            try:
+                enc = tok.apply_chat_template(
+                    [m.model_dump() for m in req.messages],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )
+            except Exception as e:  # the model's own template refused them: the input's fault
+                raise ApiError(
+                    400, f"messages: the chat template rejected them: {e}", "messages"
+                ) from e
             ids = list(enc["input_ids"])
         else:
             ids = list(tok(req.prompt)["input_ids"])
@@ -121,36 +127,43 @@ class ServeEngine:
         return Job(True, ids, req.n, sampling, method, drafter, True, req.task), req
 
     # -- execution -----------------------------------------------------------------------
+    def _store(self, job: Job):
+        try:
+            return open_store(self.cfg.store, self.store_url, "problem", problem_id(job.prompt_ids))
+        except StoreUnavailableError as e:
+            raise ApiError(503, str(e), None, "service_unavailable") from e
+
     def _trajectories(self, job: Job, cancel: threading.Event) -> list[GenerationOutput]:
-        store = open_store(self.cfg.store, self.store_url, "problem", problem_id(job.prompt_ids))
-
-        def check(_) -> None:
-            if cancel.is_set():
-                raise Cancelled
-
+        """Every trajectory of the request; each row stops at its next step once `cancel`
+        is set (the client went away)."""
+        store = self._store(job)
         if job.n == 1:
             drafter = (
                 None
                 if job.drafter.kind == "plain"
                 else self.generator.row_drafter(job.drafter, store, job.sampling.seed)
             )
-            return [
+            outs = [
                 self.generator.run(
                     job.prompt_ids, drafter, job.sampling, on_commit=lambda _: not cancel.is_set()
                 )
             ]
-        res = solve(
-            self.generator,
-            job.prompt_ids,
-            job.n,
-            job.drafter,
-            job.sampling,
-            store,
-            on_trajectory=check,
-            batch=min(self.cfg.batch, job.n),
-            token_budget=self.cfg.token_budget,
-        )
-        return [t.output for t in res.trajectories]
+        else:
+            res = solve(
+                self.generator,
+                job.prompt_ids,
+                job.n,
+                job.drafter,
+                job.sampling,
+                store,
+                batch=min(self.cfg.batch, job.n),
+                token_budget=self.cfg.token_budget,
+                on_commit=lambda _: not cancel.is_set(),
+            )
+            outs = [t.output for t in res.trajectories]
+        if cancel.is_set():
+            raise Cancelled
+        return outs
 
     def _extension(self, job: Job, outs: list[GenerationOutput]) -> dict:
         ext: dict = {
@@ -233,7 +246,7 @@ class ServeEngine:
             )
 
         try:
-            drafter = None if job.drafter.kind == "plain" else self.generator.drafter(job.drafter)
+            store = self._store(job)
             for i in range(job.n):
                 if cancel.is_set():
                     break
@@ -244,6 +257,12 @@ class ServeEngine:
                 def on_commit(tokens, i=i, ids=ids, sent=sent) -> bool:
                     ids.extend(tokens)
                     text = self.generator.decode(ids)
+                    for s in job.sampling.stop:  # never stream a stop string or beyond
+                        if s in text:
+                            text = text[: text.index(s)]
+                    for s in job.sampling.stop:  # never stream a stop string or what follows
+                        if s in text:
+                            text = text[: text.index(s)]
                     safe = len(text) - hold
                     while safe > sent[0] and text[safe - 1] == "\ufffd":
                         safe -= 1
@@ -253,6 +272,11 @@ class ServeEngine:
                     return not cancel.is_set()
 
                 seed = job.sampling.seed + i
+                drafter = (
+                    None
+                    if job.drafter.kind == "plain"
+                    else self.generator.row_drafter(job.drafter, store, seed)
+                )
                 out = self.generator.run(
                     job.prompt_ids,
                     drafter,
