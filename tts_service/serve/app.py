@@ -1,5 +1,8 @@
 """The Ray Serve application: FastAPI ingress over one engine per replica.
 
+(No `from __future__ import annotations` here: FastAPI must see the real `Request` type
+through Serve's ingress wrapper, or it reads `request` as a query parameter.)
+
 Routes: POST /v1/chat/completions and /v1/completions (OpenAI shapes, `stream` as server-sent
 events, plus `spec_method`, `aggregate: "majority"` and `task`), POST /v1/solve (best-of-N
 with the vote), GET /v1/models, GET /healthz. Started by `serve run configs/serve.yaml` or
@@ -8,7 +11,6 @@ its queue, which the `tts_queue_depth` gauge shows. A client that disconnects ca
 work at the next decoding step.
 """
 
-from __future__ import annotations
 
 import asyncio
 import contextlib
