@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, RayError
 
 from actors.generator import GeneratorActor
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
 from tts_service.config import JobConfig, Problem
 
 log = logging.getLogger(__name__)
+RESTART_WAITS = 240  # x 0.5 s: how long a restarting actor (a model load) is waited for
 
 
 @dataclass
@@ -31,6 +33,7 @@ class _Chunk:
     problem: Problem
     indices: list[int]
     attempts: int = 0
+    waits: int = 0  # resubmissions while its actor was restarting
 
 
 @dataclass
@@ -179,8 +182,14 @@ class TrajectoryPool:
         return states
 
     def _retry(self, chunk: _Chunk, queue: deque, err: Exception) -> None:
-        chunk.attempts += 1
         self.retries += 1
+        if isinstance(err, ActorUnavailableError) and chunk.waits < RESTART_WAITS:
+            # the actor is restarting (Ray reruns its constructor): not a failed attempt
+            chunk.waits += 1
+            time.sleep(0.5)
+            queue.appendleft(chunk)
+            return
+        chunk.attempts += 1
         if chunk.attempts > self.cfg.max_retries:
             raise RuntimeError(
                 f"problem {chunk.problem.id}: trajectories {chunk.indices} failed "

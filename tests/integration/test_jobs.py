@@ -64,7 +64,11 @@ def test_killing_an_actor_mid_job_loses_and_doubles_nothing(ray_local, tiny_mode
             killed.append(rec)
             ray_local.kill(actors[0], no_restart=False)  # Ray restarts it: a crash
 
-    states = pool.run(PROBLEMS, on_trajectory=kill_once)
+    try:
+        states = pool.run(PROBLEMS, on_trajectory=kill_once)
+    finally:
+        for actor in actors:
+            ray_local.kill(actor)
     keys = _keys(results.path)
     assert sorted(keys) == sorted((p.id, i) for p in PROBLEMS for i in range(4))  # no dupes
     assert all(sorted(s.records) == [0, 1, 2, 3] for s in states.values())
@@ -240,6 +244,7 @@ def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_di
         model={"name": str(tiny_model_dir), "device": "auto", "dtype": "float32"},
     )
     placed, replicas, gpus, strategies = placed_actors(cfg)
+    actors = []
     try:
         assert (replicas, gpus, len(strategies)) == (2, 1, 2)
         assert placed.model.max_memory is None  # one GPU per replica: no sharding
@@ -251,8 +256,8 @@ def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_di
         pool = TrajectoryPool(placed, actors, "gpu", ResultsFile(tmp_path / "t.jsonl"))
         states = pool.run(PROBLEMS[:1])
         assert sorted(states["p1"].records) == [0, 1]
-        for a in actors:
-            ray_local.kill(a)
     finally:
+        for actor in actors:
+            ray_local.kill(actor)
         for strategy in strategies or []:
             remove_placement_group(strategy.placement_group)

@@ -11,7 +11,6 @@ its queue, which the `tts_queue_depth` gauge shows. A client that disconnects ca
 work at the next decoding step.
 """
 
-
 import asyncio
 import contextlib
 import json
