@@ -261,3 +261,20 @@ def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_di
             ray_local.kill(actor)
         for strategy in strategies or []:
             remove_placement_group(strategy.placement_group)
+
+
+def test_early_stop_decides_once_the_leader_cannot_be_overtaken(tiny_model_dir, tmp_path):
+    """The decision itself, on hand-made trajectories (no actor runs)."""
+    from actors.pool import ProblemState
+
+    cfg = _cfg(tiny_model_dir, n=8, early_stop=True)
+    pool = TrajectoryPool(cfg, [object()], "early", ResultsFile(tmp_path / "t.jsonl"))
+    state = ProblemState(PROBLEMS[0])
+    for i, text in enumerate(["\\boxed{2}", "\\boxed{2}", "\\boxed{3}", "\\boxed{2}"]):
+        state.records[i] = {"index": i, "text": text}
+    pool._maybe_stop_early(state)
+    assert not state.stopped_early  # 3 vs 1 with 4 to go: 3 could still reach 5
+    for i in range(4, 6):
+        state.records[i] = {"index": i, "text": "so \\boxed{2}"}
+    pool._maybe_stop_early(state)
+    assert state.stopped_early  # 5 vs 1 with 2 to go: decided
