@@ -56,15 +56,10 @@ class Generator:
     def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
         return cls(load_model(cfg, cache_dir))
 
-    def drafter(
-        self, cfg: DrafterConfig, store: NgramStore | None = None, seed: int = 0
-    ) -> Drafter:
-        """The drafter kept for this config (Token Recycling's table carries over: the hot
-        start), over this generator's own store; a STAND drafter over `store` if one is given
-        (a problem's scope)."""
+    def drafter(self, cfg: DrafterConfig) -> Drafter:
+        """The drafter kept for this config, over this generator's own store (Token Recycling's
+        table and single generations' STAND store carry over between calls)."""
         vocab = self.loaded.model.config.vocab_size
-        if store is not None and cfg.kind == "stand":
-            return build_drafter(cfg, vocab, store, seed)
         key = cfg.model_dump_json()
         if key not in self._drafters:
             self._drafters[key] = build_drafter(cfg, vocab, self.store)

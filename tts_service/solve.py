@@ -90,64 +90,22 @@ def solve(
     """
     if n < 1 or batch < 1:
         raise ValueError("n and batch must be >= 1")
-    if batch > 1:
-        return _solve_waves(
-            generator,
-            prompt_ids,
-            n,
-            drafter,
-            sampling,
-            store,
-            on_trajectory,
-            record,
-            batch,
-            token_budget,
-            on_commit,
-        )
-    shared = None if drafter.kind == "plain" else generator.drafter(drafter, store, sampling.seed)
-    recorder = TrajectoryRecorder(shared or NoDrafter()) if record else None
-    result = SolveResult()
-    for i in range(n):
-        seed = sampling.seed + i
-        cfg = sampling.model_copy(update={"seed": seed})
-        out = generator.run(prompt_ids, recorder or shared, cfg, on_commit)
-        rows = recorder.rows(len(out.token_ids)) if recorder else (None, None)
-        traj = Trajectory(i, seed, out, *rows)
-        result.trajectories.append(traj)
-        if on_trajectory is not None:
-            on_trajectory(traj)
-    result.store_stats = store.stats()
-    return result
-
-
-def _solve_waves(
-    generator,
-    prompt_ids,
-    n,
-    drafter,
-    sampling,
-    store,
-    on_trajectory,
-    record,
-    batch,
-    token_budget,
-    on_commit,
-) -> SolveResult:
+    plain = drafter.kind == "plain"
     result = SolveResult()
     for first in range(0, n, batch):
         seeds = list(range(sampling.seed + first, sampling.seed + min(first + batch, n)))
         drafters = [
-            NoDrafter() if drafter.kind == "plain" else generator.row_drafter(drafter, store, s)
-            for s in seeds
+            NoDrafter() if plain else generator.row_drafter(drafter, store, s) for s in seeds
         ]
-        recorders = [TrajectoryRecorder(d) for d in drafters] if record else None
-        outs = generator.run_batch(
-            prompt_ids,
-            recorders or drafters,
-            [sampling.model_copy(update={"seed": s}) for s in seeds],
-            token_budget,
-            on_commit,
-        )
+        recorders = [TrajectoryRecorder(d) for d in drafters] if record else []
+        cfgs = [sampling.model_copy(update={"seed": s}) for s in seeds]
+        if len(seeds) == 1:  # alone: plain decoding is the reference loop itself
+            single = None if plain and not record else (recorders or drafters)[0]
+            outs = [generator.run(prompt_ids, single, cfgs[0], on_commit)]
+        else:
+            outs = generator.run_batch(
+                prompt_ids, recorders or drafters, cfgs, token_budget, on_commit
+            )
         for j, (seed, out) in enumerate(zip(seeds, outs, strict=True)):
             rows = recorders[j].rows(len(out.token_ids)) if recorders else (None, None)
             traj = Trajectory(first + j, seed, out, *rows)
