@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
+from tts_service.engine.kv import gather_slots, keep_region, select_rows
 from tts_service.engine.metrics import GenerationStats
 from tts_service.engine.sampling import store_probs, target_probs
 from tts_service.engine.tree import DraftTree, ancestor_mask
@@ -48,34 +49,6 @@ class Row:
 def nodes_per_row(token_budget: int, active_rows: int) -> int:
     """Draft nodes each row may send: the step's token budget shared out, root included."""
     return max(0, token_budget // max(active_rows, 1) - 1)
-
-
-def _gather_slots(cache: DynamicCache, idx: torch.Tensor) -> None:
-    """Keep, per row, the cache slots `idx[b]` (`[B, m]`), in order; the cache becomes m long."""
-    for layer in cache.layers:
-        sel = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        layer.keys = layer.keys.gather(2, sel)
-        layer.values = layer.values.gather(2, sel)
-
-
-def _keep_new_region(cache: DynamicCache, start: int, idx: torch.Tensor) -> None:
-    """Rewrite the region after `start` in place with the slots `start + idx[b]`, crop to m."""
-    m = idx.shape[1]
-    for layer in cache.layers:
-        sel = (start + idx)[:, None, :, None].expand(
-            -1, layer.keys.shape[1], -1, layer.keys.shape[-1]
-        )
-        kept_k, kept_v = layer.keys.gather(2, sel), layer.values.gather(2, sel)
-        layer.keys[:, :, start : start + m] = kept_k
-        layer.values[:, :, start : start + m] = kept_v
-        layer.keys = layer.keys[:, :, : start + m]
-        layer.values = layer.values[:, :, : start + m]
-
-
-def _select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
 
 
 class BatchDecoder:
@@ -213,11 +186,11 @@ class BatchDecoder:
         for b, keep in enumerate(keeps):
             idx[b, : len(keep)] = torch.tensor(keep)
             new_valid[b, : len(keep)] = True
-        _keep_new_region(cache, prefix, idx.to(valid.device))
+        keep_region(cache, prefix, idx.to(valid.device))
         valid = torch.cat([valid, new_valid.to(valid.device)], dim=1)
         if len(still) < len(batch):  # finished rows leave the batch
             sel = torch.tensor(still, dtype=torch.long, device=valid.device)
-            _select_rows(cache, sel)
+            select_rows(cache, sel)
             valid = valid.index_select(0, sel)
         if still and valid.shape[1] > 2 * int(valid.sum(1).max()) + self.compact_slack:
             valid = self._compact(cache, valid)
@@ -242,5 +215,5 @@ class BatchDecoder:
             slots = torch.nonzero(valid[b]).flatten()
             idx[b, width - len(slots) :] = slots
             new_valid[b, width - len(slots) :] = True
-        _gather_slots(cache, idx)
+        gather_slots(cache, idx)
         return new_valid
