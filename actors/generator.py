@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from store.base import NgramStore
-from store.factory import open_store
+from store.factory import open_global_store, open_problem_store
 from tts_service.config import JobConfig
 from tts_service.drafters.registry import NoDrafter
 from tts_service.generation import Generator
@@ -43,6 +43,7 @@ class GeneratorActor:
         self.store_url = store_url
         self.generator = Generator.load(cfg.model)
         self.name = f"pid{os.getpid()}"
+        self.global_store = open_global_store(cfg.store, store_url)  # across problems
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
 
     def ready(self) -> str:
@@ -59,7 +60,9 @@ class GeneratorActor:
                 sync = getattr(old, "sync", None)  # a Redis store flushes its queued writes
                 if sync is not None:
                     sync()
-            self._stores[scope_id] = open_store(self.cfg.store, self.store_url, "problem", scope_id)
+            self._stores[scope_id] = open_problem_store(
+                self.cfg.store, self.store_url, scope_id, self.global_store
+            )
         return self._stores[scope_id]
 
     def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:

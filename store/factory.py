@@ -30,11 +30,17 @@ def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> 
     )
 
 
+def open_global_store(cfg: StoreConfig, url: str | None) -> NgramStore | None:
+    """The scope that persists across problems, when `cfg.global_scope` asks for it."""
+    return open_store(cfg, url, "global", "default") if cfg.global_scope else None
+
+
 def open_problem_store(
     cfg: StoreConfig,
     url: str | None,
-    prompt_ids: Sequence[int],
+    scope_id: str,
     global_store: NgramStore | None = None,
 ) -> NgramStore:
-    local = open_store(cfg, url, "problem", problem_id(prompt_ids))
+    """A problem's store, read before `global_store` (from `open_global_store`) if given."""
+    local = open_store(cfg, url, "problem", scope_id)
     return local if global_store is None else TieredStore(local, global_store)

@@ -200,7 +200,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     gen = _load(req)
     from tqdm import tqdm
 
-    from store.factory import open_problem_store
+    from store.factory import open_global_store, open_problem_store, problem_id
     from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
     from tts_service.solve import solve
@@ -215,7 +215,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     try:
         with _store_server(req.store.url) as url:
             try:
-                store = open_problem_store(req.store, url, ids)
+                store = open_problem_store(
+                    req.store, url, problem_id(ids), open_global_store(req.store, url)
+                )
             except StoreUnavailableError as e:
                 raise UsageError(f"--store: {e}") from e
             result = solve(

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from store.factory import open_problem_store
+from store.factory import open_problem_store, problem_id
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig, StandDrafterConfig, StoreConfig
@@ -27,7 +27,7 @@ def test_kill_9_of_redis_mid_solve_changes_nothing_and_is_recorded(smollm2):
     ids = smollm2.encode(QUESTION, chat=True)
     expect = solve(smollm2, ids, 3, STAND, GREEDY, InMemoryNgramStore())
     with LocalRedisServer() as server:
-        store = open_problem_store(StoreConfig(), server.url, ids)
+        store = open_problem_store(StoreConfig(), server.url, problem_id(ids))
 
         def crash_after_first(traj) -> None:
             if traj.index == 0:

@@ -219,6 +219,7 @@ def test_still_answers_after_bad_requests_and_16_concurrent_requests(server):
 
 def test_the_openai_client_works_unchanged(server):
     import openai  # a dev dependency: this test must not skip
+
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     out = client.chat.completions.create(
         model="tiny",

@@ -88,3 +88,17 @@ def test_tiered_store_prefers_the_problem_scope_and_writes_both():
 def test_bad_store_arguments():
     with pytest.raises(ValueError):
         InMemoryNgramStore(max_order=0)
+
+
+def test_factory_global_scope_is_shared_by_the_problems_that_ask_for_it():
+    from store.factory import open_global_store, open_problem_store
+    from tts_service.config import StoreConfig
+
+    assert open_global_store(StoreConfig(), None) is None  # off by default
+    cfg = StoreConfig(global_scope=True)
+    glob = open_global_store(cfg, None)
+    first = open_problem_store(cfg, None, "p1", glob)
+    first.add([NgramRow((4,), (8,), (1.0,))])
+    second = open_problem_store(cfg, None, "p2", glob)
+    assert second.lookup([4]).ids == (8,)  # learned by p1, read through the global scope
+    assert open_problem_store(cfg, None, "p3").lookup([4]) is None  # no global: nothing

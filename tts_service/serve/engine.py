@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from store.factory import open_store, problem_id
+from store.factory import open_global_store, open_problem_store, problem_id
 from store.redis_store import StoreUnavailableError
 from tts_service.aggregate import extract_answer, majority_vote
 from tts_service.config import METHODS, DrafterConfig, SamplingConfig, ServeConfig
@@ -47,6 +47,7 @@ class ServeEngine:
         self.generator = Generator.load(cfg.model)
         self.served_name = cfg.served_model_name or cfg.model.name
         self.store_url = cfg.store.url
+        self.global_store = open_global_store(cfg.store, self.store_url)
 
     # -- validation beyond the schema --------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -129,7 +130,9 @@ class ServeEngine:
     # -- execution -----------------------------------------------------------------------
     def _store(self, job: Job):
         try:
-            return open_store(self.cfg.store, self.store_url, "problem", problem_id(job.prompt_ids))
+            return open_problem_store(
+                self.cfg.store, self.store_url, problem_id(job.prompt_ids), self.global_store
+            )
         except StoreUnavailableError as e:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
