@@ -232,6 +232,9 @@ def _arg(s: str, i: int) -> tuple[str, int]:
     return s[i], i + 1
 
 
+_PLAIN = {"{": "(", "}": ")", "^": "**", "%": "/100"}  # LaTeX -> sympy, one character
+
+
 def _convert(s: str) -> str:
     """Translate the common LaTeX forms into sympy's Python-like syntax (raises _Unsupported)."""
     out: list[str] = []
@@ -272,20 +275,8 @@ def _convert(s: str) -> str:
                 out.append("/100")
             else:
                 raise _Unsupported(f"unsupported command \\{name}")
-        elif c == "{":
-            out.append("(")
-            i += 1
-        elif c == "}":
-            out.append(")")
-            i += 1
-        elif c == "^":
-            out.append("**")
-            i += 1
-        elif c == "%":
-            out.append("/100")
-            i += 1
         else:
-            out.append(c)
+            out.append(_PLAIN.get(c, c))
             i += 1
     return "".join(out)
 
