@@ -22,6 +22,7 @@ from actors.placement import (
     scheduling_strategy,
     sharded_device_map_kwargs,
 )
+from tests.conftest import tiny_llama
 
 GB = 10**9
 BF16 = 2
@@ -239,17 +240,8 @@ def test_sharded_device_map_kwargs() -> None:
 
 
 def test_device_mapped_load_on_cpu_gives_the_same_logits(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    reference = LlamaForCausalLM(config).eval()
+    reference = tiny_llama(vocab_size=128, seed=0, dtype=torch.float32)
+    config = reference.config
     reference.save_pretrained(tmp_path)
     ids = torch.randint(0, config.vocab_size, (2, 9))
     with torch.no_grad():
