@@ -83,3 +83,28 @@ def make_drafter(cfg, vocab_size: int, seed: int = 0):
     return build_drafter(
         cfg, vocab_size, InMemoryNgramStore(), seed, cost=CostModel.fixed(FLAT_COST)
     )
+
+
+def word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over `vocab_size` ids, "w0", "w1", ..., none special
+    (so every id survives a decode). Unknown words read as "w0".
+
+    It lets a tiny-vocabulary model run through every entry that takes text (actors, Serve)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def save_tiny_model(path, vocab_size: int, seed: int, scale: float, dtype=torch.float32):
+    """A seeded tiny Llama with no EOS and a word-level tokenizer, saved as a local model."""
+    model = tiny_llama(vocab_size=vocab_size, seed=seed, dtype=dtype, scale=scale)
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = None
+    model.save_pretrained(path)
+    word_tokenizer(vocab_size).save_pretrained(path)
+    return model

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tts_service.config import PtdDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
@@ -105,7 +106,7 @@ class ProgressiveTree:
 class PtdDrafter:
     def __init__(self, cfg: PtdDrafterConfig, seed: int = 0) -> None:
         self.cfg = cfg
-        self.rng = random.Random(seed)
+        self.rng = random.Random(stream_seed(seed, Stream.DRAFT))  # never the verifier's stream
         self.pool: dict[int, Trie] = {}
         self._perturb: dict[int, int] = {}  # last tree: tree node -> perturbation node
         self.tree = ProgressiveTree([0], cfg.max_children, cfg.max_depth, cfg.perturbation_nodes)

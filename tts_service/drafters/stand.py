@@ -20,16 +20,20 @@ import torch
 from store.base import NgramRow, NgramStore
 from tts_service.config import StandDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
 
 
 class GumbelNoise:
-    """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short."""
+    """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short.
+
+    It reads the draft stream of trajectory `seed`, never the verifier's (`engine.streams`).
+    """
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = stream_generator(seed, Stream.DRAFT)
         self.values: list[float] = []
         self.pos = 0
         self.refills = 0

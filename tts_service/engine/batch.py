@@ -20,11 +20,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
-from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
+from tts_service.drafters.base import DraftContext, Drafter
+from tts_service.engine.decode import GenerationResult, OnCommit, StopRule, store_topk
 from tts_service.engine.kv import gather_slots, keep_region, select_rows
 from tts_service.engine.metrics import GenerationStats
-from tts_service.engine.sampling import store_probs, target_probs
+from tts_service.engine.sampling import target_probs
+from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, ancestor_mask
 from tts_service.engine.verify import verify_greedy, verify_sampling
 
@@ -37,13 +38,14 @@ class Row:
     drafter: Drafter
     cfg: SamplingConfig
     rule: StopRule
+    device: torch.device  # the verifier's random stream lives where the target's logits do
     tokens: list[int] = field(init=False)
     gen: torch.Generator = field(init=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
-        self.gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.gen = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
 
 
 def nodes_per_row(token_budget: int, active_rows: int) -> int:
@@ -77,7 +79,7 @@ class BatchDecoder:
         on_commit: OnCommit | None = None,
     ) -> list[Row]:
         return [
-            Row(list(p), d, c, StopRule(c, self.eos_ids, self.decode, on_commit))
+            Row(list(p), d, c, StopRule(c, self.eos_ids, self.decode, on_commit), self.model.device)
             for p, d, c in zip(prompts, drafters, cfgs, strict=True)
         ]
 
@@ -175,8 +177,7 @@ class BatchDecoder:
             keeps.append([0, *acc.path])
             row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
             # 7. observe now, so the next row's drafting already sees this row's distributions
-            top = torch.topk(store_probs(row_logits, row.cfg), STORE_TOPK, dim=-1)
-            row.drafter.observe(tree, acc, NodeTopK(top.indices.cpu(), top.values.cpu()))
+            row.drafter.observe(tree, acc, store_topk(row_logits, row.cfg))
             if row.rule.finish is None:
                 still.append(b)
         # 6. compact KV: each row keeps root + accepted path at the front of the new region

@@ -20,6 +20,7 @@ from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.engine.kv import keep_kv
 from tts_service.engine.metrics import GenerationStats
 from tts_service.engine.sampling import sample, store_probs, target_probs
+from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import pack
 from tts_service.engine.verify import Acceptance, verify_greedy, verify_sampling
 
@@ -27,6 +28,7 @@ FinishReason = Literal["stop", "length", "cancelled"]
 OnCommit = Callable[[Sequence[int]], bool]
 """Sees each step's committed tokens; returning False cancels the generation."""
 STORE_TOPK = 10
+"""Target ids per node handed to drafters (at most the vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,12 @@ class StopRule:
         return len(tokens)
 
 
+def store_topk(logits: torch.Tensor, cfg: SamplingConfig) -> NodeTopK:
+    """The target's top ids and probabilities at every node, on the CPU, for the drafters."""
+    top = torch.topk(store_probs(logits, cfg), min(STORE_TOPK, logits.shape[-1]), dim=-1)
+    return NodeTopK(top.indices.cpu(), top.values.cpu())
+
+
 def _new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
 
@@ -102,7 +110,7 @@ def plain_generate(
 ) -> GenerationResult:
     """Reference autoregressive decoding with a KV cache: one forward per token."""
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = stream_generator(cfg.seed, Stream.VERIFY, model.device)
     rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
@@ -135,7 +143,7 @@ def generate(
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = stream_generator(cfg.seed, Stream.VERIFY, model.device)
     rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     tokens = list(prompt_ids)
@@ -185,8 +193,8 @@ def step(
     keep_kv(cache, prefix_len, [0, *acc.path])
     t2 = time.perf_counter()
     # 7. observe: the drafter learns from the target's distributions at every node
-    top = torch.topk(store_probs(logits, cfg), STORE_TOPK, dim=-1)
-    drafter.observe(tree, acc, NodeTopK(top.indices.cpu(), top.values.cpu()))
+    top = store_topk(logits, cfg)
+    drafter.observe(tree, acc, top)
     t3 = time.perf_counter()
     stats.record_step(tree.size - 1, min(acc.num_accepted, num_committed), num_committed)
     stats.draft_s += (t1 - t0) + (t3 - t2)

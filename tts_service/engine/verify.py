@@ -63,13 +63,15 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         node = nxt
 
 
-def proposal(q: SparseDist, excluded: list[int], vocab_size: int) -> torch.Tensor:
+def proposal(
+    q: SparseDist, excluded: list[int], vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """What a sampled child was actually drawn from: `q` without `excluded`, renormalised.
 
-    Returns a dense `[V]` float64 tensor (all zeros if nothing is left).
+    Returns a dense `[V]` float64 tensor on `device` (all zeros if nothing is left).
     """
-    dense = torch.zeros(vocab_size, dtype=torch.float64)
-    dense[list(q.ids)] = torch.tensor(q.probs, dtype=torch.float64)
+    dense = torch.zeros(vocab_size, dtype=torch.float64, device=device)
+    dense[list(q.ids)] = torch.tensor(q.probs, dtype=torch.float64, device=device)
     if excluded:
         dense[excluded] = 0.0
     total = dense.sum()
@@ -98,7 +100,8 @@ def rrs_step(r: torch.Tensor, q_i: torch.Tensor, x: int) -> tuple[float, torch.T
 def verify_node(
     tree: DraftTree, node: int, p: torch.Tensor, generator: torch.Generator
 ) -> tuple[int | None, torch.Tensor]:
-    """Try `node`'s children in order against the target `p` (`[V]`).
+    """Try `node`'s children in order against the target `p` (`[V]`), with uniforms from
+    `generator`, which lives on `p`'s device (as every tensor built here does).
 
     Returns:
         (the accepted child's node index, None) or (None, the residual to draw the bonus from).
@@ -109,10 +112,11 @@ def verify_node(
         if tree.sampled[child]:
             q = tree.q[node]
             assert q is not None, "a sampled child needs its parent's q snapshot"
-            accept, residual = rrs_step(r, proposal(q, tried, p.shape[-1]), x)
+            accept, residual = rrs_step(r, proposal(q, tried, p.shape[-1], p.device), x)
         else:
             accept, residual = sample_and_match_step(r, x)
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept:
+        u = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device)
+        if float(u) < accept:
             return child, r
         r = residual
         tried.append(x)

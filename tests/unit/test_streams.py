@@ -1,0 +1,99 @@
+"""A trajectory's draft and verification streams are independent (the exactness breach), and a
+vocabulary smaller than the store's top-k runs through every drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from store.base import NgramRow
+from store.memory import InMemoryNgramStore
+from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tts_service.config import SamplingConfig, StandDrafterConfig
+from tts_service.drafters.base import DraftContext
+from tts_service.drafters.registry import build_drafter
+from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.streams import Stream, stream_generator, stream_seed
+from tts_service.engine.verify import verify_sampling
+
+
+def test_draft_and_verify_seeds_never_meet():
+    seeds = range(20_000)
+    draft = {stream_seed(s, Stream.DRAFT) for s in seeds}
+    verify = {stream_seed(s, Stream.VERIFY) for s in seeds}
+    assert len(draft) == len(verify) == len(seeds)  # no two trajectories share a stream
+    assert not draft & verify  # no trajectory's draft stream is any trajectory's verifier's
+    assert all(0 <= x < 2**63 for x in draft | verify)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**31 - 1, 2**63 - 1])
+def test_the_two_streams_of_a_trajectory_differ(seed):
+    a = torch.rand(64, generator=stream_generator(seed, Stream.DRAFT), dtype=torch.float64)
+    b = torch.rand(64, generator=stream_generator(seed, Stream.VERIFY), dtype=torch.float64)
+    assert not torch.equal(a, b)
+    again = torch.rand(64, generator=stream_generator(seed, Stream.DRAFT), dtype=torch.float64)
+    assert torch.equal(a, again)  # and each is reproducible
+
+
+# the issue's model-free case: a stored q far from the target's p
+Q_IDS, Q_PROBS = (0, 1, 2), (0.6, 0.3, 0.1)
+P = torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=torch.float64)
+
+
+def _root_tokens(drafter_seed, verify_seed, draws: int) -> list[int]:
+    """One root verification per draw, each with a fresh drafter and verifier, seeded as the
+    caller says."""
+    cfg = StandDrafterConfig(num_nodes=2, tree="stand-625")
+    out = []
+    for s in range(draws):
+        store = InMemoryNgramStore()
+        store.add([NgramRow((9,), Q_IDS, Q_PROBS)])
+        drafter = build_drafter(cfg, 4, store, drafter_seed(s))
+        tree = drafter.draft(DraftContext([9], 1, 2, greedy=False))
+        p = P.expand(tree.size, -1)
+        acc = verify_sampling(tree, p, stream_generator(verify_seed(s), Stream.VERIFY))
+        out.append(acc.committed[0])
+    return out
+
+
+def _pvalue(tokens: list[int]) -> float:
+    counts = [tokens.count(t) for t in range(4)]
+    return float(chisquare(counts, [float(x) * len(tokens) for x in P]).pvalue)
+
+
+def test_production_seeding_keeps_the_root_token_exact():
+    """The drafter gets the trajectory seed, the verifier the same seed: as every caller does."""
+    assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) > 1e-3
+
+
+def test_a_shared_stream_fails_the_same_test(monkeypatch):
+    """Test of the test: the draft stream made equal to the verifier's (the breach)."""
+    import tts_service.drafters.stand as stand
+
+    monkeypatch.setattr(
+        stand, "stream_generator", lambda seed, _: stream_generator(seed, Stream.VERIFY)
+    )
+    assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) < 1e-6
+
+
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_llama(vocab_size=VOCAB, seed=2, scale=4.0)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTER_CONFIGS))
+def test_a_vocabulary_of_8_tokens_runs_through_every_drafter(small_vocab_model, name):
+    prompt = [1, 5, 3, 1, 5, 3, 1]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=24)
+    ref = plain_generate(small_vocab_model, prompt, greedy, eos_ids=[])
+    drafter = make_drafter(DRAFTER_CONFIGS[name], VOCAB)
+    assert generate(small_vocab_model, prompt, drafter, greedy, eos_ids=[]).token_ids == (
+        ref.token_ids
+    )
+    sampled = SamplingConfig(temperature=0.8, max_new_tokens=24, seed=3)
+    res = generate(small_vocab_model, prompt, drafter, sampled, eos_ids=[])
+    assert len(res.token_ids) == 24 and all(0 <= t < VOCAB for t in res.token_ids)
