@@ -2,22 +2,24 @@
 
 A plain class: tests build it in-process; `actors.pool` wraps it with `ray.remote`. Its duties:
 (1) load the model once, (2) open the problem's store scope (Redis when configured, so that
-every actor of a job shares it), (3) decode the requested trajectory indices together, (4)
-return small records (token ids, text, counters), never tensors.
+every actor of a job shares it), (3) decode the requested trajectory indices in its one
+continuously batched runner, which concurrent calls share, (4) return small records (token
+ids, text, counters), never tensors.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from store.base import NgramStore
 from store.factory import open_global_store, open_problem_store
-from tts_service.config import JobConfig
-from tts_service.drafters.registry import NoDrafter, needs_cost
+from tts_service.config import JobConfig, default_max_rows
+from tts_service.drafters.registry import needs_cost
 from tts_service.generation import Generator
-from tts_service.replay import TrajectoryRecorder
+from tts_service.runner import RunnerLoop, TrajectoryRequest, TrajectoryRunner
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class GeneratorActor:
         self.name = f"pid{os.getpid()}"
         self.global_store = open_global_store(cfg.store, store_url)  # across problems
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
+        self._stores_lock = threading.Lock()  # calls run in concurrent threads
+        self.max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
+        if cfg.drafter.kind != "plain":  # the allocator's cost surface, measured at load
+            self.generator.batch_cost(self.max_rows, 1)
+        self.loop = RunnerLoop(TrajectoryRunner(self.generator, self.max_rows))
 
     def ready(self) -> str:
         return self.name
@@ -52,6 +59,10 @@ class GeneratorActor:
     def _store(self, job_id: str, problem_id: str) -> NgramStore:
         """The problem's store, kept for the few problems in flight (least recently used go)."""
         scope_id = f"{job_id}/{problem_id}"
+        with self._stores_lock:
+            return self._open(scope_id)
+
+    def _open(self, scope_id: str) -> NgramStore:
         if scope_id in self._stores:
             self._stores.move_to_end(scope_id)
         else:
@@ -66,34 +77,41 @@ class GeneratorActor:
         return self._stores[scope_id]
 
     def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
-        """Decode trajectories `indices` of a problem (seeds: sampling.seed + index)."""
+        """Decode trajectories `indices` of a problem (seeds: sampling.seed + index).
+
+        Calls may arrive concurrently (the pool keeps several in flight): their trajectories
+        share the actor's one continuously batched runner."""
         gen, cfg = self.generator, self.cfg
         ids = gen.encode(question, chat=cfg.chat)
         store = self._store(job_id, problem_id)
-        seeds = [cfg.sampling.seed + i for i in indices]
-        samplings = [cfg.sampling.model_copy(update={"seed": s}) for s in seeds]
-        plain = cfg.drafter.kind == "plain"
-        drafters = [NoDrafter() if plain else gen.row_drafter(cfg.drafter, store, s) for s in seeds]
-        recorders = [TrajectoryRecorder(d) for d in drafters] if cfg.log_trajectories else []
-        if len(indices) == 1:
-            single = None if plain and not recorders else (recorders or drafters)[0]
-            outs = [gen.run(ids, single, samplings[0])]
-        else:
-            outs = gen.run_batch(ids, recorders or drafters, samplings, cfg.token_budget)
-        records = [
-            TrajectoryRecord(
+        requests = [
+            TrajectoryRequest(
                 problem_id,
                 i,
-                s,
+                ids,
+                cfg.sampling.model_copy(update={"seed": cfg.sampling.seed + i}),
+                cfg.drafter,
+                store,
+                record=cfg.log_trajectories,
+            )
+            for i in indices
+        ]
+        report = self.loop.run(requests)
+        records = []
+        for res in sorted(report.results, key=lambda r: r.request.index):
+            o = res.output
+            rec = TrajectoryRecord(
+                problem_id,
+                res.request.index,
+                res.request.sampling.seed,
                 o.text,
                 list(o.token_ids),
                 o.finish_reason,
                 o.stats.to_dict(),
                 self.name,
             ).to_dict()
-            for i, s, o in zip(indices, seeds, outs, strict=True)
-        ]
-        for rec, recorder, out in zip(records, recorders, outs, strict=False):
-            rec["prompt_ids"] = ids  # only when logging: the replay format needs them
-            rec["top_ids"], rec["top_probs"] = recorder.rows(len(out.token_ids))
+            if res.top_ids is not None:  # only when logging: the replay format needs them
+                rec["prompt_ids"] = ids
+                rec["top_ids"], rec["top_probs"] = res.top_ids, res.top_probs
+            records.append(rec)
         return records

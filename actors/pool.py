@@ -22,7 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayError
 
 from actors.generator import GeneratorActor
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
-from tts_service.config import JobConfig, Problem
+from tts_service.config import JobConfig, Problem, default_max_rows
 
 log = logging.getLogger(__name__)
 RESTART_WAITS = 240  # x 0.5 s: how long a restarting actor (a model load) is waited for
@@ -85,6 +85,12 @@ class ResultsFile:
             f.flush()
 
 
+def calls_per_actor(cfg: JobConfig) -> int:
+    """Calls kept in flight per actor: enough chunks of `batch` trajectories to keep its
+    `max_rows` rows full, plus one waiting (an actor runs that many calls concurrently)."""
+    return -(-(cfg.max_rows or default_max_rows("cpu")) // cfg.batch) + 1
+
+
 def start_actors(
     cfg: JobConfig,
     num: int,
@@ -101,6 +107,7 @@ def start_actors(
             "num_gpus": gpus_per_replica,
             "max_restarts": 3,
             "max_task_retries": 0,
+            "max_concurrency": calls_per_actor(cfg),
         }
         if strategies:
             opts["scheduling_strategy"] = strategies[i]
@@ -151,7 +158,7 @@ class TrajectoryPool:
             report_if_done(state)
         turn = 0
         while queue or in_flight:
-            while queue and len(in_flight) < 2 * len(self.actors):
+            while queue and len(in_flight) < calls_per_actor(self.cfg) * len(self.actors):
                 chunk = queue.popleft()
                 if states[chunk.problem.id].stopped_early:
                     report_if_done(states[chunk.problem.id])

@@ -1,210 +1,192 @@
-"""Best-of-N benchmark on SmolLM2-135M at T=0.6: every configuration in one run, ratios against
-plain decoding measured in the same run.
+"""Best-of-N throughput on SmolLM2-135M: our runner against `generate(num_return_sequences=N)`,
+every configuration in one run, in turn, on the same problems and seeds.
 
-    python bench/best_of_n.py [--prompts 2] [--n 16] [--max-new-tokens 128]
-        [--sequential plain pld recycle stand stand-det stand-tr80]
-        [--batched hf plain-b16 stand-b4 stand-b8 stand-b16] [--log runs/bon-log.jsonl]
+    python bench/best_of_n.py [--prompts 4] [--n 16] [--max-new-tokens 256] [--rounds 1]
+        [--configs hf plain stand-waves stand]
 
-Sequential rows (STAND's setting): trajectory i drafts from what trajectories < i stored;
-acceptance length is reported over the first N = 1, 4, 8, 16 trajectories. Batched rows:
-`hf` is `model.generate(do_sample=True, num_return_sequences=n)`, the peer a user would pick;
-`<method>-bK` runs the n trajectories in waves of K rows. `--log` writes the plain sequential
-trajectories as a trajectory log for `tts replay`.
+Configurations:
+- `hf`: `model.generate(do_sample=True, num_return_sequences=n)` problem by problem, the peer a
+  user would pick (a finished row stays in the batch until the longest one ends).
+- `plain`: our runner, continuous batching of `--max-rows` rows, no drafts.
+- `stand-waves`: STAND in waves of `--max-rows` rows (each wave waits for its longest row), a
+  fixed budget of `--token-budget` tokens per forward shared out over the rows (the earlier
+  rule).
+- `stand`: our runner, continuous batching and cost-aware speculation (the allocator picks the
+  draft nodes per row at every step from the measured cost surface).
+
+Each round runs every configuration over all problems, in a rotated order. Reports tokens/s,
+target forwards per token, mean rows per forward and, for the runner, the draft nodes per row
+over time; JSON lines to `--out`, a Markdown table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import (
-    ModelConfig,
-    PlainDrafterConfig,
-    PldDrafterConfig,
-    RecyclingDrafterConfig,
-    SamplingConfig,
-    StandDrafterConfig,
-)
-from tts_service.engine.batch import nodes_per_row
+from tts_service.config import ModelConfig, PlainDrafterConfig, SamplingConfig, StandDrafterConfig
 from tts_service.generation import Generator
-from tts_service.replay import LogWriter
-from tts_service.solve import solve
+from tts_service.runner import TrajectoryRunner
+from tts_service.solve import ProblemInput, solve_problems
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
-METHODS = {
-    "plain": PlainDrafterConfig(),
-    "pld": PldDrafterConfig(),
-    "recycle": RecyclingDrafterConfig(num_nodes=16),
-    "stand": StandDrafterConfig(num_nodes=16),
-    "stand-det": StandDrafterConfig(num_nodes=16, stochastic=False),
-    "stand-tr80": StandDrafterConfig(num_nodes=16, tree="recycling-80"),
-}
+STAND = StandDrafterConfig(num_nodes=16)
 
 
-def first_n(trajs, n: int) -> float:
-    """Acceptance length over the first n trajectories (tokens / forwards, pooled)."""
-    sel = trajs[:n]
-    return sum(t.output.stats.new_tokens for t in sel) / max(
-        1, sum(t.output.stats.target_forwards for t in sel)
-    )
-
-
-def run_hf(gen: Generator, ids: list[int], cfg: SamplingConfig, n: int) -> dict:
-    model = gen.loaded.model
-    x = torch.tensor([ids], device=model.device)
-    torch.manual_seed(cfg.seed)
-    t = time.perf_counter()
-    out = model.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        do_sample=True,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        top_k=None,
-        max_new_tokens=cfg.max_new_tokens,
-        num_return_sequences=n,
-        pad_token_id=gen.loaded.eos_token_ids[0],
-    )
-    wall = time.perf_counter() - t
-    eos = set(gen.loaded.eos_token_ids)
-    tokens, forwards = 0, 0
-    for row in out[:, len(ids) :].tolist():
-        cut = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
-        tokens += cut
-        forwards += cut
+def run_hf(gen: Generator, problems: list[list[int]], cfg: SamplingConfig, n: int) -> dict:
+    model, eos = gen.loaded.model, set(gen.loaded.eos_token_ids)
+    tokens = forwards = rows = 0
+    t0 = time.perf_counter()
+    for ids in problems:
+        x = torch.tensor([ids], device=model.device)
+        torch.manual_seed(cfg.seed)
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=1.0,
+            top_k=None,
+            max_new_tokens=cfg.max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=gen.loaded.eos_token_ids[0],
+        )
+        steps = out.shape[1] - len(ids)
+        for row in out[:, len(ids) :].tolist():
+            tokens += next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+        forwards += steps
+        rows += steps * n
+    wall = time.perf_counter() - t0
     return {
-        "tokens": tokens,
+        "new_tokens": tokens,
+        "target_forwards": forwards,
         "wall_s": wall,
-        "forwards": forwards,
-        "steps": out.shape[1] - len(ids),
+        "tokens_per_s": tokens / wall,
+        "mean_rows_per_forward": rows / max(1, forwards),
+        "acceptance_length": 1.0,
     }
+
+
+def run_ours(
+    gen: Generator,
+    problems: list[list[int]],
+    cfg: SamplingConfig,
+    n: int,
+    name: str,
+    args: argparse.Namespace,
+) -> dict:
+    inputs = [ProblemInput(f"p{i}", ids, InMemoryNgramStore()) for i, ids in enumerate(problems)]
+    if name == "stand-waves":  # each problem in waves of max_rows rows, a fixed budget
+        t0 = time.perf_counter()
+        runs = []
+        for p in inputs:
+            for first in range(0, n, args.max_rows):
+                runner = TrajectoryRunner(gen, args.max_rows, "fixed", args.token_budget)
+                wave = min(args.max_rows, n - first)
+                runs.append(
+                    solve_problems(
+                        runner, [p], wave, STAND, cfg.model_copy(update={"seed": cfg.seed + first})
+                    )
+                )
+        wall = time.perf_counter() - t0
+        stats = [r.stats() for r in runs]
+        tokens = sum(s["new_tokens"] for s in stats)
+        forwards = sum(s["target_forwards"] for s in stats)
+        row_forwards = sum(s["row_forwards"] for s in stats)
+        return {
+            "new_tokens": tokens,
+            "target_forwards": forwards,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall,
+            "mean_rows_per_forward": row_forwards / max(1, forwards),
+            "acceptance_length": tokens / max(1, row_forwards),
+            "nodes_per_row": max(0, args.token_budget // args.max_rows - 1),
+        }
+    drafter = STAND if name == "stand" else PlainDrafterConfig()
+    run = solve_problems(TrajectoryRunner(gen, args.max_rows), inputs, n, drafter, cfg)
+    out = run.stats()
+    trace = run.report.nodes_trace
+    out["nodes_trace"] = trace[:: max(1, len(trace) // 40)]  # ~40 points: (t, rows, nodes)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--max-rows", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=64)
-    ap.add_argument("--sequential", nargs="*", default=list(METHODS))
-    ap.add_argument(
-        "--batched", nargs="*", default=["hf", "plain-b16", "stand-b4", "stand-b8", "stand-b16"]
-    )
-    ap.add_argument("--log", default="runs/bon-log.jsonl")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--configs", nargs="*", default=["hf", "plain", "stand-waves", "stand"])
     ap.add_argument("--out", default="runs/best_of_n.jsonl")
     args = ap.parse_args()
 
     gen = Generator.load(ModelConfig(name="smollm2-135m"))
     rows = [json.loads(x) for x in PROMPTS.read_text().splitlines() if x.strip()][: args.prompts]
-    encoded = [gen.encode(r["prompt"], chat=True) for r in rows]
+    problems = [gen.encode(r["prompt"], chat=True) for r in rows]
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    gen.run(encoded[0], None, sampling.model_copy(update={"max_new_tokens": 8}))  # warm-up
+    t0 = time.perf_counter()
+    gen.batch_cost(args.max_rows, 256)  # measured once, before any timing
+    calibration_s = time.perf_counter() - t0
+    print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if args.log:
-        Path(args.log).unlink(missing_ok=True)
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {c: [] for c in args.configs}
     with open(args.out, "w") as f:
-        configs = [(m, 1) for m in args.sequential] + [
-            (b.rsplit("-b", 1)[0], int(b.rsplit("-b", 1)[1])) if b != "hf" else ("hf", 0)
-            for b in args.batched
-        ]
-        for method, batch in configs:
-            name = method if batch == 1 else ("hf" if batch == 0 else f"{method}-b{batch}")
-            agg = {"tokens": 0, "forwards": 0, "wall_s": 0.0, "by_n": {}}
-            for p, ids in tqdm(list(zip(rows, encoded, strict=True)), desc=name, file=sys.stderr):
-                if batch == 0:
-                    r = run_hf(gen, ids, sampling, args.n)
-                    agg["tokens"] += r["tokens"]
-                    agg["forwards"] += r["steps"]  # one batched forward per step
-                    agg["wall_s"] += r["wall_s"]
-                    continue
-                store = InMemoryNgramStore()
-                record = bool(args.log) and method == "plain" and batch == 1
-                t = time.perf_counter()
-                res = solve(
-                    gen,
-                    ids,
-                    args.n,
-                    METHODS[method],
-                    sampling,
-                    store,
-                    record=record,
-                    batch=batch,
-                    token_budget=args.token_budget,
-                )
-                agg["wall_s"] += time.perf_counter() - t
-                total = res.totals()
-                agg["tokens"] += total.new_tokens
-                agg["forwards"] += total.target_forwards if batch == 1 else 0
-                if batch > 1:  # one forward per step for the whole wave
-                    agg["forwards"] += sum(
-                        max(t.output.stats.target_forwards for t in res.trajectories[i : i + batch])
-                        for i in range(0, args.n, batch)
-                    )
-                for k in (1, 4, 8, 16):
-                    if k <= args.n:
-                        agg["by_n"].setdefault(k, []).append(first_n(res.trajectories, k))
-                agg.setdefault("acc_len", []).append(
-                    total.new_tokens / max(1, total.target_forwards)
-                )
-                if record:
-                    LogWriter(Path(args.log)).write(res.logged(p["id"], ids))
-            entry = {
-                "name": name,
-                "method": method,
-                "batch": batch,
-                **agg,
-                "tokens_per_s": agg["tokens"] / agg["wall_s"],
-                "per_row_nodes": nodes_per_row(args.token_budget, batch) if batch > 1 else None,
-            }
-            results[name] = entry
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
+        f.write(
+            json.dumps(
+                {
+                    "batch_cost": gen.batch_cost(args.max_rows, 256).to_dict(),
+                    "calibration_s": calibration_s,
+                }
+            )
+            + "\n"
+        )
+        for rnd in range(args.rounds):
+            order = (
+                args.configs[rnd % len(args.configs) :] + args.configs[: rnd % len(args.configs)]
+            )
+            for name in order:
+                if name == "hf":
+                    r = run_hf(gen, problems, sampling, args.n)
+                else:
+                    r = run_ours(gen, problems, sampling, args.n, name, args)
+                r.update(name=name, round=rnd, load=os.getloadavg()[0])
+                results[name].append(r)
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                print(f"{name}: {r['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     print(markdown(results, args))
 
 
-def markdown(results: dict, args) -> str:
-    base = results.get("plain", next(iter(results.values())))["tokens_per_s"]
-    seq = [r for r in results.values() if r["batch"] == 1]
-    ns = [k for k in (1, 4, 8, 16) if k <= args.n]
+def markdown(results: dict[str, list[dict]], args) -> str:
+    def mean(name: str, key: str) -> float:
+        return sum(r[key] for r in results[name]) / len(results[name])
+
+    base = mean("hf", "tokens_per_s") if results.get("hf") else None
     lines = [
-        f"Sequential best-of-{args.n} (T={args.temperature}, {args.prompts} prompts, "
-        f"{args.max_new_tokens} new tokens): acceptance length over the first N "
-        "trajectories, and speed vs plain.",
+        f"{args.prompts} problems × {args.n} trajectories, ≤ {args.max_new_tokens} new tokens, "
+        f"T = {args.temperature}, {args.max_rows} rows, {args.rounds} round(s).",
         "",
-        "| method | " + " | ".join(f"A (N={k})" for k in ns) + " | tokens/s | vs plain |",
-        "|---|" + "---|" * (len(ns) + 2),
+        "| configuration | tokens | wall s | tokens/s | vs hf | forwards per token "
+        "| rows per forward | tokens per row-forward |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in seq:
-        accs = [sum(r["by_n"][k]) / len(r["by_n"][k]) for k in ns]
+    for name in results:
+        tps = mean(name, "tokens_per_s")
         lines.append(
-            f"| {r['name']} | "
-            + " | ".join(f"{a:.2f}" for a in accs)
-            + f" | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |"
-        )
-    lines += [
-        "",
-        f"Batched best-of-{args.n} (token budget {args.token_budget} per forward):",
-        "",
-        "| configuration | wall s | tokens/s | vs plain sequential | tokens per row-forward "
-        "| forwards per token | draft nodes per row |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results.values():
-        acc = sum(r.get("acc_len", [0])) / max(1, len(r.get("acc_len", [])))
-        fpt = r["forwards"] / max(1, r["tokens"])
-        lines.append(
-            f"| {r['name']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} "
-            f"| {r['tokens_per_s'] / base:.2f}x | {acc:.2f} | {fpt:.3f} "
-            f"| {r['per_row_nodes'] if r['per_row_nodes'] is not None else '-'} |"
+            f"| {name} | {mean(name, 'new_tokens'):.0f} | {mean(name, 'wall_s'):.1f} "
+            f"| {tps:.1f} | {f'{tps / base:.2f}x' if base else '-'} "
+            f"| {mean(name, 'target_forwards') / mean(name, 'new_tokens'):.3f} "
+            f"| {mean(name, 'mean_rows_per_forward'):.2f} | {mean(name, 'acceptance_length'):.2f} |"
         )
     return "\n".join(lines)
 

@@ -100,7 +100,7 @@ def main() -> None:
             for p, ids in enumerate(encoded):
                 gen, store = state[(m, p)]
                 cfg = sampling.model_copy(update={"seed": sampling.seed + i})
-                trajs[m][p] += solve(gen, ids, 1, cfgs[m], cfg, store).trajectories
+                trajs[m][p] += solve(gen, ids, 1, cfgs[m], cfg, store).problems[0].trajectories
     results = {}
     with open(out, "w") as f:
         f.write(json.dumps({"cost": [c.to_dict() for c in base.cost.curves.values()]}) + "\n")

@@ -80,15 +80,14 @@ def end_to_end(gen: Generator, url: str, n: int, max_new: int) -> dict:
                 url, scope=RedisScope("problem", f"e2e-{time.time()}")
             )
         )
-        res = solve(gen, ids, n, StandDrafterConfig(num_nodes=16), cfg, store)
-        total = res.totals()
+        total = solve(gen, ids, n, StandDrafterConfig(num_nodes=16), cfg, store).stats()
         out[name] = {
-            "steps": total.target_forwards,
-            "tokens": total.new_tokens,
-            "acceptance_length": total.acceptance_length,
-            "draft_and_store_ms_per_step": total.draft_s / total.target_forwards * 1e3,
-            "step_ms": total.wall_s / total.target_forwards * 1e3,
-            "overhead_share": total.draft_s / total.wall_s,
+            "steps": total["target_forwards"],
+            "tokens": total["new_tokens"],
+            "acceptance_length": total["acceptance_length"],
+            "draft_and_store_ms_per_step": total["draft_s"] / total["target_forwards"] * 1e3,
+            "step_ms": total["wall_s"] / total["target_forwards"] * 1e3,
+            "overhead_share": total["draft_s"] / total["wall_s"],
         }
     return out
 

@@ -17,8 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from jobs.common import (
     JobInputError,
     Progress,
@@ -27,33 +25,14 @@ from jobs.common import (
     load_config,
     run_pool,
 )
-from tts_service.config import JobConfig, Problem
+from tts_service.config import JobConfig, Problem, read_problems
 
 
 def load_problems(path: Path) -> list[Problem]:
-    if not path.is_file():
-        raise JobInputError(f"--problems: no such file: {path}")
-    problems, seen = [], set()
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise JobInputError(f"--problems: cannot read {path}: {e}") from e
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            problem = Problem.model_validate_json(line)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "line"
-            raise JobInputError(f"--problems: {path}:{lineno}: {where}: {first['msg']}") from e
-        if problem.id in seen:
-            raise JobInputError(f"--problems: {path}:{lineno}: duplicate id {problem.id!r}")
-        seen.add(problem.id)
-        problems.append(problem)
-    if not problems:
-        raise JobInputError(f"--problems: {path} has no problems")
-    return problems
+        return read_problems(path)
+    except ValueError as e:
+        raise JobInputError(f"--problems: {e}") from e
 
 
 def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:

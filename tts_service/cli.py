@@ -24,8 +24,10 @@ from tts_service.config import (
     GenerateRequest,
     ReplayRequest,
     SolveRequest,
+    default_max_rows,
     load_yaml,
     method_drafter,
+    read_problems,
 )
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
@@ -190,52 +192,63 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
+    if (args.question is None) == (args.problems is None):
+        raise UsageError("--problems: give one QUESTION or --problems FILE (not both)")
     req = _request(
         args,
         SolveRequest,
         {
             "question": args.question,
+            "problems": args.problems,
+            "task": args.task,
             "n": args.n,
             "chat": not args.no_chat,
-            "batch": args.batch,
-            "token_budget": args.token_budget,
+            "max_rows": args.max_rows,
             "store": _store_flags(args),
         },
     )
+    if req.problems is not None:
+        try:
+            questions = [(p.id, p.question) for p in read_problems(req.problems)]
+        except ValueError as e:
+            raise UsageError(f"--problems: {e}") from e
+    else:
+        questions = [(args.prompt_id, req.question)]
     gen = _load(req)
     from tqdm import tqdm
 
     from store.factory import open_global_store, open_problem_store, problem_id
     from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
-    from tts_service.solve import solve
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.solve import ProblemInput, solve_problems
 
-    ids = gen.encode(req.question, chat=req.chat)
-    bar = tqdm(total=req.n, desc="trajectories", file=sys.stderr, disable=None)
+    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
 
-    def progress(t) -> None:
+    def progress(_pid, t) -> None:
         bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
         bar.update(1)
 
+    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
     try:
         with _store_server(req.store.url) as url:
             try:
-                store = open_problem_store(
-                    req.store, url, problem_id(ids), open_global_store(req.store, url)
-                )
+                global_store = open_global_store(req.store, url)
+                problems = []
+                for pid, question in questions:
+                    ids = gen.encode(question, chat=req.chat)
+                    store = open_problem_store(req.store, url, problem_id(ids), global_store)
+                    problems.append(ProblemInput(pid, ids, store))
             except StoreUnavailableError as e:
                 raise UsageError(f"--store: {e}") from e
-            result = solve(
-                gen,
-                ids,
+            run = solve_problems(
+                TrajectoryRunner(gen, max_rows),
+                problems,
                 req.n,
                 req.drafter,
                 req.sampling,
-                store,
                 on_trajectory=progress,
                 record=args.log is not None,
-                batch=req.batch,
-                token_budget=req.token_budget,
             )
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
@@ -244,13 +257,19 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if args.log is not None:
         from tts_service.replay import LogWriter
 
-        LogWriter(Path(args.log)).write(result.logged(args.prompt_id, ids))
+        writer = LogWriter(Path(args.log))
+        for problem, result in zip(problems, run.problems, strict=True):
+            writer.write(result.logged(problem.problem_id, problem.prompt_ids))
+    out = run.to_dict(req.task)
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        print(json.dumps(out, ensure_ascii=False))
     else:
-        for t in result.trajectories:
-            print(f"--- trajectory {t.index} ({t.output.finish_reason}) ---\n{t.output.text}")
-        print(json.dumps(result.to_dict()["stats"]), file=sys.stderr)
+        for p in out["problems"]:
+            for t in p["trajectories"]:
+                print(f"--- {p['id']} trajectory {t['index']} ({t['finish_reason']}) ---")
+                print(t["text"])
+            print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']} ===")
+        print(json.dumps(out["stats"]), file=sys.stderr)
     return 0
 
 
@@ -438,12 +457,18 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=cmd_generate)
     sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
-    sol.add_argument("question", help="the problem text")
+    sol.add_argument("question", nargs="?", help="the problem text (or --problems FILE)")
+    sol.add_argument("--problems", help="JSONL of problems (the jobs' format), all in one run")
+    sol.add_argument("--task", default="math", help="how answers are voted: math, choice, code")
     _add_common_flags(sol)
     sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
-    sol.add_argument("--batch", type=int, default=1, help="rows decoded together (waves)")
+    sol.add_argument(
+        "--max-rows",
+        type=int,
+        help="rows decoded together, refilled as they finish (default: 16 on CPU, 64 on GPU)",
+    )
     sol.add_argument(
         "--store",
         help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",
@@ -453,7 +478,6 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="if Redis is unreachable at start, go on with a local store",
     )
-    sol.add_argument("--token-budget", type=int, default=64, help="tokens per batched forward")
     sol.add_argument("--prompt-id", default="q0", help="the problem's id in the log")
     sol.set_defaults(func=cmd_solve)
     cal = sub.add_parser("calibrate-tree", help="data-driven STAND tree (625 nodes -> best K)")

@@ -24,7 +24,7 @@ from tts_service.drafters.registry import (
     new_gt_stats,
     new_spine_index,
 )
-from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.allocate import BatchCost, SlotStats, measure_batch_cost
 from tts_service.engine.cost import CostModel
 from tts_service.engine.decode import (
     FinishReason,
@@ -58,7 +58,12 @@ class GenerationOutput:
 
 
 class Generator:
-    def __init__(self, loaded: LoadedModel, cost: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cost: CostModel | None = None,
+        batch_cost: BatchCost | None = None,
+    ) -> None:
         self.loaded = loaded
         self._drafters: dict[str, Drafter] = {}
         self._tables: dict[str, AdjacencyTable | torch.Tensor] = {}
@@ -67,6 +72,9 @@ class Generator:
         self.store = InMemoryNgramStore()  # shared by this generator's single generations
         # the verify cost on this device, measured per context bucket when GT sizing asks
         self.cost = cost or CostModel.for_model(loaded.model)
+        self._batch_costs: dict[int, CostModel[BatchCost]] = {}  # per max_rows
+        self._fixed_batch_cost = batch_cost  # one surface everywhere (tests, replay)
+        self._slots: dict[str, SlotStats] = {}  # per drafter config: α̂ by tree slot
 
     @classmethod
     def load(
@@ -132,22 +140,24 @@ class Generator:
             res = generate(*args, drafter, sampling, eos, decode, on_commit=on_commit)
         return self.output(res)
 
-    def run_batch(
-        self,
-        prompt_ids: list[int],
-        drafters: list[Drafter],
-        samplings: list[SamplingConfig],
-        token_budget: int,
-        on_commit: OnCommit | None = None,
-    ) -> list[GenerationOutput]:
-        """Decode len(drafters) trajectories of one prompt together, one forward per step."""
-        for s in samplings:
-            self.check_fits(prompt_ids, s)
-        decoder = BatchDecoder(
-            self.loaded.model, self.loaded.eos_token_ids, self.decode, token_budget
-        )
-        rows = decoder.rows([prompt_ids] * len(drafters), drafters, samplings, on_commit)
-        return [self.output(r) for r in decoder.run(rows)]
+    def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
+        """How often each tree slot of this method's trees is accepted (the runner's α̂),
+        learned across every run on this generator."""
+        return self._slots.setdefault(cfg.model_dump_json(), SlotStats())
+
+    def batch_cost(self, max_rows: int, context_len: int) -> BatchCost:
+        """The measured cost of batched verify forwards (up to `max_rows` rows) at this
+        context, measured the first time a bucket is needed (seconds on a CPU)."""
+        if self._fixed_batch_cost is not None:
+            return self._fixed_batch_cost
+        if max_rows not in self._batch_costs:
+            model = self.loaded.model
+            max_tokens = 4096 if model.device.type == "cuda" else 256
+            self._batch_costs[max_rows] = CostModel(
+                lambda n: measure_batch_cost(model, n, max_rows, max_tokens),
+                getattr(model.config, "max_position_embeddings", None),
+            )
+        return self._batch_costs[max_rows].at(context_len)
 
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
         """A drafter for one trajectory or batch row: each has its own per-sequence state (PLD's

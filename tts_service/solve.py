@@ -1,22 +1,24 @@
-"""Best-of-N for one problem: N trajectories sharing one logit n-gram store.
+"""Best-of-N for one or many problems: N trajectories per problem, sharing the problem's store,
+all decoded by the one trajectory runner.
 
-Trajectory i samples with seed `seed + i`. Trajectories run one after another here, so the
-i-th drafts from everything the earlier ones stored (STAND's setting); the acceptance length
-per trajectory index shows the store's growth.
+Trajectory i of a problem samples with seed `seed + i`. With `max_rows = 1` trajectories run
+one after another, so the i-th drafts from everything the earlier ones stored (STAND's
+setting); with more rows they decode continuously batched, a finished row's slot going to the
+next waiting trajectory of the same problem or the next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from store.base import NgramStore
+from tts_service.aggregate import extract_answer, majority_vote
 from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.drafters.registry import NoDrafter
 from tts_service.engine.decode import OnCommit
-from tts_service.engine.metrics import GenerationStats
 from tts_service.generation import GenerationOutput, Generator
-from tts_service.replay import LoggedProblem, TrajectoryRecorder
+from tts_service.replay import LoggedProblem
+from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
 
 
 @dataclass(frozen=True)
@@ -31,16 +33,33 @@ class Trajectory:
         return {"index": self.index, "seed": self.seed, **self.output.to_dict()}
 
 
+@dataclass(frozen=True)
+class ProblemInput:
+    """One problem to solve: its id, prompt tokens and the store its trajectories share."""
+
+    problem_id: str
+    prompt_ids: list[int]
+    store: NgramStore
+
+
 @dataclass
 class SolveResult:
+    """One problem's trajectories (by index) and its store's statistics."""
+
+    problem_id: str = "q0"
     trajectories: list[Trajectory] = field(default_factory=list)
     store_stats: dict = field(default_factory=dict)
 
-    def totals(self) -> GenerationStats:
-        total = GenerationStats()
-        for t in self.trajectories:
-            total.merge(t.output.stats)
-        return total
+    def vote(self, task: str) -> dict:
+        """The aggregator's majority vote over the trajectories' answers."""
+        vote = majority_vote([extract_answer(t.output.text, task) for t in self.trajectories], task)
+        return {
+            "answer": vote.answer,
+            "votes": vote.votes,
+            "share": vote.share,
+            "no_answer": vote.num_no_answer,
+            "winner_indices": list(vote.winner_indices),
+        }
 
     def logged(self, prompt_id: str, prompt_ids: list[int]) -> LoggedProblem:
         """This problem as one line of a trajectory log (see `tts_service.replay`)."""
@@ -53,18 +72,91 @@ class SolveResult:
             [t.top_probs for t in self.trajectories] if recorded else None,
         )
 
-    def to_dict(self) -> dict:
-        return {
+    def to_dict(self, task: str | None = None) -> dict:
+        tokens = sum(t.output.stats.new_tokens for t in self.trajectories)
+        forwards = sum(t.output.stats.target_forwards for t in self.trajectories)
+        out = {
+            "id": self.problem_id,
             "trajectories": [t.to_dict() for t in self.trajectories],
             "stats": {
                 "num_trajectories": len(self.trajectories),
-                "total": self.totals().to_dict(),
+                "new_tokens": tokens,
+                "row_forwards": forwards,
+                "acceptance_length": round(tokens / forwards, 4) if forwards else 0.0,
                 "acceptance_length_by_index": [
                     round(t.output.stats.acceptance_length, 4) for t in self.trajectories
                 ],
                 "store": self.store_stats,
             },
         }
+        if task is not None:
+            out.update(self.vote(task))
+        return out
+
+
+@dataclass
+class SolveRun:
+    """Every problem of one run, and the run's own counters (real wall time, forwards)."""
+
+    problems: list[SolveResult]
+    report: RunReport
+
+    def stats(self) -> dict:
+        return self.report.summary()
+
+    def to_dict(self, task: str | None = None) -> dict:
+        return {
+            "problems": [p.to_dict(task) for p in self.problems],
+            "stats": self.stats(),
+        }
+
+
+def solve_problems(
+    runner: TrajectoryRunner,
+    problems: Sequence[ProblemInput],
+    n: int,
+    drafter: DrafterConfig,
+    sampling: SamplingConfig,
+    on_trajectory: Callable[[str, Trajectory], None] | None = None,
+    record: bool = False,
+    on_commit: OnCommit | None = None,
+    skip: Callable[[TrajectoryRequest], bool] | None = None,
+) -> SolveRun:
+    """Run `n` trajectories of every problem through `runner`, problem after problem in the
+    queue; `on_trajectory(problem_id, trajectory)` sees each one as it finishes."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    results = {p.problem_id: SolveResult(p.problem_id) for p in problems}
+    if len(results) != len(problems):
+        raise ValueError("problem ids must be unique")
+    requests = [
+        TrajectoryRequest(
+            p.problem_id,
+            i,
+            p.prompt_ids,
+            sampling.model_copy(update={"seed": sampling.seed + i}),
+            drafter,
+            p.store,
+            record,
+            on_commit,
+        )
+        for p in problems
+        for i in range(n)
+    ]
+
+    def collect(res: TrajectoryResult) -> None:
+        req = res.request
+        traj = Trajectory(req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs)
+        results[req.problem_id].trajectories.append(traj)
+        if on_trajectory is not None:
+            on_trajectory(req.problem_id, traj)
+
+    report = runner.run(requests, collect, skip)
+    for p in problems:
+        res = results[p.problem_id]
+        res.trajectories.sort(key=lambda t: t.index)
+        res.store_stats = p.store.stats()
+    return SolveRun([results[p.problem_id] for p in problems], report)
 
 
 def solve(
@@ -76,41 +168,19 @@ def solve(
     store: NgramStore,
     on_trajectory: Callable[[Trajectory], None] | None = None,
     record: bool = False,
-    batch: int = 1,
-    token_budget: int = 64,
+    max_rows: int = 1,
     on_commit: OnCommit | None = None,
-) -> SolveResult:
-    """Run `n` trajectories; `on_trajectory` sees each one as it finishes.
-
-    `batch` = 1 runs them one after another; larger runs waves of `batch` rows decoded together
-    (`token_budget` tokens per forward, shared out over the rows), later waves drafting from
-    what earlier ones stored. With `record`, every trajectory keeps the target's top-k at each
-    of its tokens (for the trajectory log); plain decoding then runs through the speculative
-    engine with no drafts.
-    """
-    if n < 1 or batch < 1:
-        raise ValueError("n and batch must be >= 1")
-    plain = drafter.kind == "plain"
-    result = SolveResult()
-    for first in range(0, n, batch):
-        seeds = list(range(sampling.seed + first, sampling.seed + min(first + batch, n)))
-        drafters = [
-            NoDrafter() if plain else generator.row_drafter(drafter, store, s) for s in seeds
-        ]
-        recorders = [TrajectoryRecorder(d) for d in drafters] if record else []
-        cfgs = [sampling.model_copy(update={"seed": s}) for s in seeds]
-        if len(seeds) == 1:  # alone: plain decoding is the reference loop itself
-            single = None if plain and not record else (recorders or drafters)[0]
-            outs = [generator.run(prompt_ids, single, cfgs[0], on_commit)]
-        else:
-            outs = generator.run_batch(
-                prompt_ids, recorders or drafters, cfgs, token_budget, on_commit
-            )
-        for j, (seed, out) in enumerate(zip(seeds, outs, strict=True)):
-            rows = recorders[j].rows(len(out.token_ids)) if recorders else (None, None)
-            traj = Trajectory(first + j, seed, out, *rows)
-            result.trajectories.append(traj)
-            if on_trajectory is not None:
-                on_trajectory(traj)
-    result.store_stats = store.stats()
-    return result
+) -> SolveRun:
+    """One problem's `n` trajectories, `max_rows` of them decoding at a time."""
+    runner = TrajectoryRunner(generator, max_rows)
+    cb = None if on_trajectory is None else (lambda _pid, t: on_trajectory(t))
+    return solve_problems(
+        runner,
+        [ProblemInput("q0", list(prompt_ids), store)],
+        n,
+        drafter,
+        sampling,
+        cb,
+        record,
+        on_commit,
+    )

@@ -120,8 +120,8 @@ def test_solve_samples_exactly(generator, prompt, exact, method, batch):
     for first in range(0, SAMPLES, batch):
         sampling = SAMPLING.model_copy(update={"seed": first})
         store = skewed_store(prompt, exact)
-        res = solve(generator, prompt, batch, drafter, sampling, store, batch=batch)
-        for t in res.trajectories:
+        run = solve(generator, prompt, batch, drafter, sampling, store, max_rows=batch)
+        for t in run.problems[0].trajectories:
             samples.append(t.output.token_ids)
             accepted += t.output.stats.new_tokens - t.output.stats.target_forwards
     assert accepted > 0.05 * SAMPLES, accepted  # drafts are accepted, and rejected too
@@ -148,6 +148,7 @@ def test_the_actor_samples_exactly(model_dir, exact, skewed_problem_stores, meth
         sampling=SAMPLING.model_copy(update={"seed": 7}),
         chat=False,
         batch=batch,
+        max_rows=batch,
     )
     actor = GeneratorActor(cfg)
     samples = []
@@ -159,7 +160,7 @@ def test_the_actor_samples_exactly(model_dir, exact, skewed_problem_stores, meth
 
 @pytest.fixture(scope="module")
 def serve_engine(model_dir) -> ServeEngine:
-    return ServeEngine(ServeConfig(model=_model_cfg(model_dir), batch=4))
+    return ServeEngine(ServeConfig(model=_model_cfg(model_dir), max_rows=4))
 
 
 @pytest.mark.parametrize("n", [1, 4])

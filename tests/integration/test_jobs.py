@@ -223,7 +223,8 @@ def test_a_job_can_write_a_trajectory_log_that_replay_reads(ray_local, tiny_mode
     cfg = _cfg(tiny_model_dir, replicas=1, batch=2, n=2, log_trajectories=True)
     run_job(cfg, PROBLEMS[:2], out)
     problems, errors = read_log(out / "trajectory-log.jsonl", strict=True)
-    assert not errors and [p.prompt_id for p in problems] == ["p1", "p2"]
+    # one line per problem as each finishes; an actor's concurrent calls may finish p2 first
+    assert not errors and sorted(p.prompt_id for p in problems) == ["p1", "p2"]
     assert all(len(p.responses) == 2 and p.top_ids is not None for p in problems)
     assert (
         "top_ids" not in json.loads((out / "problems" / "p1.json").read_text())["trajectories"][0]

@@ -25,7 +25,7 @@ STAND = StandDrafterConfig(num_nodes=16)
 
 def test_kill_9_of_redis_mid_solve_changes_nothing_and_is_recorded(smollm2):
     ids = smollm2.encode(QUESTION, chat=True)
-    expect = solve(smollm2, ids, 3, STAND, GREEDY, InMemoryNgramStore())
+    expect = solve(smollm2, ids, 3, STAND, GREEDY, InMemoryNgramStore()).problems[0]
     with LocalRedisServer() as server:
         store = open_problem_store(StoreConfig(), server.url, problem_id(ids))
 
@@ -33,7 +33,9 @@ def test_kill_9_of_redis_mid_solve_changes_nothing_and_is_recorded(smollm2):
             if traj.index == 0:
                 server.kill()
 
-        got = solve(smollm2, ids, 3, STAND, GREEDY, store, on_trajectory=crash_after_first)
+        got = solve(
+            smollm2, ids, 3, STAND, GREEDY, store, on_trajectory=crash_after_first
+        ).problems[0]
     assert [t.output.token_ids for t in got.trajectories] == [
         t.output.token_ids for t in expect.trajectories
     ]
@@ -74,6 +76,7 @@ def test_a_second_process_learns_from_the_first_through_redis():
     with LocalRedisServer() as server:
         first = _solve_cli(server.url)
         second = _solve_cli(server.url)
+    first, second = first["problems"][0], second["problems"][0]
     a1 = first["trajectories"][0]["stats"]["acceptance_length"]
     a2 = second["trajectories"][0]["stats"]["acceptance_length"]
     assert first["trajectories"][0]["token_ids"] == second["trajectories"][0]["token_ids"]

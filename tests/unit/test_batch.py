@@ -31,9 +31,10 @@ def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_c
     refs = [
         plain_generate(tiny_model, p, c, eos_ids=[eos]) for p, c in zip(prompts, cfgs, strict=True)
     ]
-    decoder = BatchDecoder(tiny_model, eos_ids=[eos], token_budget=48, compact_slack=0)
+    decoder = BatchDecoder(tiny_model, eos_ids=[eos], compact_slack=0)
     drafters = [make_drafter(drafter_config, VOCAB) for _ in prompts]
-    results = decoder.run(decoder.rows(prompts, drafters, cfgs))
+    rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
+    results = decoder.run(rows, token_budget=48)
     for i, (res, ref) in enumerate(zip(results, refs, strict=True)):
         assert res.token_ids == ref.token_ids, f"row {i}"
         assert res.finish_reason == ref.finish_reason
@@ -83,9 +84,12 @@ def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards():
         SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i)
         for i, n in enumerate((40, 15, 40, 30, 8, 40))
     ]
-    spy = _Spy(model, eos_ids=[], token_budget=60, compact_slack=0)
+    spy = _Spy(model, eos_ids=[], compact_slack=0)
     drafters = [_Recording(make_drafter(DRAFTER_CONFIGS[n], VOCAB), spy) for n in names]
-    spy.run(spy.rows(prompts, drafters, cfgs))
+    spy.run(
+        [spy.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)],
+        token_budget=60,
+    )
     checked = 0
     for contexts, logits in spy.steps:
         for b, (tokens, tree) in enumerate(contexts):

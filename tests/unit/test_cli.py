@@ -25,6 +25,11 @@ BAD = [
     (["generate", "--config", "/no/such.yaml", "hi"], "--config"),
     (["generate", "--stop", "", "hi"], "--stop"),
     (["generate"], "prompt"),
+    (["solve"], "--problems"),
+    (["solve", "--problems", "/no/such.jsonl"], "--problems"),
+    (["solve", "--problems", "jobs/demo_problems.jsonl", "also a question"], "--problems"),
+    (["solve", "--max-rows", "0", "q"], "--max-rows"),
+    (["solve", "--task", "poetry", "q"], "--task"),
     (["frobnicate"], "frobnicate"),
 ]
 

@@ -137,14 +137,15 @@ def test_a_row_inside_a_batch_matches_the_exact_distribution(model, exact):
     """The middle row of a 3-row batch, its neighbours with other prompts and drafters."""
     from tts_service.engine.batch import BatchDecoder
 
-    decoder = BatchDecoder(model, eos_ids=[], token_budget=24)
+    decoder = BatchDecoder(model, eos_ids=[])
     names = ("recycling-16", "stand-16", "pld")
     drafters = [make_drafter(DRAFTER_CONFIGS[n], VOCAB) for n in names]
     prompts = [[1, 2, 3, 1, 2], PROMPT, [5]]
     samples, accepted = [], 0
     for seed in range(SAMPLES):
         cfgs = [CFG.model_copy(update={"seed": 3 * seed + i}) for i in range(3)]
-        res = decoder.run(decoder.rows(prompts, drafters, cfgs))[1]
+        rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
+        res = decoder.run(rows, token_budget=24)[1]
         samples.append(res.token_ids)
         accepted += res.stats.new_tokens - res.stats.target_forwards
     assert accepted / SAMPLES > 0.05

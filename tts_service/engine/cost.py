@@ -19,12 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.engine.tree import DraftTree, pack
 
+Curve = TypeVar("Curve")
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_BUCKET = 256  # contexts up to this length share one curve; each next bucket is 4x longer
 
@@ -173,32 +175,31 @@ def context_bucket(context_len: int) -> int:
     return bucket
 
 
-class CostModel:
-    """One measured `VerifyCost` per context bucket, measured the first time it is needed.
+class CostModel(Generic[Curve]):
+    """One measured cost curve per context bucket, measured the first time it is needed: a
+    `VerifyCost` for one row, or the runner's `BatchCost` surface.
 
     Measurement is lazy so a model that never uses a GT-sized drafter pays nothing; a run whose
     contexts grow from 300 to 3000 tokens measures twice (1024, 4096), a few seconds each.
     """
 
-    def __init__(
-        self, measure: Callable[[int], VerifyCost], max_context: int | None = None
-    ) -> None:
+    def __init__(self, measure: Callable[[int], Curve], max_context: int | None = None) -> None:
         self._measure = measure
         self.max_context = max_context
-        self.curves: dict[int, VerifyCost] = {}
+        self.curves: dict[int, Curve] = {}
         self.calibration_s = 0.0
 
     @classmethod
-    def for_model(cls, model: PreTrainedModel, repeats: int = 3) -> CostModel:
+    def for_model(cls, model: PreTrainedModel, repeats: int = 3) -> CostModel[VerifyCost]:
         limit = getattr(model.config, "max_position_embeddings", None)
         return cls(lambda n: measure_verify_cost(model, n, repeats=repeats), limit)
 
     @classmethod
-    def fixed(cls, cost: VerifyCost) -> CostModel:
+    def fixed(cls, cost: Curve) -> CostModel[Curve]:
         """The same curve at every context (tests, replay)."""
         return cls(lambda _: cost)
 
-    def at(self, context_len: int) -> VerifyCost:
+    def at(self, context_len: int) -> Curve:
         bucket = context_bucket(context_len)
         if self.max_context is not None:
             bucket = min(bucket, max(1, self.max_context - CALIBRATION_SIZES[-1]))

@@ -44,3 +44,37 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys.index_select(0, rows)
         layer.values = layer.values.index_select(0, rows)
+
+
+def append_rows(
+    cache: DynamicCache, valid: torch.Tensor, new: DynamicCache, new_valid: torch.Tensor
+) -> torch.Tensor:
+    """Add `new`'s rows below `cache`'s (rows joining a running batch); returns the joint
+    `valid`. The narrower side is left padded with invalid slots, which no row attends to.
+
+    A layer not yet written (every prompt so far was one token) counts as width 0."""
+    width = max(valid.shape[1], new_valid.shape[1])
+    for a, b in zip(cache.layers, new.layers, strict=True):
+        if not a.is_initialized and not b.is_initialized:
+            continue  # both sides are 0 wide: the first forward creates the layer
+        ref = a if a.is_initialized else b
+        parts = []
+        for layer, rows in ((a, valid.shape[0]), (b, new_valid.shape[0])):
+            k, v = (layer.keys, layer.values) if layer.is_initialized else (None, None)
+            if k is None or k.dim() != 4:  # unwritten, or emptied to a 1-D placeholder
+                shape = (rows, ref.keys.shape[1], 0, ref.keys.shape[3])
+                k, v = ref.keys.new_zeros(shape), ref.values.new_zeros(shape)
+            pad = width - k.shape[2]
+            if pad:
+                k = torch.nn.functional.pad(k, (0, 0, pad, 0))
+                v = torch.nn.functional.pad(v, (0, 0, pad, 0))
+            parts.append((k, v))
+        if not a.is_initialized:
+            a.lazy_initialization(ref.keys, ref.values)
+        a.keys = torch.cat([parts[0][0], parts[1][0]], dim=0)
+        a.values = torch.cat([parts[0][1], parts[1][1]], dim=0)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=False)
+
+    return torch.cat([padded(valid), padded(new_valid.to(valid.device))], dim=0)

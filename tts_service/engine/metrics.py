@@ -1,8 +1,10 @@
-"""Additive per-trajectory counters; rates are derived only at report time.
+"""Counters of one trajectory (`GenerationStats`) and of a batch's forwards (`ForwardStats`);
+rates are derived only at report time (`tts_service.runner.summarize`).
 
 Acceptance length = committed tokens per target forward, the bonus token included (so plain
-decoding has exactly 1.0). Sums over trajectories, actors and jobs stay correct because only
-counts and seconds are stored.
+decoding has exactly 1.0). A row's `wall_s` is its own latency (join to finish); rows of one
+batch overlap, so a run's speed is its total tokens over its real elapsed time, never a sum of
+rows' walls.
 """
 
 from __future__ import annotations
@@ -29,20 +31,6 @@ class GenerationStats:
         for d in range(num_accepted):
             self.accepted_at_depth[d] += 1
 
-    def merge(self, other: GenerationStats) -> None:
-        """Add another trajectory's counters into this one."""
-        self.new_tokens += other.new_tokens
-        self.target_forwards += other.target_forwards
-        self.tree_nodes += other.tree_nodes
-        for d, c in enumerate(other.accepted_at_depth):
-            if d < len(self.accepted_at_depth):
-                self.accepted_at_depth[d] += c
-            else:
-                self.accepted_at_depth.append(c)
-        self.draft_s += other.draft_s
-        self.verify_s += other.verify_s
-        self.wall_s += other.wall_s
-
     @property
     def acceptance_length(self) -> float:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
@@ -63,3 +51,40 @@ class GenerationStats:
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
         }
+
+
+@dataclass
+class ForwardStats:
+    """Per-forward counters of a batch: what the device did, apart from any one row.
+
+    A row's `GenerationStats` counts the forwards it took part in; these count the forwards
+    themselves, so a 4-row step is one forward here and one row-forward in each of 4 rows."""
+
+    forwards: int = 0
+    row_forwards: int = 0  # sum over forwards of the rows in it
+    tokens_sent: int = 0  # rows x padded tree width, summed: what the device computed
+    draft_nodes: int = 0
+    new_tokens: int = 0
+    draft_s: float = 0.0
+    forward_s: float = 0.0  # pack, forward, verify, accept, KV compaction and observe
+    prefill_s: float = 0.0
+    trace: list[tuple[int, int]] = field(default_factory=list)  # per forward: (rows, width)
+    last_draft_s: float = 0.0
+    last_forward_s: float = 0.0
+
+    def record(
+        self, rows: int, width: int, nodes: int, tokens: int, draft_s: float, forward_s: float
+    ) -> None:
+        self.forwards += 1
+        self.row_forwards += rows
+        self.tokens_sent += rows * width
+        self.draft_nodes += nodes
+        self.new_tokens += tokens
+        self.draft_s += draft_s
+        self.forward_s += forward_s
+        self.trace.append((rows, width))
+        self.last_draft_s, self.last_forward_s = draft_s, forward_s
+
+    @property
+    def mean_rows_per_forward(self) -> float:
+        return self.row_forwards / self.forwards if self.forwards else 0.0

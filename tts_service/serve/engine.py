@@ -17,10 +17,16 @@ from pydantic import TypeAdapter
 from store.factory import open_global_store, open_problem_store, problem_id
 from store.redis_store import StoreUnavailableError
 from tts_service.aggregate import extract_answer, majority_vote
-from tts_service.config import DrafterConfig, SamplingConfig, ServeConfig, method_drafter
-from tts_service.generation import GenerationOutput, Generator
+from tts_service.config import (
+    DrafterConfig,
+    SamplingConfig,
+    ServeConfig,
+    default_max_rows,
+    method_drafter,
+)
+from tts_service.generation import Generator
+from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
 from tts_service.serve.api import ApiError, ChatCompletionRequest, SolveHttpRequest, new_id, now
-from tts_service.solve import solve
 
 _DRAFTER = TypeAdapter(DrafterConfig)
 
@@ -49,6 +55,9 @@ class ServeEngine:
         self.served_name = cfg.served_model_name or cfg.model.name
         self.store_url = cfg.store.url
         self.global_store = open_global_store(cfg.store, self.store_url)
+        max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
+        self.generator.batch_cost(max_rows, 1)  # the allocator's cost surface, up front
+        self.runner = TrajectoryRunner(self.generator, max_rows)  # one request at a time
 
     # -- validation beyond the schema --------------------------------------------------
     def _check_model(self, name: str | None) -> None:
@@ -137,41 +146,40 @@ class ServeEngine:
         except StoreUnavailableError as e:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
-    def _trajectories(self, job: Job, cancel: threading.Event) -> list[GenerationOutput]:
-        """Every trajectory of the request; each row stops at its next step once `cancel`
-        is set (the client went away)."""
+    def _requests(
+        self, job: Job, cancel: threading.Event, on_commit=None
+    ) -> list[TrajectoryRequest]:
+        """The request's n trajectories (seeds: seed + index), each stopping at its next step
+        once `cancel` is set (the client went away)."""
         store = self._store(job)
-        if job.n == 1:
-            drafter = (
-                None
-                if job.drafter.kind == "plain"
-                else self.generator.row_drafter(job.drafter, store, job.sampling.seed)
-            )
-            outs = [
-                self.generator.run(
-                    job.prompt_ids, drafter, job.sampling, on_commit=lambda _: not cancel.is_set()
-                )
-            ]
-        else:
-            res = solve(
-                self.generator,
+        return [
+            TrajectoryRequest(
+                "request",
+                i,
                 job.prompt_ids,
-                job.n,
+                job.sampling.model_copy(update={"seed": job.sampling.seed + i}),
                 job.drafter,
-                job.sampling,
                 store,
-                batch=min(self.cfg.batch, job.n),
-                token_budget=self.cfg.token_budget,
-                on_commit=lambda _: not cancel.is_set(),
+                on_commit=(lambda _t: not cancel.is_set())
+                if on_commit is None
+                else (lambda t, i=i: on_commit(i, t)),
             )
-            outs = [t.output for t in res.trajectories]
+            for i in range(job.n)
+        ]
+
+    def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
+        """Every trajectory of the request, in index order, through the replica's runner."""
+        report = self.runner.run(self._requests(job, cancel), skip=lambda _r: cancel.is_set())
         if cancel.is_set():
             raise Cancelled
-        return outs
+        report.results.sort(key=lambda r: r.request.index)
+        return report
 
-    def _extension(self, job: Job, outs: list[GenerationOutput]) -> dict:
+    def _extension(self, job: Job, report: RunReport) -> dict:
+        outs = [r.output for r in report.results]
         ext: dict = {
             "spec_method": job.method,
+            "stats": report.summary(),
             "trajectories": [{"index": i, "stats": o.stats.to_dict()} for i, o in enumerate(outs)],
         }
         if job.aggregate:
@@ -188,9 +196,10 @@ class ServeEngine:
 
     def complete(self, job: Job, cancel: threading.Event) -> dict:
         try:
-            outs = self._trajectories(job, cancel)
+            report = self._trajectories(job, cancel)
         except Cancelled:
             return {}
+        outs = [r.output for r in report.results]
         finish = {"cancelled": "stop"}
         if job.chat:
             choices = [
@@ -223,11 +232,13 @@ class ServeEngine:
                 "completion_tokens": completion,
                 "total_tokens": len(job.prompt_ids) + completion,
             },
-            "tts": self._extension(job, outs),
+            "tts": self._extension(job, report),
         }
 
     def stream(self, job: Job, cancel: threading.Event, emit: Callable[[dict | None], None]):
-        """Choices one after another, each as text deltas; `emit(None)` ends the stream."""
+        """The n choices decode together; each streams as text deltas tagged with its index
+        (interleaved, as OpenAI streams n > 1) and ends with its finish chunk; `emit(None)`
+        ends the stream."""
         cid, created = new_id("chatcmpl" if job.chat else "cmpl"), now()
         hold = max((len(s) for s in job.sampling.stop), default=0)
 
@@ -249,60 +260,45 @@ class ServeEngine:
                 }
             )
 
+        ids: list[list[int]] = [[] for _ in range(job.n)]
+        sent = [0] * job.n
+
+        def on_commit(i: int, tokens) -> bool:
+            ids[i].extend(tokens)
+            text = self.generator.decode(ids[i])
+            for s in job.sampling.stop:  # never stream a stop string or what follows
+                if s in text:
+                    text = text[: text.index(s)]
+            safe = len(text) - hold
+            while safe > sent[i] and text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > sent[i]:
+                chunk(i, text[sent[i] : safe], None)
+                sent[i] = safe
+            return not cancel.is_set()
+
+        def on_result(res: TrajectoryResult) -> None:
+            i, out = res.request.index, res.output
+            if len(out.text) > sent[i]:
+                chunk(i, out.text[sent[i] :], None)
+            chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
+
         try:
-            store = self._store(job)
+            requests = self._requests(job, cancel, on_commit)
             for i in range(job.n):
-                if cancel.is_set():
-                    break
-                ids: list[int] = []
-                sent = [0]
                 chunk(i, None, None, first=True)
-
-                def on_commit(tokens, i=i, ids=ids, sent=sent) -> bool:
-                    ids.extend(tokens)
-                    text = self.generator.decode(ids)
-                    for s in job.sampling.stop:  # never stream a stop string or beyond
-                        if s in text:
-                            text = text[: text.index(s)]
-                    for s in job.sampling.stop:  # never stream a stop string or what follows
-                        if s in text:
-                            text = text[: text.index(s)]
-                    safe = len(text) - hold
-                    while safe > sent[0] and text[safe - 1] == "\ufffd":
-                        safe -= 1
-                    if safe > sent[0]:
-                        chunk(i, text[sent[0] : safe], None)
-                        sent[0] = safe
-                    return not cancel.is_set()
-
-                seed = job.sampling.seed + i
-                drafter = (
-                    None
-                    if job.drafter.kind == "plain"
-                    else self.generator.row_drafter(job.drafter, store, seed)
-                )
-                out = self.generator.run(
-                    job.prompt_ids,
-                    drafter,
-                    job.sampling.model_copy(update={"seed": seed}),
-                    on_commit=on_commit,
-                )
-                if len(out.text) > sent[0]:
-                    chunk(i, out.text[sent[0] :], None)
-                chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
+            self.runner.run(requests, on_result, skip=lambda _r: cancel.is_set())
         finally:
             emit(None)
 
     def solve(self, job_and_req, cancel: threading.Event) -> dict:
         job, req = job_and_req
         try:
-            outs = self._trajectories(job, cancel)
+            report = self._trajectories(job, cancel)
         except Cancelled:
             return {}
-        ext = self._extension(job, outs)
-        tokens = sum(o.stats.new_tokens for o in outs)
-        forwards = sum(o.stats.target_forwards for o in outs)
-        wall = sum(o.stats.wall_s for o in outs)
+        outs = [r.output for r in report.results]
+        ext = self._extension(job, report)
         body = {
             "answer": ext["aggregate"]["answer"],
             "votes": ext["aggregate"]["votes"],
@@ -311,13 +307,7 @@ class ServeEngine:
             "task": job.task,
             "n": job.n,
             "method": job.method,
-            "stats": {
-                "new_tokens": tokens,
-                "target_forwards": forwards,
-                "acceptance_length": tokens / forwards if forwards else 0.0,
-                "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-                "trajectories": ext["trajectories"],
-            },
+            "stats": {**ext["stats"], "trajectories": ext["trajectories"]},
         }
         if req.return_trajectories:
             body["trajectories"] = [

@@ -6,8 +6,9 @@ Definitions (each item has N trajectories, in index order):
   trajectories; pass@N is "any trajectory correct".
 - maj@k: the majority vote of the item's first k trajectories is correct (votes by equivalence
   class, as `aggregate.majority_vote`; for code, by normalised program). maj@N uses all N.
-- tokens/s: generated tokens over decoding seconds, summed over trajectories. Rows decoded in
-  one batch share its wall time, so this is the speed a single trajectory sees.
+- tokens/s: generated tokens over decoding seconds, summed over trajectories. A trajectory's
+  seconds are its own latency in the runner's batch (join to finish), so this is the speed one
+  trajectory sees, not the run's throughput (the job's summary.json has that).
 - acceptance length: committed tokens per target forward, bonus token included (1.0 is plain).
 
 Intervals are percentile bootstraps over items (resampled with replacement, seeded), so they

@@ -1,0 +1,164 @@
+"""The one trajectory runner: continuous batching stays lossless, the allocator follows the
+cost surface, and the metrics describe what really happened."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from store.memory import InMemoryNgramStore
+from tests.conftest import DRAFTER_CONFIGS, word_tokenizer
+from tts_service.config import SamplingConfig
+from tts_service.engine.allocate import BatchCost, SlotStats, nodes_for_step
+from tts_service.engine.decode import plain_generate
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.verify import Acceptance
+from tts_service.generation import Generator
+from tts_service.models import LoadedModel
+from tts_service.runner import MAX_NODES, TrajectoryRequest, TrajectoryRunner
+from tts_service.solve import ProblemInput, solve_problems
+
+VOCAB = 64
+# tree tokens nearly free: the allocator grants big trees, so drafts are really verified
+FLAT = BatchCost((1, 16), (1, 64), ((1.0, 1.01), (1.0, 1.01)), 256)
+STEEP = BatchCost((1, 16), (1, 64), ((1.0, 64.0), (16.0, 1024.0)), 256)
+
+
+def make_generator(model, batch_cost: BatchCost | None = FLAT) -> Generator:
+    from tests.conftest import FLAT_COST
+    from tts_service.engine.cost import CostModel
+
+    loaded = LoadedModel(model, word_tokenizer(VOCAB), (), model.device, model.dtype, "tiny")
+    return Generator(loaded, cost=CostModel.fixed(FLAT_COST), batch_cost=batch_cost)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 5, 4, 2, 6)]
+    return [base[0] * 4, base[1] + base[2], base[3] * 3, [7], base[4] * 2]
+
+
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_a_continuously_batched_run_is_token_identical_to_plain(
+    tiny_model, drafter_config, max_rows
+):
+    """Five problems of mixed prompt lengths, two trajectories each, different lengths: rows
+    join and leave at different steps; each equals plain greedy decoding alone."""
+    gen = make_generator(tiny_model)
+    prompts = _prompts()
+    requests, refs = [], []
+    for p, prompt in enumerate(prompts):
+        store = InMemoryNgramStore()
+        for i in range(2):
+            cfg = SamplingConfig(temperature=0, max_new_tokens=6 + 7 * ((p + i) % 4), seed=i)
+            requests.append(TrajectoryRequest(f"p{p}", i, prompt, cfg, drafter_config, store))
+            refs.append(plain_generate(tiny_model, prompt, cfg, eos_ids=[]).token_ids)
+    report = TrajectoryRunner(gen, max_rows).run(requests)
+    by_key = {(r.request.problem_id, r.request.index): r.output for r in report.results}
+    for req, ref in zip(requests, refs, strict=True):
+        assert by_key[req.problem_id, req.index].token_ids == ref, (req.problem_id, req.index)
+    if max_rows > 1:
+        assert 1 < report.forwards.mean_rows_per_forward <= max_rows
+        joined_late = sum(1 for rows, _ in report.forwards.trace if rows < max_rows)
+        assert joined_late < len(report.forwards.trace)  # most steps ran full
+    if drafter_config.kind not in ("plain", "ptd"):
+        assert report.summary()["acceptance_length"] > 1.2
+
+
+def test_a_row_that_joined_a_running_batch_samples_exactly():
+    """The sampled rows join a batch whose first row is still running (its prompt is
+    different and long); their first two tokens follow the exact distribution."""
+    from tests.conftest import tiny_llama
+    from tests.integration.test_entry_sampling import pvalue
+    from tts_service.engine.sampling import target_probs
+
+    vocab = 12
+    model = tiny_llama(vocab_size=vocab, seed=11, scale=6.0)
+    loaded = LoadedModel(model, word_tokenizer(vocab), (), model.device, model.dtype, "tiny")
+    gen = Generator(loaded, batch_cost=FLAT)
+    prompt = [3, 7, 1, 3, 7, 1, 3, 7]
+    cfg = SamplingConfig(temperature=0.9, top_k=8, max_new_tokens=2)
+    with torch.inference_mode():
+        p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1:], cfg)[0]
+        p2 = target_probs(
+            model(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1], cfg
+        )
+    exact = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
+    stand = DRAFTER_CONFIGS["stand-16"]
+    samples, runner = [], TrajectoryRunner(gen, max_rows=3)
+    for k in range(300):
+        store = InMemoryNgramStore()
+        long = SamplingConfig(temperature=0.9, max_new_tokens=12, seed=10_000 + k)
+        reqs = [TrajectoryRequest("long", 0, [5, 2, 9, 4], long, stand, store)]
+        reqs += [
+            TrajectoryRequest(
+                "q", i, prompt, cfg.model_copy(update={"seed": 4 * k + i}), stand, store
+            )
+            for i in range(4)
+        ]
+        report = runner.run(reqs)
+        joined = [r for r in report.results if r.request.problem_id == "q"]
+        samples += [r.output.token_ids for r in joined]
+        assert report.forwards.trace[0][0] == 3  # the long row and two sampled rows
+    assert pvalue(samples, exact) > 1e-3
+
+
+def _stats(alpha: float) -> SlotStats:
+    """Slot statistics of a method whose chain slots are accepted with probability alpha^d."""
+    s = SlotStats(prior_weight=1e-9)
+    for _ in range(400):
+        tree = DraftTree.chain(0, list(range(1, 9)))
+        depth = sum(1 for _ in iter(lambda: torch.rand(()) < alpha, False))
+        acc = Acceptance(tuple(range(1, min(depth, 8) + 1)), (), 0)
+        s.record(tree, acc)
+    return s
+
+
+def test_the_allocator_grants_the_whole_budget_on_a_flat_surface():
+    assert nodes_for_step(FLAT, [_stats(0.8)] * 4, MAX_NODES) == MAX_NODES
+
+
+def test_the_allocator_grants_nothing_on_a_steep_surface():
+    assert nodes_for_step(STEEP, [_stats(0.8)] * 16, MAX_NODES) == 0
+
+
+def test_the_allocator_by_hand():
+    """T(B, w) = B·(1 + 0.5(w - 1)) ms; chain slots accepted with 0.8, 0.5, 0.1 (then 0).
+
+    Rates (tokens per ms) for k = 0..3: 1/1, 1.8/1.5 = 1.2, 2.3/2.0 = 1.15, 2.4/2.5 = 0.96,
+    so the allocator picks k = 1. With B = 1 and the cost halved per token the rates become
+    1, 1.8/1.25, 2.3/1.5, 2.4/1.75: k = 2."""
+    s = SlotStats(prior_weight=1e-9)
+    s.drafted[1:4, 0] = 1.0
+    s.hits[1:4, 0] = torch.tensor([0.8, 0.5, 0.1], dtype=torch.float64)
+    s.drafted[4:, 0] = 1.0
+    s.drafted[:, 1:] = 1.0  # every sibling slot drafted and never accepted
+    s.record(DraftTree.root_only(0), Acceptance((), (), 0))  # no-op: root only
+    cost = BatchCost((1, 2), (1, 2), ((1.0, 1.5), (2.0, 3.0)), 256)
+    assert nodes_for_step(cost, [s, s], 8) == 1
+    half = BatchCost((1, 2), (1, 2), ((1.0, 1.25), (2.0, 2.5)), 256)
+    assert nodes_for_step(half, [s], 8) == 2
+
+
+def test_batched_metrics_match_the_stopwatch(tiny_model):
+    gen = make_generator(tiny_model)
+    problems = [ProblemInput(f"p{i}", p, InMemoryNgramStore()) for i, p in enumerate(_prompts())]
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=40)
+    t0 = time.perf_counter()
+    run = solve_problems(
+        TrajectoryRunner(gen, 4), problems, 3, DRAFTER_CONFIGS["stand-16"], sampling
+    )
+    measured = time.perf_counter() - t0
+    stats = run.stats()
+    assert abs(stats["wall_s"] - measured) <= 0.1 * measured
+    tokens = sum(len(t.output.token_ids) for p in run.problems for t in p.trajectories)
+    assert (
+        stats["new_tokens"]
+        == tokens
+        == sum(t.output.stats.new_tokens for p in run.problems for t in p.trajectories)
+    )
+    assert stats["target_forwards"] == run.report.forwards.forwards
+    assert stats["target_forwards"] < stats["row_forwards"]  # rows shared forwards
+    assert stats["tokens_per_s"] == pytest.approx(tokens / stats["wall_s"], rel=1e-3)

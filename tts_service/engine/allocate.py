@@ -1,0 +1,233 @@
+"""Cost-aware batch speculation: how many draft nodes each row of a batch gets this step.
+
+GTCP's Greater-Than rule (algorithms.md §5) applied to the whole batched forward. A step with
+B rows, each sending a tree of k draft nodes (width w = k + 1 tokens, padded to the widest
+row), takes T(B, w) on the device, measured at load per context bucket (`measure_batch_cost`),
+plus the drafters' own time per node. It commits Σ_rows (1 + Σ α̂) tokens on average, where α̂
+of a node is the probability that it lies on the accepted path, estimated per method and per
+tree slot (depth, rank among its siblings) from the trees that method verified (`SlotStats`).
+The step takes the k with the most expected tokens per second; k = 0 is plain batched decoding.
+
+On a device where wider forwards are nearly free (a GPU at small batch) that is the biggest
+tree the drafters can fill; on this CPU at 16 rows, where 16 × 4 tokens cost 2.2× 16 × 1, it is
+small or no trees, growing as rows leave the batch. Every drafter keeps its own tree policy
+inside the k nodes it is given (GT-sized drafters may send fewer).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.verify import Acceptance
+
+MAX_DEPTH = 16  # slots deeper or wider than this share the last slot's statistics
+MAX_RANK = 8
+
+
+class SlotStats:
+    """α̂ per tree slot (depth d >= 1, rank r among siblings) for one drafting method.
+
+    Decayed counts of (drafted, on the accepted path) per slot, with a prior of
+    `prior_weight` pseudo-observations at 0.6^d · 0.5^r, so a method that never drafted still
+    gets a try. Estimates are made non-increasing down a path and across siblings, as true
+    path probabilities are, so the best k slots form a valid tree."""
+
+    def __init__(self, decay: float = 0.995, prior_weight: float = 4.0) -> None:
+        self.decay = decay
+        self.prior_weight = prior_weight
+        shape = (MAX_DEPTH + 1, MAX_RANK + 1)
+        self.drafted = torch.zeros(shape, dtype=torch.float64)
+        self.hits = torch.zeros(shape, dtype=torch.float64)
+        d = torch.arange(shape[0], dtype=torch.float64)[:, None]
+        r = torch.arange(shape[1], dtype=torch.float64)[None, :]
+        self.prior = 0.6**d * 0.5**r
+        self._best: list[float] | None = None
+
+    @staticmethod
+    def slots(tree: DraftTree) -> list[tuple[int, int]]:
+        """(depth, rank) of every draft node (root excluded), capped at the table's size."""
+        out = []
+        for v in range(1, tree.size):
+            rank = tree.children[tree.parents[v]].index(v)
+            out.append((min(tree.depths[v], MAX_DEPTH), min(rank, MAX_RANK)))
+        return out
+
+    def record(self, tree: DraftTree, acc: Acceptance) -> None:
+        if tree.size == 1:
+            return
+        on_path = set(acc.path)
+        self.drafted *= self.decay
+        self.hits *= self.decay
+        for v, (d, r) in enumerate(self.slots(tree), start=1):
+            self.drafted[d, r] += 1.0
+            self.hits[d, r] += float(v in on_path)
+        self._best = None
+
+    def alphas(self) -> torch.Tensor:
+        """`[depth, rank]` α̂, monotone (non-increasing) in both."""
+        w = self.prior_weight
+        a = (self.hits + w * self.prior) / (self.drafted + w)
+        a[0, :] = 1.0  # the root is always "accepted"
+        a = torch.cummin(a, dim=0).values
+        return torch.cummin(a, dim=1).values
+
+    def best(self, k: int) -> float:
+        """Expected accepted draft tokens of the best k-node tree: the sum of the k largest α̂."""
+        if self._best is None:
+            a = self.alphas()[1:].flatten().sort(descending=True).values
+            self._best = torch.cumsum(a, 0).tolist()
+        return self._best[min(k, len(self._best)) - 1] if k > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Time of one batched verify forward, `seconds[i][j]` for `rows[i]` rows of `widths[j]`
+    tokens each, over a cache of `context_len`. Linear in between, last slope beyond."""
+
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    context_len: int
+
+    @classmethod
+    def fit(
+        cls,
+        rows: Sequence[int],
+        widths: Sequence[int],
+        seconds: Sequence[Sequence[float]],
+        context_len: int,
+    ) -> BatchCost:
+        """Monotone fit: more rows or more tokens per row never cost less (noise says otherwise
+        on a busy machine)."""
+        t = torch.tensor(seconds, dtype=torch.float64)
+        t = torch.cummax(torch.cummax(t, dim=0).values, dim=1).values
+        return cls(tuple(rows), tuple(widths), tuple(map(tuple, t.tolist())), context_len)
+
+    @staticmethod
+    def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        if x <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def time(self, rows: int, width: int) -> float:
+        per_rows = [self._interp(self.widths, line, width) for line in self.seconds]
+        return self._interp(self.rows, per_rows, rows)
+
+    def to_dict(self) -> dict:
+        return {
+            "context_len": self.context_len,
+            "rows": list(self.rows),
+            "widths": list(self.widths),
+            "ms": [[round(s * 1e3, 3) for s in line] for line in self.seconds],
+        }
+
+
+def nodes_for_step(
+    cost: BatchCost,
+    stats: Sequence[SlotStats],
+    max_nodes: int,
+    draft_s_per_node: float = 0.0,
+) -> int:
+    """Draft nodes per row for a step of `len(stats)` rows (one `SlotStats` per row's method):
+    the k in 0..max_nodes with the most expected committed tokens per second.
+
+    Where T is convex in k this is the marginal rule (grow while the next node's expected
+    tokens per extra second beat the current rate); comparing every k also sees past the jump
+    a CPU shows from 1 to 2 tokens per row."""
+    rows = len(stats)
+    best_k, best_rate = 0, rows / cost.time(rows, 1)
+    for k in range(1, max_nodes + 1):
+        tokens = rows + sum(s.best(k) for s in stats)
+        seconds = cost.time(rows, k + 1) + draft_s_per_node * rows * k
+        if tokens / seconds > best_rate:
+            best_k, best_rate = k, tokens / seconds
+    return best_k
+
+
+def random_cache(model: PreTrainedModel, rows: int, context_len: int) -> DynamicCache:
+    """A KV cache of `rows` × `context_len` random entries: attention costs the same as over
+    a real one, without prefilling (16 rows × 4096 tokens would take minutes on a CPU)."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    shape = (rows, heads, context_len, head_dim)
+    for layer in cache.layers:
+        k = torch.randn(shape, dtype=model.dtype, device=model.device)
+        v = torch.randn(shape, dtype=model.dtype, device=model.device)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_batch_cost(
+    model: PreTrainedModel,
+    context_len: int,
+    max_rows: int,
+    max_tokens: int,
+    repeats: int = 2,
+    seed: int = 0,
+) -> BatchCost:
+    """Time batched verify forwards (rows × tokens per row) over a `context_len` cache.
+
+    Rows are 1, 4, 16, 64 up to `max_rows` (and `max_rows` itself); widths 1, 2, 4, ... while
+    rows × width <= `max_tokens`. Shapes are interleaved across repeats and the fastest kept
+    (a busy machine only ever adds time)."""
+    device = model.device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    row_counts = sorted({r for r in (1, 4, 16, 64) if r < max_rows} | {max_rows})
+    widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w == 1 or w * row_counts[0] <= max_tokens]
+    dtype_min = torch.finfo(model.dtype).min
+    timings: dict[tuple[int, int], list[float]] = {}
+    caches = {rows: random_cache(model, rows, max(1, context_len)) for rows in row_counts}
+    shapes = [(r, w) for r in row_counts for w in widths if w == 1 or r * w <= max_tokens]
+    for rnd in range(repeats + 1):  # the first round warms up kernels and allocators
+        for rows, width in shapes:
+            cache = caches[rows]
+            s = cache.get_seq_length()
+            ids = torch.randint(vocab, (rows, width), generator=gen).to(device)
+            pos = (s + torch.arange(width)).expand(rows, -1).to(device)
+            allowed = torch.cat(
+                [
+                    torch.ones(width, s, dtype=torch.bool),
+                    torch.tril(torch.ones(width, width, dtype=torch.bool)),
+                ],
+                dim=1,
+            )
+            mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill_(~allowed, dtype_min)
+            mask = mask.expand(rows, 1, -1, -1).to(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+            _sync(device)
+            if rnd:
+                timings.setdefault((rows, width), []).append(time.perf_counter() - t0)
+            cache.crop(-width)
+    table = []
+    for rows in row_counts:
+        line = [min(timings[rows, w]) for w in widths if (rows, w) in timings]
+        for j in range(len(line), len(widths)):  # past max_tokens: the last measured slope
+            x0, x1 = (widths[j - 2], widths[j - 1]) if j > 1 else (0, widths[0])
+            y0 = line[j - 2] if j > 1 else 0.0
+            slope = (line[j - 1] - y0) / (x1 - x0)
+            line.append(line[j - 1] + slope * (widths[j] - x1))
+        table.append(line)
+    return BatchCost.fit(row_counts, widths, table, context_len)

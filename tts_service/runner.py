@@ -1,0 +1,347 @@
+"""The one trajectory runner: every edge (CLI `solve`, the generator actor, Serve, evaluation)
+decodes its trajectories here.
+
+Trajectory requests wait in a queue; up to `max_rows` of them decode together in one batch
+(`engine.batch.BatchDecoder`). When a row finishes, the next waiting trajectory joins at the
+next step, its prompt prefilled into the shared cache, from the same problem or the next one.
+Rows of one problem share that problem's store. Each step, the cost-aware allocator
+(`engine.allocate`) gives every row the number of draft nodes that maximises expected tokens
+per second on this device; with `max_rows = 1` trajectories run one after another, each
+drafting from everything the earlier ones stored (STAND's setting).
+
+`TrajectoryRunner.run` decodes one list of requests in the caller's thread. `RunnerLoop` keeps
+one batch running in a thread of its own, so that requests submitted from several threads (an
+actor's concurrent calls, Serve's concurrent requests) share its forwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from store.base import NgramStore
+from tts_service.config import DrafterConfig, SamplingConfig
+from tts_service.drafters.registry import NoDrafter
+from tts_service.engine.allocate import nodes_for_step
+from tts_service.engine.batch import BatchDecoder, Row
+from tts_service.engine.decode import OnCommit
+from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.verify import Acceptance
+from tts_service.generation import GenerationOutput, Generator
+from tts_service.replay import TrajectoryRecorder
+
+MAX_NODES = 64  # the most draft nodes a row may get in one step
+
+
+@dataclass(frozen=True)
+class TrajectoryRequest:
+    """One trajectory to decode: trajectory `index` of problem `problem_id`, seeded by
+    `sampling.seed` (the caller's convention: the problem's seed + index)."""
+
+    problem_id: str
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    drafter: DrafterConfig
+    store: NgramStore
+    record: bool = False  # keep the target's top-k at every token (trajectory logs)
+    on_commit: OnCommit | None = None  # sees every step's tokens; False cancels the row
+
+
+@dataclass(frozen=True)
+class TrajectoryResult:
+    request: TrajectoryRequest
+    output: GenerationOutput
+    top_ids: list[list[int]] | None = None
+    top_probs: list[list[float]] | None = None
+
+
+@dataclass
+class RunReport:
+    """One submission's finished trajectories (in the order they finished) and the forwards
+    its rows took part in (`rows` per forward counts every row of the batch)."""
+
+    results: list[TrajectoryResult] = field(default_factory=list)
+    forwards: ForwardStats = field(default_factory=ForwardStats)
+    wall_s: float = 0.0
+    nodes_trace: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rows, nodes)
+
+    def summary(self) -> dict:
+        return summarize([r.output.stats for r in self.results], self.forwards, self.wall_s)
+
+
+def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: float) -> dict:
+    """The one report of a run that every edge prints (CLI, job summary, Serve, evaluation).
+
+    `target_forwards` counts forwards of the device (a 4-row step is one); `acceptance_length`
+    is committed tokens per row-forward (plain decoding: 1.0); `tokens_per_s` is all new
+    tokens over the real elapsed time."""
+    new_tokens = sum(r.new_tokens for r in rows)
+    row_forwards = sum(r.target_forwards for r in rows)
+    depth: list[int] = []
+    for r in rows:
+        for d, c in enumerate(r.accepted_at_depth):
+            depth += [0] * (d + 1 - len(depth))
+            depth[d] += c
+    return {
+        "num_trajectories": len(rows),
+        "new_tokens": new_tokens,
+        "target_forwards": forwards.forwards,
+        "row_forwards": row_forwards,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(new_tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        "mean_rows_per_forward": round(forwards.mean_rows_per_forward, 3),
+        "acceptance_length": round(new_tokens / row_forwards, 4) if row_forwards else 0.0,
+        "tree_nodes": sum(r.tree_nodes for r in rows),
+        "accepted_at_depth": depth,
+        "draft_s": round(forwards.draft_s, 4),
+        "forward_s": round(forwards.forward_s, 4),
+        "prefill_s": round(forwards.prefill_s, 4),
+    }
+
+
+class Submission:
+    """Requests submitted together: their callbacks, results and counters."""
+
+    def __init__(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None,
+        skip: Callable[[TrajectoryRequest], bool] | None,
+    ) -> None:
+        self.requests = requests
+        self.on_result = on_result
+        self.skip = skip
+        self.report = RunReport()
+        self.pending = len(requests)  # neither finished nor skipped
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.done = threading.Event()
+        if not requests:
+            self.done.set()
+
+    def skipped(self, req: TrajectoryRequest) -> bool:
+        return self.skip is not None and self.skip(req)
+
+    def settle(self, result: TrajectoryResult | None) -> None:
+        """One request finished (with its result) or was skipped (None)."""
+        if result is not None:
+            self.report.results.append(result)
+            if self.on_result is not None:
+                self.on_result(result)
+        self.pending -= 1
+        if self.pending == 0:
+            self.finish()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = self.error or error
+        self.report.wall_s = time.perf_counter() - self.started
+        self.done.set()
+
+    def wait(self, timeout: float | None = None) -> RunReport:
+        if not self.done.wait(timeout):
+            raise TimeoutError("the runner did not finish in time")
+        if self.error is not None:
+            raise self.error
+        return self.report
+
+
+class TrajectoryRunner:
+    """Continuous batching over one `Generator` (one model on one device).
+
+    `speculation="cost"` sizes every step's trees with the measured cost surface; `"fixed"`
+    shares a constant `token_budget` per forward out over the rows (the earlier rule, kept to
+    compare with in benchmarks)."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        max_rows: int,
+        speculation: str = "cost",
+        token_budget: int = 64,
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError("max_rows must be >= 1")
+        if speculation not in ("cost", "fixed"):
+            raise ValueError(f"speculation must be 'cost' or 'fixed', not {speculation!r}")
+        self.generator = generator
+        self.max_rows = max_rows
+        self.speculation = speculation
+        self.token_budget = token_budget
+        gen = generator
+        self.decoder = BatchDecoder(gen.loaded.model, gen.loaded.eos_token_ids, gen.decode)
+        self.queue: deque[tuple[Submission, TrajectoryRequest]] = deque()
+        self.start = time.perf_counter()
+
+    # -- one call, in this thread --------------------------------------------------------
+    def run(
+        self,
+        requests: Iterable[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Callable[[TrajectoryRequest], bool] | None = None,
+    ) -> RunReport:
+        """Decode every request; `on_result` sees each trajectory as it finishes.
+
+        `skip(request)` is asked before a request joins and, for running rows, before every
+        step: True drops it without a result (early stop of its problem, a client gone)."""
+        sub = self.submit(list(requests), on_result, skip)
+        try:
+            while not sub.done.is_set():
+                self.tick()
+        except BaseException as e:
+            self.fail(e)
+            raise
+        return sub.wait()
+
+    def submit(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Callable[[TrajectoryRequest], bool] | None = None,
+    ) -> Submission:
+        """Queue requests behind those already waiting; `tick` decodes them."""
+        sub = Submission(requests, on_result, skip)
+        self.queue.extend((sub, r) for r in requests)
+        return sub
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.decoder.active
+
+    def fail(self, error: BaseException) -> None:
+        """Everything running or waiting ends with `error` (the engine failed)."""
+        subs = {id(s): s for s, _ in self.queue}
+        subs |= {id(r.tag[0]): r.tag[0] for r in self.decoder.active}
+        self.queue.clear()
+        self.decoder.drop(list(self.decoder.active))
+        for sub in subs.values():
+            sub.finish(error)
+
+    # -- one step -----------------------------------------------------------------------
+    def tick(self) -> None:
+        """Drop skipped rows, fill free rows from the queue, run one step."""
+        decoder = self.decoder
+        dropped = [r for r in decoder.active if r.tag[0].skipped(r.tag[1])]
+        decoder.drop(dropped)
+        for row in dropped:
+            row.tag[0].settle(None)
+        joining = []
+        while self.queue and len(decoder.active) + len(joining) < self.max_rows:
+            sub, req = self.queue.popleft()
+            if sub.skipped(req):
+                sub.settle(None)
+                continue
+            try:
+                joining.append(self._row(sub, req))
+            except Exception as e:  # this request cannot run (too long): its submission fails
+                sub.finish(e)
+        if joining:
+            t0 = time.perf_counter()
+            decoder.join(joining)
+            for sub in {id(r.tag[0]): r.tag[0] for r in joining}.values():
+                sub.report.forwards.prefill_s += time.perf_counter() - t0
+        if not decoder.active:
+            return
+        nodes = self._nodes()
+        batch = list(decoder.active)
+        before = decoder.forwards.forwards
+        finished = decoder.step(nodes, observe=self._observe)
+        self._account(batch, nodes, decoder.forwards, before)
+        for row in finished:
+            sub, _ = row.tag
+            sub.settle(self._result(row))
+
+    def _account(self, batch: list[Row], nodes: int, f: ForwardStats, before: int) -> None:
+        """Credit the step to every submission with a row in it."""
+        if f.forwards == before:
+            return
+        rows, width = f.trace[-1]
+        t = round(time.perf_counter() - self.start, 4)
+        subs = {id(r.tag[0]): r.tag[0] for r in batch}
+        for sub in subs.values():
+            mine = [r for r in batch if r.tag[0] is sub]
+            sub.report.forwards.record(
+                rows, width, nodes * len(mine), 0, f.last_draft_s, f.last_forward_s
+            )
+            sub.report.nodes_trace.append((t, rows, nodes))
+
+    def _row(self, sub: Submission, req: TrajectoryRequest) -> Row:
+        gen = self.generator
+        gen.check_fits(req.prompt_ids, req.sampling)
+        if req.drafter.kind == "plain":
+            drafter = NoDrafter()
+        else:
+            drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
+        if req.record:
+            drafter = TrajectoryRecorder(drafter)
+        return self.decoder.new_row(
+            req.prompt_ids, drafter, req.sampling, req.on_commit, tag=(sub, req)
+        )
+
+    def _nodes(self) -> int:
+        rows = self.decoder.active
+        if self.speculation == "fixed":
+            return max(0, self.token_budget // len(rows) - 1)
+        if all(r.tag[1].drafter.kind == "plain" for r in rows):
+            return 0
+        cost = self.generator.batch_cost(self.max_rows, self.decoder.valid.shape[1])
+        f = self.decoder.forwards
+        per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
+        stats = [self.generator.slot_stats(r.tag[1].drafter) for r in rows]
+        return nodes_for_step(cost, stats, MAX_NODES, per_node)
+
+    def _observe(self, row: Row, tree: DraftTree, acc: Acceptance) -> None:
+        if self.speculation == "cost":
+            self.generator.slot_stats(row.tag[1].drafter).record(tree, acc)
+
+    def _result(self, row: Row) -> TrajectoryResult:
+        req = row.tag[1]
+        out = self.generator.output(row.result())
+        if isinstance(row.drafter, TrajectoryRecorder):
+            ids, probs = row.drafter.rows(len(out.token_ids))
+            return TrajectoryResult(req, out, ids, probs)
+        return TrajectoryResult(req, out)
+
+
+class RunnerLoop:
+    """One `TrajectoryRunner` stepping in a daemon thread: `submit` from any thread, then
+    `wait` on the submission. Requests of concurrent submissions share the batch."""
+
+    def __init__(self, runner: TrajectoryRunner) -> None:
+        self.runner = runner
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="tts-runner", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Callable[[TrajectoryRequest], bool] | None = None,
+    ) -> Submission:
+        with self._lock:
+            sub = self.runner.submit(requests, on_result, skip)
+            self._lock.notify()
+        return sub
+
+    def run(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Callable[[TrajectoryRequest], bool] | None = None,
+    ) -> RunReport:
+        return self.submit(requests, on_result, skip).wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self.runner.idle:
+                    self._lock.wait()
+                try:
+                    self.runner.tick()
+                except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+                    self.runner.fail(e)
