@@ -101,6 +101,11 @@ class ModelConfig(_Strict):
         description="Shard over the visible GPUs (device_map='auto') within these per-device "
         "budgets, e.g. {'0': '70GiB', '1': '70GiB', 'cpu': '0GiB'}; set by the placement plan.",
     )
+    tune_matmul: bool = Field(
+        True,
+        description="On a CPU, time both matrix products of every linear layer shape at load "
+        "and use the faster per row count (engine/matmul.py).",
+    )
 
 
 Sizing = Annotated[

@@ -152,7 +152,7 @@ class Generator:
             return self._fixed_batch_cost
         if max_rows not in self._batch_costs:
             model = self.loaded.model
-            max_tokens = 4096 if model.device.type == "cuda" else 256
+            max_tokens = 4096 if model.device.type == "cuda" else 128
             self._batch_costs[max_rows] = CostModel(
                 lambda n: measure_batch_cost(model, n, max_rows, max_tokens),
                 getattr(model.config, "max_position_embeddings", None),

