@@ -32,6 +32,7 @@ import torch
 
 from store.memory import InMemoryNgramStore
 from tts_service.config import ModelConfig, PlainDrafterConfig, SamplingConfig, StandDrafterConfig
+from tts_service.engine.matmul import restore_linear_products, tune_linear_products
 from tts_service.generation import Generator
 from tts_service.runner import TrajectoryRunner
 from tts_service.solve import ProblemInput, solve_problems
@@ -41,6 +42,18 @@ STAND = StandDrafterConfig(num_nodes=16)
 
 
 def run_hf(gen: Generator, problems: list[list[int]], cfg: SamplingConfig, n: int) -> dict:
+    """`generate` on the model as a user loads it: our per-shape products are taken out for
+    this run and put back after it."""
+    model = gen.loaded.model
+    restore_linear_products(model)
+    try:
+        return _generate(gen, problems, cfg, n)
+    finally:
+        if model.device.type == "cpu":
+            tune_linear_products(model)
+
+
+def _generate(gen: Generator, problems: list[list[int]], cfg: SamplingConfig, n: int) -> dict:
     model, eos = gen.loaded.model, set(gen.loaded.eos_token_ids)
     tokens = forwards = rows = 0
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from tts_service.engine.cost import sync_device
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -177,11 +178,6 @@ def random_cache(model: PreTrainedModel, rows: int, context_len: int) -> Dynamic
     return cache
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure_batch_cost(
     model: PreTrainedModel,
@@ -220,10 +216,10 @@ def measure_batch_cost(
             )
             mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill_(~allowed, dtype_min)
             mask = mask.expand(rows, 1, -1, -1).to(device)
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
-            _sync(device)
+            sync_device(device)
             if rnd:
                 timings.setdefault((rows, width), []).append(time.perf_counter() - t0)
             cache.crop(-width)

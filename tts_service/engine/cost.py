@@ -124,7 +124,8 @@ def worth_growing(
     return False
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on a GPU are otherwise launch times)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -157,10 +158,10 @@ def measure_verify_cost(
     for r in range(repeats + 1):  # the first round warms up kernels and allocators
         for n in sizes:
             ids, pos, mask = inputs[n]
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
-            _sync(device)
+            sync_device(device)
             if r:
                 timings[n].append(time.perf_counter() - t0)
             cache.crop(-(cache.get_seq_length() - prefix_len))
