@@ -1,0 +1,56 @@
+"""The verifier and the sampler on CUDA: probabilities, proposals, uniforms and the generator
+all on the GPU (the exactness breach issue). Runs where a GPU is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tts_service.config import SamplingConfig
+from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.sampling import sample
+from tts_service.engine.streams import Stream, stream_generator
+from tts_service.engine.tree import DraftTree, SparseDist
+from tts_service.engine.verify import verify_sampling
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_sampling_on_the_gpu_is_exact():
+    p = torch.tensor([0.1, 0.0, 0.4, 0.5], dtype=torch.float64, device="cuda")
+    gen = stream_generator(0, Stream.VERIFY, "cuda")
+    draws = [sample(p, gen) for _ in range(4000)]
+    counts = [draws.count(t) for t in (0, 2, 3)]
+    assert draws.count(1) == 0
+    assert chisquare(counts, [400, 1600, 2000]).pvalue > 1e-3
+
+
+def test_recursive_rejection_on_the_gpu_is_exact():
+    """A root with two children drawn from q, verified against p, all on the GPU."""
+    q = SparseDist((0, 1, 2), (0.6, 0.3, 0.1))
+    p = torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=torch.float64, device="cuda")
+    gen = stream_generator(1, Stream.VERIFY, "cuda")
+    draft = stream_generator(1, Stream.DRAFT)  # the children: q without replacement, on the CPU
+    qt = torch.tensor(q.probs, dtype=torch.float64)
+    out = []
+    for _ in range(4000):
+        first, second = torch.multinomial(qt, 2, replacement=False, generator=draft).tolist()
+        tree = DraftTree((9, first, second), (-1, 0, 0), (False, True, True), (q, None, None))
+        out.append(verify_sampling(tree, p.expand(3, -1), gen).committed[0])
+    counts = [out.count(t) for t in range(4)]
+    assert chisquare(counts, [1200, 1200, 800, 800]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("name", ["stand-16", "gtcp", "pld"])
+def test_decoding_on_the_gpu(name):
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    prompt = [5, 9, 12, 5, 9, 12, 5, 9]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=24)
+    ref = plain_generate(model, prompt, greedy, eos_ids=[]).token_ids
+    drafter = make_drafter(DRAFTER_CONFIGS[name], 64)
+    assert generate(model, prompt, drafter, greedy, eos_ids=[]).token_ids == ref
+    sampled = SamplingConfig(temperature=0.8, max_new_tokens=24, seed=3)
+    assert len(generate(model, prompt, drafter, sampled, eos_ids=[]).token_ids) == 24
+    assert len(plain_generate(model, prompt, sampled, eos_ids=[]).token_ids) == 24
