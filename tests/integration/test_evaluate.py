@@ -64,7 +64,9 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     assert report["sandbox"]["kill_on_timeout"]
     stand = out / "aime24" / "stand"
     rows = [json.loads(line) for line in _lines(stand / "items.jsonl")]
-    assert [r["id"] for r in rows] == ["1", "2"] and all(len(r["correct"]) == 2 for r in rows)
+    # rows are written as items finish; an actor's concurrent calls may finish item 2 first
+    ids = sorted(r["id"] for r in rows)
+    assert ids == ["1", "2"] and all(len(r["correct"]) == 2 for r in rows)
     assert "| stand |" in (out / "report.md").read_text()
 
     # a crash after the first item and one trajectory of the second: redo only what is missing
