@@ -1,6 +1,7 @@
 """Cost-aware batch speculation: how many draft nodes each row of a batch gets this step.
 
-GTCP's Greater-Than rule (algorithms.md §5) applied to the whole batched forward. A step with
+GTCP's Greater-Than rule applied to the whole batched forward (docs/design.md, "One
+trajectory runner"). A step with
 B rows, each sending a tree of k draft nodes (width w = k + 1 tokens, padded to the widest
 row), takes T(B, w) on the device, measured at load per context bucket (`measure_batch_cost`),
 plus the drafters' own time per node. It commits Σ_rows (1 + Σ α̂) tokens on average, where α̂
