@@ -71,14 +71,15 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
 
     # a crash after the first item and one trajectory of the second: redo only what is missing
     trajectories = _lines(stand / "trajectories.jsonl")
-    (stand / "items.jsonl").write_text(_lines(stand / "items.jsonl")[0] + "\n")
+    item_one = next(r for r in _lines(stand / "items.jsonl") if json.loads(r)["id"] == "1")
+    (stand / "items.jsonl").write_text(item_one + "\n")
     kept = [t for t in trajectories if json.loads(t)["problem_id"] == "1"]
     kept.append(next(t for t in trajectories if json.loads(t)["problem_id"] == "2"))
     (stand / "trajectories.jsonl").write_text("\n".join(kept) + "\n")
     _run(out, tiny_model_dir, "aime24", "stand")
     after = _lines(stand / "trajectories.jsonl")
     assert after[:3] == kept and len(after) == 4  # one trajectory redone, none doubled
-    assert [json.loads(r)["id"] for r in _lines(stand / "items.jsonl")] == ["1", "2"]
+    assert [json.loads(r)["id"] for r in _lines(stand / "items.jsonl")] == ["1", "2"]  # 1 kept
 
     # a finished run is not redone; a larger --limit runs only the new item
     _run(out, tiny_model_dir, "aime24", "stand")
