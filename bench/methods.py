@@ -25,14 +25,8 @@ from pydantic import TypeAdapter
 from tqdm import tqdm
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import (
-    METHODS,
-    DrafterConfig,
-    ModelConfig,
-    SamplingConfig,
-    method_drafter,
-    resolve_method,
-)
+from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
+from tts_service.drafters.methods import METHODS, method_drafter, resolve_method
 from tts_service.engine.cost import CostModel, VerifyCost
 from tts_service.generation import Generator
 from tts_service.solve import solve
@@ -40,7 +34,7 @@ from tts_service.solve import solve
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 # a hypothetical GPU-like curve: tree tokens nearly free up to 64, then slowly dearer
 FLAT = VerifyCost((1, 2, 64, 128, 256), (1.0, 1.0, 1.02, 1.1, 1.5), 256)
-DEFAULT = [m for m in METHODS if m != "auto"]
+DEFAULT = list(METHODS)
 NS = (1, 4, 16)
 
 

@@ -5,8 +5,8 @@ a plain local run).
         [--data hub|fixtures | --data-files F ...] [--release release_v5] [--limit K] \\
         [--config configs/best_of_16.yaml] [--set key=value ...] [--test-timeout 6]
 
-`--method` is any name in `tts_service.config.METHODS` (default stand); `auto` runs, and names
-the run after, the method it resolves to on the model's device.
+`--method` is any name in `tts_service.drafters.methods.METHODS` (default stand); `auto` runs,
+and names the run after, the method it resolves to on the model's device.
 
 Four steps: parse; validate the config, the method and the dataset (anything wrong exits 2 with
 one line on stderr, before any actor starts); run every item's N trajectories on the generator
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from jobs.common import JobInputError, Progress, init_ray, job_id_for, load_config, run_pool
-from tts_service.config import METHODS, JobConfig, Problem, method_drafter, resolve_method
+from tts_service.config import JobConfig, Problem
+from tts_service.drafters.methods import METHOD_NAMES, METHODS, method_drafter, resolve_method
 from tts_service.tasks.items import TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
@@ -57,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = _Parser(prog="jobs.evaluate", description=__doc__.splitlines()[0])
     ap.add_argument("--task", required=True, choices=TASK_NAMES)
-    ap.add_argument("--method", choices=list(METHODS), default="stand", help="default stand")
+    ap.add_argument("--method", choices=METHOD_NAMES, default="stand", help="default stand")
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
     ap.add_argument("--out", required=True, help="runs and the report go here")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
@@ -106,7 +107,7 @@ def parse(argv: list[str] | None) -> EvalJob:
     if args.test_timeout <= 0:
         raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
     method = resolve_method(args.method, cfg.model.device)  # `auto` is named by what it runs
-    if METHODS[method] != cfg.drafter.kind:
+    if METHODS[method].kind != cfg.drafter.kind:
         raise JobInputError(f"drafter.kind: {cfg.drafter.kind!r} is not --method {method}'s")
     source = _source(args)
     release = args.release or DEFAULT_RELEASE

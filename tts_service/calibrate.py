@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
 from tts_service.drafters.stand import StandDrafter
 from tts_service.engine.tree import DraftTree, TreeShape, select_subtree
 from tts_service.engine.verify import Acceptance
@@ -23,21 +23,24 @@ from tts_service.engine.verify import Acceptance
 class OnPathCounter:
     """Wraps a STAND drafter and counts, per shape node, how often it was accepted."""
 
-    def __init__(self, inner: StandDrafter) -> None:
+    def __init__(self, inner: StaticTreeDrafter) -> None:
         self.inner = inner
         self.counts = [0] * len(inner.shape.parents)
         self.steps = 0
+        self._shape_ids: tuple[int, ...] = (0,)  # the last tree's: tree node -> shape node
 
     def start(self, prompt_ids: list[int]) -> None:
         self.inner.start(prompt_ids)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        return self.inner.draft(ctx)
+        shaped = self.inner.draft_subtree(ctx, shape_prefix(self.inner, ctx))
+        self._shape_ids = shaped.shape_ids
+        return shaped.tree
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         self.steps += 1
         for node in acc.path:
-            self.counts[self.inner.template_of[node]] += 1
+            self.counts[self._shape_ids[node]] += 1
         self.inner.observe(tree, acc, topk)
 
 

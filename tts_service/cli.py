@@ -19,16 +19,16 @@ from typing import Any, NoReturn
 from pydantic import BaseModel, ValidationError
 
 from tts_service.config import (
-    METHODS,
+    DRAFTER_CONFIGS,
     CalibrateTreeRequest,
     GenerateRequest,
     ReplayRequest,
     SolveRequest,
     default_max_rows,
     load_yaml,
-    method_drafter,
     read_problems,
 )
+from tts_service.drafters.methods import METHOD_NAMES, method_drafter
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -52,7 +52,7 @@ def _field_error(err: ValidationError) -> str:
 def _add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(DEFAULT_PRESET), help="YAML preset (configs/)")
     p.add_argument("--model", help="alias (smollm2-135m), hub id or local path")
-    p.add_argument("--method", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--method", help=f"one of {', '.join(METHOD_NAMES)}")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--temperature", type=float)
@@ -84,14 +84,14 @@ def _request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) 
         drafter = method_drafter(method, preset.get("drafters", {}), device)
     except ValueError as e:
         raise UsageError(f"--method: {e}") from e
-    kind = drafter["kind"]
-    if kind in ("recycling", "stand", "stand_spine", "goose"):
-        drafter.update(
-            {k: getattr(args, k) for k in ("num_nodes", "tree") if getattr(args, k) is not None}
-        )
-    if kind in ("stand", "stand_spine", "gtcp"):
-        drafter.update({"stochastic": False} if args.deterministic else {})
-        drafter.update({"harvest_rejected": True} if args.harvest_rejected else {})
+    fields = DRAFTER_CONFIGS[drafter["kind"]].model_fields  # a flag applies where it is a field
+    flags = {
+        "num_nodes": args.num_nodes,
+        "tree": args.tree,
+        "stochastic": False if args.deterministic else None,
+        "harvest_rejected": True if args.harvest_rejected else None,
+    }
+    drafter.update({k: v for k, v in flags.items() if v is not None and k in fields})
     model = dict(preset.get("model", {}))
     model.update({k: getattr(args, k) for k in ("device", "dtype") if getattr(args, k)})
     if args.model is not None:

@@ -7,7 +7,7 @@ the whole tree, and no module below the edge reads environment variables.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -19,6 +19,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from tts_service.drafters.methods import METHOD_NAMES
 
 TREES_DIR = Path(__file__).resolve().parents[1] / "configs" / "trees"
 
@@ -267,52 +269,10 @@ DrafterConfig = Annotated[
     | GtcpDrafterConfig,
     Field(discriminator="kind"),
 ]
-
-METHODS: dict[str, str] = {
-    "plain": "plain",
-    "pld": "pld",
-    "recycle": "recycling",
-    "recycle-gt": "recycling",
-    "stand": "stand",
-    "stand-gt": "stand",
-    "stand+spine": "stand_spine",
-    "goose": "goose",
-    "ptd": "ptd",
-    "gtcp": "gtcp",
-    "auto": "auto",
+DRAFTER_CONFIGS: dict[str, type[BaseModel]] = {
+    c.model_fields["kind"].default: c for c in get_args(get_args(DrafterConfig)[0])
 }
-"""Method names (CLI, jobs, HTTP) -> drafter kinds; `method_drafter` builds the fields."""
-
-_METHOD_FIELDS: dict[str, dict] = {  # GT sizing: the whole 80-node tree is the cap
-    "recycle-gt": {"sizing": "gt", "num_nodes": 80},
-    "stand-gt": {"sizing": "gt", "num_nodes": 80},
-}
-AUTO_METHOD = {"cpu": "stand", "cuda": "stand-gt"}
-"""What `auto` runs per device type (docs/benchmarks.md, "Every method")."""
-
-
-def resolve_method(method: str, device: str) -> str:
-    """`auto` -> the method measured best for the device ('auto', 'cpu', 'cuda:0' ...)."""
-    if method != "auto":
-        return method
-    if device == "auto":
-        import torch  # only here: config stays importable without touching CUDA
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AUTO_METHOD["cuda" if device.startswith("cuda") else "cpu"]
-
-
-def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") -> dict:
-    """The raw drafter fields of a method: the preset of its kind, then the method's own.
-
-    Raises:
-        ValueError: unknown method.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r} (choose {', '.join(METHODS)})")
-    method = resolve_method(method, device)
-    kind = METHODS[method]
-    return {"kind": kind, **presets.get(kind, {}), **_METHOD_FIELDS.get(method, {})}
+"""Drafter kind -> its config model (which flags and preset fields a kind takes)."""
 
 
 class GenerateRequest(_Strict):
@@ -429,7 +389,7 @@ class ServeConfig(_Strict):
 
     model: ModelConfig = ModelConfig()
     served_model_name: str | None = Field(None, description="Name in /v1/models (default: model).")
-    default_method: str = Field("stand", description="A method name (METHODS).")
+    default_method: str = Field("stand", description="A method name (drafters/methods.py).")
     drafters: dict[str, dict] = Field(
         default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
     )
@@ -449,8 +409,8 @@ class ServeConfig(_Strict):
     @field_validator("default_method")
     @classmethod
     def _known_method(cls, v: str) -> str:
-        if v not in METHODS:
-            raise ValueError(f"unknown method {v!r} (choose {', '.join(METHODS)})")
+        if v not in METHOD_NAMES:
+            raise ValueError(f"unknown method {v!r} (choose {', '.join(METHOD_NAMES)})")
         return v
 
     @field_validator("store")

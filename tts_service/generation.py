@@ -6,24 +6,15 @@ successor table, the hot start) carries over between calls on the same `Generato
 
 from __future__ import annotations
 
-import json
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
-from tts_service.drafters.goose import AdjacencyTable
-from tts_service.drafters.registry import (
-    build_drafter,
-    needs_cost,
-    new_gt_stats,
-    new_spine_index,
-)
+from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.allocate import BatchCost, SlotStats, measure_batch_cost
 from tts_service.engine.cost import CostModel
 from tts_service.engine.decode import (
@@ -66,7 +57,7 @@ class Generator:
     ) -> None:
         self.loaded = loaded
         self._drafters: dict[str, Drafter] = {}
-        self._tables: dict[str, AdjacencyTable | torch.Tensor] = {}
+        self._shared: dict = {}  # what every drafter of this model shares (successor tables)
         # per problem store: what its trajectories share beside the store itself
         self._per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.store = InMemoryNgramStore()  # shared by this generator's single generations
@@ -94,20 +85,6 @@ class Generator:
         if key not in self._drafters:
             self._drafters[key] = self.row_drafter(cfg, self.store, 0)
         return self._drafters[key]
-
-    def _table(self, cfg: DrafterConfig) -> AdjacencyTable | torch.Tensor | None:
-        """The successor table every trajectory of this generator shares (the hot start)."""
-        vocab = self.loaded.model.config.vocab_size
-        if cfg.kind not in ("recycling", "goose"):
-            return None
-        key = json.dumps([cfg.kind, cfg.k])
-        if key not in self._tables:
-            self._tables[key] = (
-                AdjacencyTable(vocab, cfg.k)
-                if cfg.kind == "goose"
-                else torch.full((vocab, cfg.k), -1, dtype=torch.long)
-            )
-        return self._tables[key]
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         return encode_prompt(self.loaded.tokenizer, prompt, chat)
@@ -163,25 +140,15 @@ class Generator:
         """A drafter for one trajectory or batch row: each has its own per-sequence state (PLD's
         index, the last tree); successor tables are shared by the generator, the spine index
         and GT's on-path statistics by the problem (one per store)."""
-        shared = self._per_store.setdefault(store, {})
-        spine_index = gt_stats = None
-        if cfg.kind == "stand_spine":
-            if "spine" not in shared:
-                shared["spine"] = new_spine_index()
-            spine_index = shared["spine"]
-        if needs_cost(cfg) and cfg.kind in ("stand", "recycling"):
-            key = cfg.model_dump_json()
-            gt_stats = shared[key] = shared.get(key) or new_gt_stats(cfg)
-        return build_drafter(
-            cfg,
+        env = DraftEnv(
             self.loaded.model.config.vocab_size,
             store,
             seed,
-            cost=self.cost,
-            table=self._table(cfg),
-            spine_index=spine_index,
-            gt_stats=gt_stats,
+            self.cost,
+            generator=self._shared,
+            problem=self._per_store.setdefault(store, {}),
         )
+        return build_drafter(cfg, env)
 
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)

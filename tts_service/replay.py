@@ -256,7 +256,7 @@ def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int], Draft
     (the recycling table's hot start), STAND over a fresh store per problem."""
     from store.memory import InMemoryNgramStore
     from tts_service.config import PldDrafterConfig, RecyclingDrafterConfig, StandDrafterConfig
-    from tts_service.drafters.registry import build_drafter
+    from tts_service.drafters.registry import DraftEnv, build_drafter
 
     size = {"num_nodes": req.nodes} if req.nodes else {}
     tree = {"tree": req.tree} if req.tree else {}
@@ -268,6 +268,6 @@ def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int], Draft
         cfg = StandDrafterConfig(**size, **tree)
     vocab = req.vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
     if req.method != "stand":
-        shared = build_drafter(cfg, vocab)
+        shared = build_drafter(cfg, DraftEnv(vocab))
         return lambda _: shared
-    return lambda i: build_drafter(cfg, vocab, InMemoryNgramStore(), seed=i)
+    return lambda i: build_drafter(cfg, DraftEnv(vocab, InMemoryNgramStore(), seed=i))

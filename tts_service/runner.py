@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from store.base import NgramStore
 from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.drafters.registry import NoDrafter
+from tts_service.drafters.base import NoDrafter
 from tts_service.engine.allocate import nodes_for_step
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.decode import OnCommit

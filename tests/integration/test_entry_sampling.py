@@ -29,8 +29,8 @@ from tts_service.config import (
     ModelConfig,
     SamplingConfig,
     ServeConfig,
-    method_drafter,
 )
+from tts_service.drafters.methods import method_drafter
 from tts_service.engine.sampling import target_probs
 from tts_service.generation import Generator
 from tts_service.serve.api import CompletionRequest

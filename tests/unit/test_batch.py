@@ -79,7 +79,7 @@ class _Recording:
 def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards():
     model = tiny_llama(vocab_size=VOCAB, seed=4, dtype=torch.float32, scale=4.0)
     prompts = _prompts()
-    names = ["plain", "pld", "recycling-16", "stand-16", "pld", "recycling-80"]
+    names = ["plain", "pld", "recycle", "stand", "pld", "recycling-80"]
     cfgs = [
         SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i)
         for i, n in enumerate((40, 15, 40, 30, 8, 40))

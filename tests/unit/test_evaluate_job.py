@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs.evaluate import main, parse
-from tts_service.config import METHODS, resolve_method
+from tts_service.drafters.methods import METHOD_NAMES, METHODS, resolve_method
 
 FIXTURES = ["--task", "gpqa", "--data", "fixtures"]
 
@@ -24,7 +24,7 @@ def _fails(capsys, argv: list[str], *expected: str) -> str:
 
 def test_flags_override_the_preset_and_items_are_limited(tmp_path):
     job = parse([*FIXTURES, "--out", str(tmp_path), "--method", "pld", "--n", "4", "--limit", "3"])
-    assert job.cfg.drafter.kind == METHODS["pld"] and job.cfg.n == 4
+    assert job.cfg.drafter.kind == METHODS["pld"].kind and job.cfg.n == 4
     assert job.method == "pld" and len(job.items) == 3
     assert job.run_dir == tmp_path / "gpqa" / "pld"
     job = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
@@ -34,7 +34,7 @@ def test_flags_override_the_preset_and_items_are_limited(tmp_path):
 def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
     out = str(tmp_path / "out")
     _fails(capsys, ["--task", "mmlu", "--out", out], "--task", "mmlu")
-    _fails(capsys, [*FIXTURES, "--out", out, "--method", "medusa"], "medusa", *METHODS)
+    _fails(capsys, [*FIXTURES, "--out", out, "--method", "medusa"], "medusa", *METHOD_NAMES)
     _fails(capsys, [*FIXTURES, "--out", out, "--limit", "0"], "--limit")
     _fails(capsys, [*FIXTURES, "--out", out, "--n", "0"], "n:")
     _fails(capsys, [*FIXTURES, "--out", out, "--set", "drafter={kind: pld}"], "drafter.kind")
@@ -70,8 +70,8 @@ def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path, capsys):
     _fails(capsys, [*FIXTURES, "--out", str(tmp_path), "--n", "8"], "n=4", "another --out")
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(METHOD_NAMES))
 def test_every_registered_method_is_accepted(tmp_path, method):
     job = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
     assert job.method == resolve_method(method, "auto")
-    assert job.cfg.drafter.kind == METHODS[job.method]
+    assert job.cfg.drafter.kind == METHODS[job.method].kind

@@ -41,7 +41,7 @@ def test_greedy_stays_token_identical_with_the_transposed_product_everywhere():
     prompt = [5, 9, 12, 5, 9, 12, 5, 9]
     cfg = SamplingConfig(temperature=0, max_new_tokens=30)
     ref = plain_generate(model, prompt, cfg, eos_ids=[]).token_ids
-    for name in ("pld", "stand-16", "recycling-16", "gtcp"):
+    for name in ("pld", "stand", "recycle", "gtcp"):
         drafter = make_drafter(DRAFTER_CONFIGS[name], 64)
         res = generate(model, prompt, drafter, cfg, eos_ids=[])
         assert res.token_ids == ref, name

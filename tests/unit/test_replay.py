@@ -11,7 +11,7 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
 from tts_service.cli import main
 from tts_service.config import PldDrafterConfig, SamplingConfig, StandDrafterConfig
-from tts_service.drafters.registry import build_drafter
+from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.decode import generate
 from tts_service.replay import LoggedProblem, TrajectoryRecorder, parse_line, read_log, replay
 
@@ -52,7 +52,7 @@ def test_pld_replay_on_a_hand_made_repeat():
     # step 1: no earlier n-gram for the suffix -> commit "5" alone
     # step 2: suffix [5] matched at 0 -> draft 6 7 8 5; the response ends after 6 7 8
     problem = LoggedProblem("h", [5, 6, 7, 8], [[5, 6, 7, 8]])
-    shared = build_drafter(PldDrafterConfig(), 16)
+    shared = build_drafter(PldDrafterConfig(), DraftEnv(16))
     report = replay([problem], lambda _: shared)
     assert (report.tokens, report.steps) == (4, 2)
     assert report.accepted_at_depth == [1, 1, 1]
@@ -62,7 +62,7 @@ def test_stand_replay_on_a_hand_made_repeat():
     one_hot = [[[3], [4], [5]], [[1.0], [1.0], [1.0]]]
     problem = LoggedProblem("h", [1, 2], [[3, 4, 5], [3, 4, 5]], [one_hot[0]] * 2, [one_hot[1]] * 2)
     cfg = StandDrafterConfig(tree="stand-625", num_nodes=8)
-    report = replay([problem], lambda _: build_drafter(cfg, 8, InMemoryNgramStore()))
+    report = replay([problem], lambda _: build_drafter(cfg, DraftEnv(8, InMemoryNgramStore())))
     # response 0: empty store, 3 steps of 1 token; response 1: the chain 3 4 5 in one step
     assert report.to_dict()["acceptance_length_by_index"] == [1.0, 3.0]
     assert (report.tokens, report.steps) == (6, 4)

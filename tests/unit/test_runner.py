@@ -86,7 +86,7 @@ def test_a_row_that_joined_a_running_batch_samples_exactly():
             model(torch.tensor([prompt + [a] for a in range(vocab)])).logits[:, -1], cfg
         )
     exact = {(a, b): float(p1[a] * p2[a, b]) for a in range(vocab) for b in range(vocab)}
-    stand = DRAFTER_CONFIGS["stand-16"]
+    stand = DRAFTER_CONFIGS["stand"]
     samples, runner = [], TrajectoryRunner(gen, max_rows=3)
     for k in range(300):
         store = InMemoryNgramStore()
@@ -147,9 +147,7 @@ def test_batched_metrics_match_the_stopwatch(tiny_model):
     problems = [ProblemInput(f"p{i}", p, InMemoryNgramStore()) for i, p in enumerate(_prompts())]
     sampling = SamplingConfig(temperature=0.7, max_new_tokens=40)
     t0 = time.perf_counter()
-    run = solve_problems(
-        TrajectoryRunner(gen, 4), problems, 3, DRAFTER_CONFIGS["stand-16"], sampling
-    )
+    run = solve_problems(TrajectoryRunner(gen, 4), problems, 3, DRAFTER_CONFIGS["stand"], sampling)
     measured = time.perf_counter() - t0
     stats = run.stats()
     assert abs(stats["wall_s"] - measured) <= 0.1 * measured

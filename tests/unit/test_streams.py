@@ -12,7 +12,7 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig, StandDrafterConfig
 from tts_service.drafters.base import DraftContext
-from tts_service.drafters.registry import build_drafter
+from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.decode import generate, plain_generate
 from tts_service.engine.streams import Stream, stream_generator, stream_seed
 from tts_service.engine.verify import verify_sampling
@@ -49,7 +49,7 @@ def _root_tokens(drafter_seed, verify_seed, draws: int) -> list[int]:
     for s in range(draws):
         store = InMemoryNgramStore()
         store.add([NgramRow((9,), Q_IDS, Q_PROBS)])
-        drafter = build_drafter(cfg, 4, store, drafter_seed(s))
+        drafter = build_drafter(cfg, DraftEnv(4, store, drafter_seed(s)))
         tree = drafter.draft(DraftContext([9], 1, 2, greedy=False))
         p = P.expand(tree.size, -1)
         acc = verify_sampling(tree, p, stream_generator(verify_seed(s), Stream.VERIFY))

@@ -16,20 +16,20 @@ from store.base import NgramRow
 from store.memory import InMemoryNgramStore
 from tests.conftest import tiny_llama
 from tts_service.config import (
-    AUTO_METHOD,
     GooseDrafterConfig,
     GtcpDrafterConfig,
     PtdDrafterConfig,
     RecyclingDrafterConfig,
     StandDrafterConfig,
     StandSpineDrafterConfig,
-    method_drafter,
 )
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable, GooseDrafter, spine_tree_budget
 from tts_service.drafters.gt import GtSizedDrafter, GtTreeDrafter, OnPathStats
 from tts_service.drafters.matching import ExactMatchIndex
+from tts_service.drafters.methods import AUTO_METHOD, method_drafter
 from tts_service.drafters.ptd import ProgressiveTree, PtdDrafter, merge_trie
+from tts_service.drafters.recycling import TokenRecyclingDrafter
 from tts_service.drafters.registry import new_gt_stats
 from tts_service.drafters.stand import StandDrafter
 from tts_service.drafters.stand_spine import StandSpineDrafter, spine_budget
@@ -38,7 +38,6 @@ from tts_service.engine.cost import (
     VerifyCost,
     context_bucket,
     gt_count,
-    gt_threshold,
     measure_verify_cost,
     worth_growing,
 )
@@ -63,16 +62,9 @@ def test_fit_makes_the_cost_curve_monotone_and_interpolates():
     c = VerifyCost.fit((1, 2, 4), (0.05, 0.04, 0.06), 100)
     assert c.seconds == (0.05, 0.05, 0.06)
     assert c.time(3) == pytest.approx(0.055) and c.time(8) == pytest.approx(0.08)  # extrapolated
-    assert c.marginal(2) == pytest.approx(0.005)
+    assert c.time(3) - c.time(2) == pytest.approx(0.005)
     with pytest.raises(ValueError, match="non-decreasing"):
         VerifyCost((1, 2), (0.2, 0.1), 10)
-
-
-def test_gt_threshold_is_marginal_cost_over_time_per_committed_token():
-    # T(16) = 0.113, T(17) = 0.113 + 0.0871/48 ... : c = dT * A / T
-    c = gt_threshold(CPU, 16, 2.0)
-    assert c == pytest.approx((CPU.time(17) - CPU.time(16)) * 2.0 / CPU.time(16))
-    assert gt_threshold(GPU, 16, 2.0) < c / 10  # nearly free tokens: nearly every node pays
 
 
 def test_gt_count_keeps_the_nodes_worth_their_cost_by_hand():
@@ -197,7 +189,7 @@ def test_gt_sized_drafter_counts_drafts_and_hits_per_shape_node():
     two, three = tree.tokens.index(2), tree.tokens.index(3)  # the store's chain 1 -> 2 -> 3
     assert tree.parents[three] == two
     gt.observe(tree, Acceptance((two, three), (2, 3), 4), _topk(tree.size))
-    shape_nodes = [gt.inner.template_of[v] for v in (two, three)]
+    shape_nodes = [gt._shape_ids[v] for v in (two, three)]
     assert all(gt.stats.hits[v] == 1.0 for v in shape_nodes)
     # counted over the nodes the store could fill, not the 80 slots offered
     assert gt.kept == 80 and sum(gt.stats.drafted) == tree.size - 1 < 80
@@ -406,3 +398,26 @@ def test_method_names_build_their_drafter_fields_and_auto_follows_the_device():
     )
     with pytest.raises(ValueError, match="unknown method"):
         method_drafter("eagle", {})
+
+
+def _recycling_with_table() -> TokenRecyclingDrafter:
+    drafter = TokenRecyclingDrafter(RecyclingDrafterConfig(num_nodes=40), 16)
+    drafter.table[:, :3] = torch.tensor(
+        [[(t + 1) % 16, (t + 2) % 16, (t + 5) % 16] for t in range(16)]
+    )
+    return drafter
+
+
+@pytest.mark.parametrize("make", ["stand", "recycling"])
+def test_a_static_drafter_returns_each_tree_node_s_shape_node(make):
+    """`draft_subtree`'s shape ids follow the tree: a node's shape parent is its parent's."""
+    drafter = (
+        StandDrafter(StandDrafterConfig(num_nodes=80, stochastic=False), _stand_store())
+        if make == "stand"
+        else _recycling_with_table()
+    )
+    keep = frozenset(range(1, 30))
+    shaped = drafter.draft_subtree(DraftContext([7, 1], 1, 80, greedy=True), keep)
+    ids, tree = shaped.shape_ids, shaped.tree
+    assert len(ids) == tree.size > 2 and ids[0] == 0 and set(ids[1:]) <= keep
+    assert all(drafter.shape.parents[ids[v]] == ids[tree.parents[v]] for v in range(1, tree.size))

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from store.base import NgramStore
 from tts_service.config import GtcpDrafterConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
-from tts_service.drafters.recycling import TokenRecyclingDrafter
-from tts_service.drafters.stand import GumbelNoise, StandDrafter, feed_store, gumbel_top_k
+from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
+from tts_service.drafters.stand import GumbelNoise, feed_store, gumbel_top_k
 from tts_service.engine.cost import CostModel, gt_count, worth_growing
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, select_subtree
 from tts_service.engine.verify import Acceptance
@@ -73,9 +72,7 @@ class OnPathStats:
 class GtSizedDrafter:
     """A static-tree drafter whose tree size is re-chosen every step by the GT rule."""
 
-    def __init__(
-        self, inner: StandDrafter | TokenRecyclingDrafter, cost: CostModel, stats: OnPathStats
-    ) -> None:
+    def __init__(self, inner: StaticTreeDrafter, cost: CostModel, stats: OnPathStats) -> None:
         if len(stats.prior) != inner.shape.num_nodes + 1:  # one entry per node, root first
             raise ValueError("the on-path statistics belong to another tree")
         self.inner = inner
@@ -86,13 +83,14 @@ class GtSizedDrafter:
         self.steps = 0
         self.offered_now = 0  # slots offered this step: `kept`, or more to explore
         self._offered: list[int] = []  # their shape ids (the store may fill fewer)
+        self._shape_ids: tuple[int, ...] = (0,)  # the last tree's: tree node -> shape node
 
     def start(self, prompt_ids: list[int]) -> None:
         self.inner.start(prompt_ids)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         alphas = self.stats.alphas()
-        cap = min(ctx.max_nodes, self.inner.cfg.num_nodes, self.inner.shape.num_nodes)
+        cap = len(shape_prefix(self.inner, ctx))
         # best first, closed under parents and earlier siblings; along that order α̂ is made
         # non-increasing (a node needs the ones before it to be reached)
         order = select_subtree(self.inner.shape, alphas, cap)[1:]
@@ -106,13 +104,14 @@ class GtSizedDrafter:
         explore = self.steps % EXPLORE_EVERY == 1
         self.offered_now = min(cap, 2 * self.kept + EXPLORE_EXTRA) if explore else self.kept
         self._offered = order[: self.offered_now]
-        return self.inner.draft_subtree(ctx, frozenset(self._offered))
+        shaped = self.inner.draft_subtree(ctx, frozenset(self._offered))
+        self._shape_ids = shaped.shape_ids
+        return shaped.tree
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         # counted over the nodes really drafted: a slot the store could not fill costs nothing,
         # so a cold store must not drag α̂ down for later, when it can
-        drafted = self.inner.template_of[1:]
-        self.stats.record(drafted, [self.inner.template_of[v] for v in acc.path])
+        self.stats.record(list(self._shape_ids[1:]), [self._shape_ids[v] for v in acc.path])
         self.inner.observe(tree, acc, topk)
 
 

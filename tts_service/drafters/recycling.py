@@ -10,7 +10,7 @@ from collections.abc import Container
 import torch
 
 from tts_service.config import RecyclingDrafterConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
 
@@ -21,25 +21,24 @@ class TokenRecyclingDrafter:
     ) -> None:
         self.cfg = cfg
         self.shape = load_tree_shape(cfg.tree)
+        self.num_nodes = cfg.num_nodes
         if table is None:
             table = torch.full((vocab_size, cfg.k), -1, dtype=torch.long)  # -1 = unknown
         self.table = table  # may be shared: batch rows and trajectories write one table
-        self.template_of: list[int] = [0]  # last tree: tree node -> shape node (GT sizing)
 
     def start(self, prompt_ids: list[int]) -> None:
         """Hot start: the table carries over from earlier trajectories."""
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        num = min(self.cfg.num_nodes, ctx.max_nodes, self.shape.num_nodes)
-        return self.draft_subtree(ctx, range(1, num + 1))
+        return self.draft_subtree(ctx, shape_prefix(self, ctx)).tree
 
-    def draft_subtree(self, ctx: DraftContext, keep: Container[int]) -> DraftTree:
+    def draft_subtree(self, ctx: DraftContext, keep: Container[int]) -> ShapedTree:
         """Draft only the shape nodes in `keep` (closed under parents and earlier siblings)."""
         shape = self.shape
         builder = TreeBuilder(ctx.tokens[-1])
         placed = [0] + [-1] * shape.num_nodes  # template node -> tree node (-1: pruned)
         rows: dict[int, list[int]] = {}
-        self.template_of = [0]
+        shape_ids = [0]
         for i in range(1, len(shape.parents)):
             parent = placed[shape.parents[i]]
             if parent < 0 or i not in keep:
@@ -51,8 +50,8 @@ class TokenRecyclingDrafter:
             candidate = row[shape.ranks[i]] if shape.ranks[i] < len(row) else -1
             if candidate >= 0:
                 placed[i] = builder.add(parent, candidate)
-                self.template_of.append(i)
-        return builder.build()
+                shape_ids.append(i)
+        return ShapedTree(builder.build(), tuple(shape_ids))
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         k = min(self.cfg.k, topk.ids.shape[1])

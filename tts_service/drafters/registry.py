@@ -1,14 +1,22 @@
-"""Config `kind` -> drafter instance: the one place that knows every drafter class."""
+"""Every drafter family once: its config model, its factory and the shared resources it needs
+(`KINDS`). The names users pick are in `drafters/methods.py`; each names a family here.
+
+Adding a family: a config model in `tts_service/config.py` (a member of `DrafterConfig`), its
+factory and a `DrafterKind` entry below, and a `Method` in `drafters/methods.py`.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from store.base import NgramStore
 from tts_service.config import (
-    DrafterConfig,
     GooseDrafterConfig,
     GtcpDrafterConfig,
     PlainDrafterConfig,
@@ -19,7 +27,7 @@ from tts_service.config import (
     StandSpineDrafterConfig,
     resolve_tree_path,
 )
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import Drafter, NoDrafter
 from tts_service.drafters.goose import AdjacencyTable, GooseDrafter
 from tts_service.drafters.gt import GtSizedDrafter, GtTreeDrafter, OnPathStats
 from tts_service.drafters.matching import ExactMatchIndex
@@ -29,28 +37,34 @@ from tts_service.drafters.recycling import TokenRecyclingDrafter
 from tts_service.drafters.stand import StandDrafter
 from tts_service.drafters.stand_spine import StandSpineDrafter
 from tts_service.engine.cost import CostModel
-from tts_service.engine.tree import DraftTree
-from tts_service.engine.verify import Acceptance
 
 SPINE_ORDERS = (8, 6, 5, 4, 3, 2)  # StandSpineDrafterConfig.min_match is 2..8
 
 
-class NoDrafter:
-    """Verifies the root only: plain decoding through the speculative engine."""
+@dataclass(frozen=True)
+class DraftEnv:
+    """What a drafter may share beyond its own per-trajectory state.
 
-    def start(self, prompt_ids: list[int]) -> None:
-        pass
+    `generator` lives as long as the loaded model (Token Recycling's and Goose's successor
+    tables: the hot start); `problem` is shared by one problem's trajectories (STAND + spine's
+    exact-match index, GT sizing's on-path statistics). Fresh dicts share nothing."""
 
-    def draft(self, ctx: DraftContext) -> DraftTree:
-        return DraftTree.root_only(ctx.tokens[-1])
+    vocab_size: int
+    store: NgramStore | None = None  # the problem's logit n-gram store
+    seed: int = 0  # the trajectory's seed: drafters derive their own stream from it
+    cost: CostModel | None = None  # the measured verify cost (GT sizing, GTCP)
+    generator: dict = field(default_factory=dict)
+    problem: dict = field(default_factory=dict)
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        pass
+    def need_store(self, kind: str) -> NgramStore:
+        if self.store is None:
+            raise ValueError(f"the {kind} drafter needs a logit n-gram store")
+        return self.store
 
-
-def new_spine_index() -> ExactMatchIndex:
-    """The exact-match index one problem's STAND + spine trajectories share."""
-    return ExactMatchIndex(SPINE_ORDERS)
+    def need_cost(self, kind: str) -> CostModel:
+        if self.cost is None:
+            raise ValueError(f"the {kind} drafter needs a measured verify cost (GT sizing)")
+        return self.cost
 
 
 def new_gt_stats(cfg: RecyclingDrafterConfig | StandDrafterConfig) -> OnPathStats:
@@ -66,59 +80,81 @@ def new_gt_stats(cfg: RecyclingDrafterConfig | StandDrafterConfig) -> OnPathStat
     return OnPathStats([0.5**d for d in depth])
 
 
-def needs_cost(cfg: DrafterConfig) -> bool:
+def _gt_sized(
+    inner: StandDrafter | TokenRecyclingDrafter,
+    cfg: RecyclingDrafterConfig | StandDrafterConfig,
+    env: DraftEnv,
+) -> Drafter:
+    """A static-tree drafter pruned by the GT rule, its on-path statistics per problem."""
+    if cfg.sizing == "fixed":
+        return inner
+    key = ("gt_stats", cfg.model_dump_json())
+    if key not in env.problem:
+        env.problem[key] = new_gt_stats(cfg)
+    return GtSizedDrafter(inner, env.need_cost(cfg.kind), env.problem[key])
+
+
+def _recycling(cfg: RecyclingDrafterConfig, env: DraftEnv) -> Drafter:
+    key = ("recycling", cfg.k)
+    if key not in env.generator:  # -1: no successor known yet
+        env.generator[key] = torch.full((env.vocab_size, cfg.k), -1, dtype=torch.long)
+    return _gt_sized(TokenRecyclingDrafter(cfg, env.vocab_size, env.generator[key]), cfg, env)
+
+
+def _stand(cfg: StandDrafterConfig, env: DraftEnv) -> Drafter:
+    return _gt_sized(StandDrafter(cfg, env.need_store(cfg.kind), env.seed), cfg, env)
+
+
+def _stand_spine(cfg: StandSpineDrafterConfig, env: DraftEnv) -> Drafter:
+    if "spine_index" not in env.problem:
+        env.problem["spine_index"] = ExactMatchIndex(SPINE_ORDERS)
+    return StandSpineDrafter(cfg, env.need_store(cfg.kind), env.problem["spine_index"], env.seed)
+
+
+def _goose(cfg: GooseDrafterConfig, env: DraftEnv) -> Drafter:
+    key = ("goose", cfg.k)
+    if key not in env.generator:
+        env.generator[key] = AdjacencyTable(env.vocab_size, cfg.k)
+    return GooseDrafter(cfg, env.generator[key])
+
+
+def _gtcp(cfg: GtcpDrafterConfig, env: DraftEnv) -> Drafter:
+    return GtTreeDrafter(cfg, env.need_store(cfg.kind), env.need_cost(cfg.kind), env.seed)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter family: its config model and its factory."""
+
+    config: type[BaseModel]
+    build: Callable[[Any, DraftEnv], Drafter]
+    uses_store: bool = False  # drafts from the problem's logit n-gram store
+
+
+KINDS: dict[str, DrafterKind] = {
+    k.config.model_fields["kind"].default: k
+    for k in (
+        DrafterKind(PlainDrafterConfig, lambda cfg, env: NoDrafter()),
+        DrafterKind(PldDrafterConfig, lambda cfg, env: PromptLookupDrafter(cfg)),
+        DrafterKind(RecyclingDrafterConfig, _recycling),
+        DrafterKind(StandDrafterConfig, _stand, uses_store=True),
+        DrafterKind(StandSpineDrafterConfig, _stand_spine, uses_store=True),
+        DrafterKind(GooseDrafterConfig, _goose),
+        DrafterKind(PtdDrafterConfig, lambda cfg, env: PtdDrafter(cfg, env.seed)),
+        DrafterKind(GtcpDrafterConfig, _gtcp, uses_store=True),
+    )
+}
+
+
+def needs_cost(cfg: BaseModel) -> bool:
     """Does this drafter size its trees by the measured verify cost?"""
     return isinstance(cfg, GtcpDrafterConfig) or getattr(cfg, "sizing", "fixed") == "gt"
 
 
-def build_drafter(
-    cfg: DrafterConfig,
-    vocab_size: int,
-    store: NgramStore | None = None,
-    seed: int = 0,
-    *,
-    cost: CostModel | None = None,
-    table: AdjacencyTable | torch.Tensor | None = None,
-    spine_index: ExactMatchIndex | None = None,
-    gt_stats: OnPathStats | None = None,
-) -> Drafter:
-    """Build the drafter for `cfg`.
+def build_drafter(cfg: BaseModel, env: DraftEnv) -> Drafter:
+    """The drafter for `cfg`, sharing what `env` holds.
 
-    Shared state comes in from the caller: the `store` a problem's trajectories share
-    (STAND, STAND + spine, GTCP), the measured verify `cost` (GT sizing, GTCP), the successor
-    `table` of Token Recycling or Goose (the hot start) and the problem's `spine_index`; fresh
-    ones otherwise.
+    Raises:
+        ValueError: a resource the drafter needs is missing from `env`.
     """
-    needs_store = isinstance(cfg, StandDrafterConfig | GtcpDrafterConfig)
-    if needs_store and store is None:
-        raise ValueError(f"the {cfg.kind} drafter needs a logit n-gram store")
-    gt = needs_cost(cfg)
-    if gt and cost is None:
-        raise ValueError(f"the {cfg.kind} drafter needs a measured verify cost (GT sizing)")
-    match cfg:
-        case PlainDrafterConfig():
-            return NoDrafter()
-        case PldDrafterConfig():
-            return PromptLookupDrafter(cfg)
-        case RecyclingDrafterConfig():
-            shared = table if isinstance(table, torch.Tensor) else None
-            tr = TokenRecyclingDrafter(cfg, vocab_size, shared)
-            if not gt:
-                return tr
-            return GtSizedDrafter(tr, cost, gt_stats or new_gt_stats(cfg))
-        case StandSpineDrafterConfig():
-            return StandSpineDrafter(cfg, store, spine_index or new_spine_index(), seed)
-        case StandDrafterConfig():
-            stand = StandDrafter(cfg, store, seed)
-            if not gt:
-                return stand
-            return GtSizedDrafter(stand, cost, gt_stats or new_gt_stats(cfg))
-        case GooseDrafterConfig():
-            if not isinstance(table, AdjacencyTable):
-                table = AdjacencyTable(vocab_size, cfg.k)
-            return GooseDrafter(cfg, table)
-        case PtdDrafterConfig():
-            return PtdDrafter(cfg, seed)
-        case GtcpDrafterConfig():
-            return GtTreeDrafter(cfg, store, cost, seed)
-    raise ValueError(f"unknown drafter kind {cfg.kind!r}")
+    return KINDS[cfg.kind].build(cfg, env)  # type: ignore[attr-defined]

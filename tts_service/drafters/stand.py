@@ -19,7 +19,7 @@ import torch
 
 from store.base import NgramRow, NgramStore
 from tts_service.config import StandDrafterConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
@@ -62,35 +62,35 @@ class StandDrafter:
         self.cfg = cfg
         self.store = store
         self.shape = load_tree_shape(cfg.tree)
+        self.num_nodes = cfg.num_nodes
         kids: list[list[int]] = [[] for _ in self.shape.parents]
         for i, p in enumerate(self.shape.parents[1:], start=1):
             kids[p].append(i)
         self._shape_children = kids
         self.noise = GumbelNoise(cfg.noise_buffer, seed)
-        self.template_of: list[int] = [0]  # last tree: tree node -> shape node (calibration)
+        self._shape_ids: list[int] = [0]  # the tree being built: tree node -> shape node
         self._tails: list[tuple[int, ...]] = []  # last tree: context tail ending at each node
 
     def start(self, prompt_ids: list[int]) -> None:
         """Trajectories share the store; nothing is per-trajectory."""
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        num = min(self.cfg.num_nodes, ctx.max_nodes, self.shape.num_nodes)
-        return self.draft_subtree(ctx, range(1, num + 1))
+        return self.draft_subtree(ctx, shape_prefix(self, ctx)).tree
 
-    def draft_subtree(self, ctx: DraftContext, keep: Container[int]) -> DraftTree:
+    def draft_subtree(self, ctx: DraftContext, keep: Container[int]) -> ShapedTree:
         """Draft only the shape nodes in `keep` (closed under parents and earlier siblings)."""
         builder = self.new_tree(ctx)
         self.grow(builder, 0, keep, self.cfg.stochastic and not ctx.greedy)
-        return builder.build()
+        return ShapedTree(builder.build(), tuple(self._shape_ids))
 
     def new_tree(self, ctx: DraftContext) -> TreeBuilder:
         """A tree holding the root only; `hang` and `grow` add to it."""
-        self.template_of, self._tails = [0], [tuple(ctx.tokens[-self.store.max_order :])]
+        self._shape_ids, self._tails = [0], [tuple(ctx.tokens[-self.store.max_order :])]
         return TreeBuilder(ctx.tokens[-1])
 
     def hang(self, builder: TreeBuilder, parent: int, token: int) -> int:
         """Add a deterministic node that is not part of the shape (a spine token)."""
-        self.template_of.append(-1)
+        self._shape_ids.append(-1)
         self._tails.append((*self._tails[parent], token)[-self.store.max_order :])
         return builder.add(parent, token)
 
@@ -131,7 +131,7 @@ class StandDrafter:
                 chosen = ids[:k]  # stored ids are sorted by probability
             for shape_child, token in zip(kids, chosen, strict=False):
                 placed[shape_child] = builder.add(node, token, sampled=stochastic)
-                self.template_of.append(shape_child)
+                self._shape_ids.append(shape_child)
                 self._tails.append((*self._tails[node], token)[-order:])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:

@@ -202,7 +202,7 @@ class BatchDecoder:
         ids, pos, mask = self._pack(trees, [len(r.tokens) - 1 for r in batch], self.valid)
         logits = self._forward(ids, pos, mask, self.cache)  # [B, n, V]
         # 4-5. verify and accept, row by row
-        keeps, still, done, committed_total = [], [], [], 0
+        keeps, accs, still, done, committed_total = [], [], [], [], 0
         for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
             row_logits = logits[b, : tree.size]
             acc = (
@@ -214,11 +214,8 @@ class BatchDecoder:
             committed_total += committed
             row.tokens.extend(acc.committed[:committed])
             keeps.append([0, *acc.path])
+            accs.append(acc)
             row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
-            # 7. observe now, so the next row's drafting already sees this row's distributions
-            row.drafter.observe(tree, acc, store_topk(row_logits, row.cfg))
-            if observe is not None:
-                observe(row, tree, acc)
             (still if row.rule.finish is None else done).append(b)
         # 6. compact KV: each row keeps root + accepted path at the front of the new region
         m = max(len(k) for k in keeps)
@@ -236,14 +233,22 @@ class BatchDecoder:
             self.compact_slack
         ):
             self.valid = self._compact(self.cache, self.valid)
+        t2 = time.perf_counter()
+        # 7. observe: every drafter learns from the target's distributions at its nodes
+        for b, (row, tree, acc) in enumerate(zip(batch, trees, accs, strict=True)):
+            row.drafter.observe(tree, acc, store_topk(logits[b, : tree.size], row.cfg))
+            if observe is not None:
+                observe(row, tree, acc)
         t3 = time.perf_counter()
-        for row in batch:
-            row.stats.draft_s += (t1 - t0) / len(batch)
-            row.stats.verify_s += (t3 - t1) / len(batch)
+        for row in batch:  # one forward for all: each row is booked an equal share
+            row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
+            row.stats.verify_s += (t2 - t1) / len(batch)
         for row in finished:
             row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
         nodes = sum(t.size - 1 for t in trees)
-        self.forwards.record(len(batch), ids.shape[1], nodes, committed_total, t1 - t0, t3 - t1)
+        self.forwards.record(
+            len(batch), ids.shape[1], nodes, committed_total, (t1 - t0) + (t3 - t2), t2 - t1
+        )
         return finished
 
     def _forward(self, ids, pos, mask, cache: DynamicCache) -> torch.Tensor:

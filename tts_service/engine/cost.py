@@ -68,21 +68,12 @@ class VerifyCost:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
-    def marginal(self, n: int) -> float:
-        """Extra time of the (n+1)-th tree token."""
-        return self.time(n + 1) - self.time(n)
-
     def to_dict(self) -> dict:
         return {
             "context_len": self.context_len,
             "sizes": list(self.sizes),
             "ms": [round(s * 1e3, 3) for s in self.seconds],
         }
-
-
-def gt_threshold(cost: VerifyCost, tree_tokens: int, expected_len: float) -> float:
-    """c for adding one node to a tree of `tree_tokens` tokens that commits `expected_len`."""
-    return cost.marginal(tree_tokens) * expected_len / cost.time(tree_tokens)
 
 
 def gt_count(alphas: Sequence[float], cost: VerifyCost, max_nodes: int) -> int:
@@ -188,7 +179,6 @@ class CostModel(Generic[Curve]):
         self._measure = measure
         self.max_context = max_context
         self.curves: dict[int, Curve] = {}
-        self.calibration_s = 0.0
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, repeats: int = 3) -> CostModel[VerifyCost]:
@@ -205,7 +195,5 @@ class CostModel(Generic[Curve]):
         if self.max_context is not None:
             bucket = min(bucket, max(1, self.max_context - CALIBRATION_SIZES[-1]))
         if bucket not in self.curves:
-            t0 = time.perf_counter()
             self.curves[bucket] = self._measure(bucket)
-            self.calibration_s += time.perf_counter() - t0
         return self.curves[bucket]

@@ -42,10 +42,6 @@ class Acceptance:
         return len(self.path)
 
     @property
-    def last_node(self) -> int:
-        return self.path[-1] if self.path else 0
-
-    @property
     def committed(self) -> tuple[int, ...]:
         """Tokens this step commits: accepted drafts then the bonus."""
         return (*self.tokens, self.bonus)

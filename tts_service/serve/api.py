@@ -14,19 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-Method = Literal[
-    "plain",
-    "pld",
-    "recycle",
-    "recycle-gt",
-    "stand",
-    "stand-gt",
-    "stand+spine",
-    "goose",
-    "ptd",
-    "gtcp",
-    "auto",
-]
+from tts_service.drafters.methods import MethodName
 
 
 class _Request(BaseModel):
@@ -40,7 +28,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
-    spec_method: Method | None = Field(None, description="Speculative method (extension).")
+    spec_method: MethodName | None = Field(None, description="Speculative method (extension).")
     aggregate: Literal["majority"] | None = Field(None, description="Vote over the n choices.")
     task: Literal["math", "choice", "code"] = Field("math", description="How to vote.")
 
@@ -78,7 +66,7 @@ class SolveHttpRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0, le=2**63 - 1)
-    method: Method | None = None
+    method: MethodName | None = None
     return_trajectories: bool = False
     model: str | None = None
 

@@ -22,8 +22,8 @@ from tts_service.config import (
     SamplingConfig,
     ServeConfig,
     default_max_rows,
-    method_drafter,
 )
+from tts_service.drafters.methods import method_drafter
 from tts_service.generation import Generator
 from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
 from tts_service.serve.api import ApiError, ChatCompletionRequest, SolveHttpRequest, new_id, now
