@@ -47,7 +47,8 @@ FLAT_COST = VerifyCost((1, 2, 128), (1.0, 1.01, 1.2), 256)
 
 
 def tiny_llama(vocab_size: int = 64, seed: int = 0, dtype=torch.float64, scale: float = 1.0):
-    """A seeded random Llama; float64 keeps greedy ties out of the way (testing-notes.md).
+    """A seeded random Llama; float64 keeps greedy ties out of the way
+    (docs/design.md, "Testing exactness").
 
     `scale` multiplies the lm_head so the distributions are peaked enough to be interesting.
     """
