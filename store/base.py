@@ -1,9 +1,10 @@
 """The `NgramStore` seam, its row types, and STAND's merge rule (a pure function).
 
-STAND (Song et al. 2025, §3.2 of algorithms.md) keeps, for every 1- to 4-gram of context, the
+STAND (Song et al. 2025) keeps, for every 1- to 4-gram of context, the
 target's next-token distribution compressed to its top-10 ids and probabilities plus a count.
 A repeat merges as the running mean k/(k+1)·old + 1/(k+1)·new over the union of ids (absent ids
 count as 0), cut back to the top 10. Lookup tries the longest order first.
+See docs/design.md, "The logit n-gram store".
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Data-driven static trees (STAND §3.6): count how often each node of a big tree lies on the
+"""Data-driven static trees (STAND): count how often each node of a big tree lies on the
 accepted path, keep the best K as a tree.
 
 With in-order verification, whether a node is accepted depends only on its ancestors and
 earlier siblings, so any subtree closed under parents and earlier siblings has expected
-acceptance length 1 + the sum of its nodes' on-path frequencies (algorithms.md §3.6). Best-first
+acceptance length 1 + the sum of its nodes' on-path frequencies. Best-first
 selection over that closure keeps the most useful K nodes, and its order makes every prefix
-of the result the best tree of that size.
+of the result the best tree of that size. See docs/design.md, "STAND drafting".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Verifier exactness (algorithms.md §2.2, Appendix A): enumerate every random outcome of a node
+"""Verifier exactness (docs/design.md#testing-exactness): enumerate every random outcome of a node
 verifier on a small vocabulary and compare the emitted distribution with p."""
 
 from __future__ import annotations

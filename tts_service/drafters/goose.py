@@ -1,4 +1,4 @@
-"""Goose: anisotropic spine trees (algorithms.md §4).
+"""Goose: anisotropic spine trees (docs/design.md, "Goose").
 
 A deep **spine** of context-matched tokens (prompt lookup over n in {3, 4, 5}, up to 20 tokens)
 carries wide **branches** of Token-Recycling successors: the spine is accepted far more often

@@ -1,4 +1,5 @@
-"""GTCP's Greater-Than principle applied to our drafters (algorithms.md §5, engine/cost.py).
+"""GTCP's Greater-Than principle applied to our drafters (engine/cost.py;
+docs/design.md, "GT sizing and GTCP").
 
 Two ways, both driven by the verify cost measured on the running device:
 

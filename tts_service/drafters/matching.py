@@ -4,7 +4,7 @@ Every n-gram (n in `orders`) of every document maps to its latest occurrence, so
 the current suffix is one dict probe per order and its continuation is copied from the
 document it was found in. Goose indexes one document (prompt + this trajectory, like PLD);
 STAND + spine indexes one document per trajectory of a problem, so a spine can be copied from
-an earlier trajectory (algorithms.md §10.2).
+an earlier trajectory (docs/design.md, "STAND with a spine").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PTD: progressive tree drafting by input perturbation (algorithms.md §6).
+"""PTD: progressive tree drafting by input perturbation (docs/design.md, "PTD").
 
 The target drafts for itself. A **perturbation tree** of tokens (random at first) rides along
 in every verify forward, hung below the root; the target's argmax at each of its nodes becomes
@@ -12,7 +12,8 @@ to verify.
 Both trees are ordinary draft nodes to the engine (positions prefix + depth, ancestor-only
 attention), so one forward does all three jobs; perturbation nodes may even be accepted, which
 is lossless like any deterministic draft. Verification is greedy or sample-and-match, with the
-bonus token from the residual (the fix of the paper's Algorithm 2, §2.2(b)).
+bonus token from the residual (the fix of the paper's Algorithm 2;
+docs/design.md, "Verification rules").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""STAND: stochastic tree drafting from a logit n-gram store (Song et al. 2025; algorithms.md §3).
+"""STAND: stochastic tree drafting from a logit n-gram store (Song et al. 2025;
+docs/design.md, "STAND drafting").
 
 At every node of a static tree shape the drafter looks up the longest stored n-gram of the
 node's path context and draws the node's k children *without replacement* from the stored

@@ -1,5 +1,5 @@
 """STAND + spine: STAND's stochastic branches hanging off a spine copied from an exact match in
-this problem's earlier trajectories or this one (algorithms.md §10.2, none of the seeds has it).
+this problem's earlier trajectories or this one (docs/design.md, "STAND with a spine").
 
 Best-of-N trajectories of one problem restate the same equations and code verbatim. When the
 context's suffix matches somewhere in the problem's trajectories under at least `min_match`
@@ -9,9 +9,10 @@ one-hot drafts and the rest of the budget grows STAND subtrees below the spine n
 front-loaded by a 1/(i+1) decay (Goose Prop. 2 puts the optimum near the root). Otherwise the
 step is a plain STAND tree.
 
-Verification is the mixed rule (§2.2(d)): the spine child is every spine node's first child, a
+Verification is the mixed rule: the spine child is every spine node's first child, a
 one-hot draft accepted with p(x_s); the sampled branches were drawn from q without x_s, which
-is what the verifier's renormalised proposal (tried siblings removed) is.
+is what the verifier's renormalised proposal (tried siblings removed) is. See
+docs/design.md, "Verification rules".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Measured verify cost and the Greater-Than principle (GTCP, algorithms.md §5).
+"""Measured verify cost and the Greater-Than principle (GTCP; docs/design.md#gt-sizing-and-gtcp).
 
 A model-free drafter spends nothing per draft node; a node's cost is the extra time it adds to
 the target's verify forward. That cost depends on the device, the model, the context length and

@@ -1,7 +1,7 @@
 """Target logits -> `p`, the exact distribution plain decoding samples from.
 
 Every verifier and every store update reads `p` through this one function, so speculative and
-plain decoding can never disagree on temperature, top-k or top-p (algorithms.md §2.3 item 1).
+plain decoding can never disagree on temperature, top-k or top-p (docs/design.md, "Sampling").
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Draft trees as data, and packing a tree into one verify forward (SpecInfer-style tree attention).
 
-Conventions (style.md vocabulary): node 0 is the **root**, the last committed token, whose KV is
+Conventions: node 0 is the **root**, the last committed token, whose KV is
 not cached yet; every other node holds one draft token. Nodes are topologically ordered
 (`parents[i] < i`; drafters emit BFS order). Siblings are verified in list order, which for
 stochastic children is their sampling order. `q` is the sparse draft distribution a node's
 *sampled* children were drawn from (a snapshot taken at drafting time); deterministic children
-have no `q`.
+have no `q`. See docs/design.md, "Draft trees and the attention mask".
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def pack(
     Returns:
         input_ids `[1, n]`, position_ids `[1, n]` (prefix_len + depth), and the additive 4-D
         mask `[1, 1, n, prefix_len + n]` in `dtype` (0 = attend, finfo.min = blocked; a bool
-        mask is silently wrong with eager attention, platform-notes §3).
+        mask is silently wrong with eager attention, see
+        docs/design.md, "Draft trees and the attention mask").
     """
     n = tree.size
     allowed = torch.cat(

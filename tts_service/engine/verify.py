@@ -2,7 +2,7 @@
 
 Pure functions: a `DraftTree`, the target `p` (or logits under greedy) at every node, and an
 explicit `torch.Generator` go in; an `Acceptance` comes out. No model, no store, no global RNG.
-The rules are algorithms.md §2.2:
+The rules (docs/design.md, "Verification rules"):
 
 * greedy (a): descend to the child holding argmax p; the argmax at the last node is the bonus.
 * sample-and-match (b), SpecInfer / Miao et al. 2024: a deterministic child x is accepted with
