@@ -68,9 +68,7 @@ class GeneratorActor:
         else:
             if len(self._stores) >= 8:
                 _, old = self._stores.popitem(last=False)
-                sync = getattr(old, "sync", None)  # a Redis store flushes its queued writes
-                if sync is not None:
-                    sync()
+                old.flush()  # a shared backend pushes its queued writes
             self._stores[scope_id] = open_problem_store(
                 self.cfg.store, self.store_url, scope_id, self.global_store
             )

@@ -62,7 +62,11 @@ def mean_entry(count: int, sums: dict[int, float], topk: int) -> NgramEntry | No
 
 
 class NgramStore(Protocol):
-    """A logit n-gram store. Implementations: `store.memory` (in-process, the reference)."""
+    """A logit n-gram store. Implementations: `store.memory` (in-process, the reference, and
+    `TieredStore`, a problem scope over a global one) and `store.redis_store` (shared).
+
+    A scope is bounded (`StoreConfig.max_entries`): the least recently updated n-grams go first.
+    """
 
     max_order: int
 
@@ -72,8 +76,13 @@ class NgramStore(Protocol):
     def add(self, rows: Sequence[NgramRow]) -> None:
         """Merge one decoding step's observations (every order 1..max_order of each row)."""
 
+    def flush(self) -> None:
+        """Push pending writes to where other readers see them (a no-op in-process; Redis
+        sends a bounded batch per call). Called when a store is dropped, so that a shared
+        backend does not sit on queued updates."""
+
     def stats(self) -> dict:
-        """Entry counts per order, hits, misses, evictions."""
+        """Counters for the run's report (JSON-serialisable; the keys depend on the backend)."""
 
     def clear(self) -> None:
-        """Forget everything."""
+        """Forget this store's own scope (a tiered store keeps the shared global one)."""

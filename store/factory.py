@@ -1,14 +1,19 @@
-"""Config -> a store for one scope. The only place that picks a backend."""
+"""Config -> a store for one scope. The only place that picks a backend: by the URL's scheme.
+
+'local-redis' never gets here: the edges (`tts_service.cli`, `jobs.common`) resolve it to the
+URL of a private redis-server first.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 from store.base import NgramStore
+from store.config import StoreConfig
 from store.memory import InMemoryNgramStore, TieredStore
 from store.redis_store import RedisLogitNgramStore, RedisScope
-from tts_service.config import StoreConfig
 
 
 def problem_id(prompt_ids: Sequence[int]) -> str:
@@ -16,10 +21,11 @@ def problem_id(prompt_ids: Sequence[int]) -> str:
     return hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
 
 
-def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> NgramStore:
-    """In-process when `url` is None, else Redis (`url` already resolved from 'local-redis')."""
-    if url is None:
-        return InMemoryNgramStore(cfg.max_order, cfg.topk, cfg.max_entries)
+def _in_memory(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> NgramStore:
+    return InMemoryNgramStore(cfg.max_order, cfg.topk, cfg.max_entries)
+
+
+def _redis(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> NgramStore:
     return RedisLogitNgramStore.connect(
         url,
         fallback=cfg.fallback,
@@ -28,6 +34,30 @@ def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> 
         topk=cfg.topk,
         max_staleness_s=cfg.max_staleness_s,
     )
+
+
+Opener = Callable[[StoreConfig, str | None, str, str], NgramStore]
+
+# URL scheme -> backend (None: no URL, in-process). Add a backend here and nowhere else.
+BACKENDS: dict[str | None, Opener] = {
+    None: _in_memory,
+    "redis": _redis,
+    "rediss": _redis,
+    "unix": _redis,
+}
+
+
+def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> NgramStore:
+    """The store of one scope, from the backend of `url`'s scheme (in-process for None).
+
+    Raises:
+        ValueError: a URL whose scheme has no backend (the message lists the known ones).
+    """
+    opener = BACKENDS.get(None if url is None else urlsplit(url).scheme)
+    if opener is None:
+        known = ", ".join(f"{s}://" for s in BACKENDS if s is not None)
+        raise ValueError(f"store URL {url!r}: unknown scheme (known: {known}; None: in-process)")
+    return opener(cfg, url, scope, scope_id)
 
 
 def open_global_store(cfg: StoreConfig, url: str | None) -> NgramStore | None:

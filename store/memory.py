@@ -64,6 +64,9 @@ class InMemoryNgramStore:
             self._sums.pop(key, None)
             self._evictions += 1
 
+    def flush(self) -> None:
+        """Nothing is pending: writes land in `add`."""
+
     def stats(self) -> dict:
         by_order = [0] * (self.max_order + 1)
         for key in self._entries:
@@ -99,6 +102,10 @@ class TieredStore:
     def add(self, rows: Sequence[NgramRow]) -> None:
         self.problem.add(rows)
         self.global_.add(rows)
+
+    def flush(self) -> None:
+        self.problem.flush()
+        self.global_.flush()
 
     def stats(self) -> dict:
         return {"problem": self.problem.stats(), "global": self.global_.stats()}

@@ -151,11 +151,11 @@ class RedisLogitNgramStore:
                 len(self._pending) + len(rows) - (self._pending.maxlen or 0)
             )
         self._pending.extend(rows)
-        self.sync()
+        self.flush()
 
-    def sync(self) -> None:
-        """Flush pending writes and fetch wanted keys in one pipeline (skipped while degraded,
-        except for a reconnect attempt every `retry_s`)."""
+    def flush(self) -> None:
+        """Push up to `FLUSH_ROWS` pending rows and fetch wanted keys in one pipeline (skipped
+        while degraded, except for a reconnect attempt every `retry_s`)."""
         if self._degraded_since is not None:
             if time.monotonic() - self._degraded_since < self.retry_s:
                 return

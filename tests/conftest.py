@@ -1,13 +1,16 @@
-"""Shared fixtures: seeded tiny random Llama models (no hub, no network) and every drafter."""
+"""Shared fixtures: seeded tiny random Llama models (no hub, no network), every drafter, and a
+private redis-server."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from tts_service.config import (
     GooseDrafterConfig,
@@ -72,6 +75,16 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, dtype=torch.float64, scale: 
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama(vocab_size=64, seed=0, scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One redis-server on a free loopback port for the session (tests use their own scopes).
+    Skipped where redis-server is not installed, so the unit tests run without it."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (apt-get install -y redis-server)")
+    with LocalRedisServer() as server:
+        yield server
 
 
 @pytest.fixture(params=sorted(DRAFTER_CONFIGS))

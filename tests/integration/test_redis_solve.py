@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
+from store.config import StoreConfig
 from store.factory import open_problem_store, problem_id
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
-from tts_service.config import SamplingConfig, StandDrafterConfig, StoreConfig
+from tts_service.config import SamplingConfig, StandDrafterConfig
 from tts_service.solve import solve
 
 pytestmark = pytest.mark.slow

@@ -17,12 +17,6 @@ from store.redis_store import RedisLogitNgramStore, RedisScope, StoreUnavailable
 from tts_service.cli import main
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LocalRedisServer() as s:
-        yield s
-
-
 def _rows(seed: int, steps: int, per_step: int = 3) -> list[list[NgramRow]]:
     """Overlapping contexts (a small alphabet) and > 10 ids per key, so truncation matters."""
     rng = random.Random(seed)
@@ -46,7 +40,7 @@ def _store(url: str, scope_id: str, **kw) -> RedisLogitNgramStore:
 def _read_through(store: RedisLogitNgramStore, context):
     """A cold lookup misses (no network wait), the next round trip fetches it."""
     store.lookup(context)
-    store.sync()
+    store.flush()
     return store.lookup(context)
 
 
@@ -65,13 +59,13 @@ def _all_contexts():
     ]
 
 
-def test_round_trip_merge_and_lookup_equal_the_in_process_store(server):
-    writer = _store(server.url, "roundtrip")
+def test_round_trip_merge_and_lookup_equal_the_in_process_store(redis_server):
+    writer = _store(redis_server.url, "roundtrip")
     reference = InMemoryNgramStore(merge="sum")
     for step in _rows(0, 40):
         writer.add(step)
         reference.add(step)
-    _assert_same(_store(server.url, "roundtrip"), reference, _all_contexts())
+    _assert_same(_store(redis_server.url, "roundtrip"), reference, _all_contexts())
     assert writer.stats()["round_trips"] == 41 and not writer.stats()["degraded"]  # warm + 40
 
 
@@ -81,9 +75,9 @@ def _writer(url: str, seed: int) -> None:
         store.add(step)
 
 
-def test_concurrent_writers_equal_a_sequential_merge(server):
+def test_concurrent_writers_equal_a_sequential_merge(redis_server):
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(server.url, seed)) for seed in range(4)]
+    procs = [ctx.Process(target=_writer, args=(redis_server.url, seed)) for seed in range(4)]
     for p in procs:
         p.start()
     for p in procs:
@@ -93,28 +87,30 @@ def test_concurrent_writers_equal_a_sequential_merge(server):
     for seed in range(4):
         for step in _rows(seed, 30):
             reference.add(step)
-    _assert_same(_store(server.url, "concurrent"), reference, _all_contexts())
+    _assert_same(_store(redis_server.url, "concurrent"), reference, _all_contexts())
 
 
-def test_ttl_cap_stats_and_clear(server):
+def test_ttl_cap_stats_and_clear(redis_server):
+    url = redis_server.url
     store = RedisLogitNgramStore.connect(
-        server.url, scope=RedisScope("job", "capped", ttl_s=100, max_entries=5), max_order=1
+        url, scope=RedisScope("job", "capped", ttl_s=100, max_entries=5), max_order=1
     )
     for t in range(9):
         store.add([NgramRow((t,), (1,), (1.0,))])
-    client = redis.Redis.from_url(server.url)
+    client = redis.Redis.from_url(url)
     keys = [k for k in client.scan_iter(match="tts:job:capped:1:*")]
     assert len(keys) == 5  # the oldest four were evicted
     assert 0 < client.ttl(keys[0]) <= 100
-    assert main(["store", "stats", "--scope", "job", "--id", "capped", "--store", server.url]) == 0
-    assert main(["store", "clear", "--scope", "job", "--id", "capped", "--store", server.url]) == 0
+    assert main(["store", "stats", "--scope", "job", "--id", "capped", "--store", url]) == 0
+    assert main(["store", "clear", "--scope", "job", "--id", "capped", "--store", url]) == 0
     assert not list(client.scan_iter(match="tts:job:capped:*"))
 
 
-def test_store_cli_reports_counts(server, capsys):
-    store = _store(server.url, "cli")
+def test_store_cli_reports_counts(redis_server, capsys):
+    url = redis_server.url
+    store = _store(url, "cli")
     store.add([NgramRow((1, 2), (3,), (1.0,))])
-    assert main(["store", "stats", "--scope", "problem", "--id", "cli", "--store", server.url]) == 0
+    assert main(["store", "stats", "--scope", "problem", "--id", "cli", "--store", url]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["entries"] == 2 and out["entries_by_order"] == {"1": 1, "2": 1}
     assert main(["store", "stats", "--store", "http://nope"]) == 2
@@ -144,7 +140,7 @@ def test_redis_dying_and_coming_back_loses_no_update(tmp_path):
         assert store.stats()["degraded"] and store.stats()["pending_updates"] == 2
         assert store.lookup([5]).ids == (6,)  # drafting goes on from the local cache
         server = LocalRedisServer(data_dir=tmp_path / "d", port=server.port).start()
-        store.sync()  # reconnects and flushes the queue
+        store.flush()  # reconnects and flushes the queue
         s = store.stats()
         assert not s["degraded"] and s["reconnects"] == 1 and s["pending_updates"] == 0
         fresh = _store(server.url, "faults")
