@@ -8,40 +8,38 @@ import shutil
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
-from tts_service.config import (
-    GooseDrafterConfig,
-    GtcpDrafterConfig,
-    PlainDrafterConfig,
-    PldDrafterConfig,
-    PtdDrafterConfig,
-    RecyclingDrafterConfig,
-    StandDrafterConfig,
-    StandSpineDrafterConfig,
-)
-from tts_service.drafters.registry import build_drafter
+from tts_service.config import DrafterConfig, RecyclingDrafterConfig, StandDrafterConfig
+from tts_service.drafters.methods import METHODS, method_drafter
+from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.cost import CostModel, VerifyCost
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# every registered method with small trees (fast on a tiny model), plus a few variants
+TEST_PRESETS = {
+    "pld": {"num_draft_tokens": 5},
+    "recycling": {"num_nodes": 16},
+    "stand": {"num_nodes": 16, "tree": "stand-625"},
+    "stand_spine": {"num_nodes": 24, "tree": "stand-625", "min_match": 2},
+    "goose": {"num_nodes": 24},
+    "gtcp": {"max_nodes": 48},
+}
+_TEST_FIELDS = {"recycle-gt": {"num_nodes": 40}, "stand-gt": {"num_nodes": 40, "tree": "stand-80"}}
 DRAFTER_CONFIGS = {
-    "plain": PlainDrafterConfig(),
-    "pld": PldDrafterConfig(num_draft_tokens=5),
-    "recycling-16": RecyclingDrafterConfig(num_nodes=16),
+    name: TypeAdapter(DrafterConfig).validate_python(
+        {**method_drafter(name, TEST_PRESETS, "cpu"), **_TEST_FIELDS.get(name, {})}
+    )
+    for name in METHODS
+} | {
     "recycling-80": RecyclingDrafterConfig(num_nodes=80),
-    "stand-16": StandDrafterConfig(num_nodes=16, tree="stand-625"),
     "stand-80-deterministic": StandDrafterConfig(num_nodes=80, tree="stand-625", stochastic=False),
     "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
-    "stand-gt": StandDrafterConfig(num_nodes=40, sizing="gt"),
-    "recycling-gt": RecyclingDrafterConfig(num_nodes=40, sizing="gt"),
-    "stand+spine": StandSpineDrafterConfig(num_nodes=24, tree="stand-625", min_match=2),
-    "goose": GooseDrafterConfig(num_nodes=24),
-    "ptd": PtdDrafterConfig(),
-    "gtcp": GtcpDrafterConfig(max_nodes=48),
 }
 
 # a verify cost where tree tokens are nearly free (a GPU's headroom): GT keeps big trees, so the
@@ -77,6 +75,11 @@ def tiny_model():
     return tiny_llama(vocab_size=64, seed=0, scale=8.0)
 
 
+@pytest.fixture(params=sorted(DRAFTER_CONFIGS))
+def drafter_config(request):
+    return DRAFTER_CONFIGS[request.param]
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """One redis-server on a free loopback port for the session (tests use their own scopes).
@@ -87,15 +90,10 @@ def redis_server():
         yield server
 
 
-@pytest.fixture(params=sorted(DRAFTER_CONFIGS))
-def drafter_config(request):
-    return DRAFTER_CONFIGS[request.param]
-
-
 def make_drafter(cfg, vocab_size: int, seed: int = 0):
     """Any registered drafter; store-based ones get a fresh in-process store of their own."""
     return build_drafter(
-        cfg, vocab_size, InMemoryNgramStore(), seed, cost=CostModel.fixed(FLAT_COST)
+        cfg, DraftEnv(vocab_size, InMemoryNgramStore(), seed, CostModel.fixed(FLAT_COST))
     )
 
 
