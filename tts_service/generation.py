@@ -154,7 +154,7 @@ class Generator:
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
         if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
             raise InputTooLongError(
-                f"{len(prompt_ids)} prompt tokens + max_new_tokens {sampling.max_new_tokens} "
+                f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} new tokens "
                 f"exceed the model's context of {limit}"
             )
 

@@ -37,6 +37,8 @@ from tts_service.serve.api import CompletionRequest
 from tts_service.serve.engine import ServeEngine
 from tts_service.solve import solve
 
+pytestmark = pytest.mark.statistical  # chi-square tests over thousands of generations
+
 VOCAB = 8
 QUESTION = "w3 w5 w1 w3 w5"
 SAMPLES = 1200

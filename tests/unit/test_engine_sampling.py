@@ -16,6 +16,8 @@ from tts_service.engine import verify
 from tts_service.engine.decode import generate, plain_generate
 from tts_service.engine.sampling import target_probs
 
+pytestmark = pytest.mark.statistical  # chi-square tests over thousands of generations
+
 VOCAB = 12
 PROMPT = [3, 7, 1, 3, 7, 1, 3, 7]  # repetitive, so PLD and recycling drafts exist
 SAMPLES = 1500

@@ -67,6 +67,7 @@ def test_a_continuously_batched_run_is_token_identical_to_plain(
         assert report.summary()["acceptance_length"] > 1.2
 
 
+@pytest.mark.statistical
 def test_a_row_that_joined_a_running_batch_samples_exactly():
     """The sampled rows join a batch whose first row is still running (its prompt is
     different and long); their first two tokens follow the exact distribution."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
@@ -19,6 +20,7 @@ from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
 
+@pytest.mark.statistical
 def test_gumbel_top_k_is_sequential_sampling_without_replacement():
     ids, q = [10, 11, 12, 13], [0.5, 0.25, 0.15, 0.1]
     noise = GumbelNoise(size=4096, seed=0)

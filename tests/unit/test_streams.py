@@ -62,11 +62,13 @@ def _pvalue(tokens: list[int]) -> float:
     return float(chisquare(counts, [float(x) * len(tokens) for x in P]).pvalue)
 
 
+@pytest.mark.statistical
 def test_production_seeding_keeps_the_root_token_exact():
     """The drafter gets the trajectory seed, the verifier the same seed: as every caller does."""
     assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) > 1e-3
 
 
+@pytest.mark.statistical
 def test_a_shared_stream_fails_the_same_test(monkeypatch):
     """Test of the test: the draft stream made equal to the verifier's (the breach)."""
     import tts_service.drafters.stand as stand

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.conftest import tiny_llama
+from tts_service.config import resolve_tree_path
 from tts_service.engine.kv import keep_kv
 from tts_service.engine.tree import DraftTree, TreeShape, ancestor_mask, load_tree_shape, pack
 
@@ -41,12 +42,12 @@ def test_tree_shape_ranks_prefix_and_errors(tmp_path):
     with pytest.raises(ValueError, match="precede"):
         TreeShape((-1, 2, 0))
     with pytest.raises(ValueError, match="not found"):
-        load_tree_shape("no-such-tree")
+        resolve_tree_path("no-such-tree")
     bad = tmp_path / "bad.json"
     bad.write_text('{"nodes": []}')
     with pytest.raises(ValueError, match="parents"):
-        load_tree_shape(str(bad))
-    tr = load_tree_shape("recycling-80")
+        load_tree_shape(bad)
+    tr = load_tree_shape(resolve_tree_path("recycling-80"))
     assert tr.num_nodes == 80 and max(tr.ranks) == 7
 
 

@@ -22,6 +22,7 @@ from tts_service.config import (
     RecyclingDrafterConfig,
     StandDrafterConfig,
     StandSpineDrafterConfig,
+    resolve_tree_path,
 )
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable, GooseDrafter, spine_tree_budget
@@ -210,7 +211,7 @@ def test_on_path_statistics_follow_the_last_offers_and_leave_unoffered_nodes_alo
 
 
 def _depths(tree: str) -> list[int]:
-    shape = load_tree_shape(tree)
+    shape = load_tree_shape(resolve_tree_path(tree))
     depth = [0]
     for p in shape.parents[1:]:
         depth.append(depth[p] + 1)

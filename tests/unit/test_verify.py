@@ -125,6 +125,7 @@ def _node_tree(p_children: list, q: torch.Tensor | None, gen: torch.Generator) -
     return b.build()
 
 
+@pytest.mark.statistical
 def test_verify_node_walker_matches_p_by_monte_carlo():
     """The walker (children order, uniforms, bonus) on a mixed node, 20k draws, 5 sigma."""
     gen = torch.Generator().manual_seed(123)

@@ -9,7 +9,7 @@ from collections.abc import Container
 
 import torch
 
-from tts_service.config import RecyclingDrafterConfig
+from tts_service.config import RecyclingDrafterConfig, resolve_tree_path
 from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
@@ -20,7 +20,7 @@ class TokenRecyclingDrafter:
         self, cfg: RecyclingDrafterConfig, vocab_size: int, table: torch.Tensor | None = None
     ) -> None:
         self.cfg = cfg
-        self.shape = load_tree_shape(cfg.tree)
+        self.shape = load_tree_shape(resolve_tree_path(cfg.tree))
         self.num_nodes = cfg.num_nodes
         if table is None:
             table = torch.full((vocab_size, cfg.k), -1, dtype=torch.long)  # -1 = unknown

@@ -19,7 +19,7 @@ from collections.abc import Container
 import torch
 
 from store.base import NgramRow, NgramStore
-from tts_service.config import StandDrafterConfig
+from tts_service.config import StandDrafterConfig, resolve_tree_path
 from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
@@ -62,7 +62,7 @@ class StandDrafter:
     def __init__(self, cfg: StandDrafterConfig, store: NgramStore, seed: int = 0) -> None:
         self.cfg = cfg
         self.store = store
-        self.shape = load_tree_shape(cfg.tree)
+        self.shape = load_tree_shape(resolve_tree_path(cfg.tree))
         self.num_nodes = cfg.num_nodes
         kids: list[list[int]] = [[] for _ in self.shape.parents]
         for i, p in enumerate(self.shape.parents[1:], start=1):

@@ -14,10 +14,9 @@ import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-
-from tts_service.config import resolve_tree_path
 
 
 @dataclass(frozen=True)
@@ -166,13 +165,13 @@ class TreeShape:
         return len(self.parents) - 1
 
 
-def load_tree_shape(name_or_path: str) -> TreeShape:
-    """Load `configs/trees/<name>.json` or a JSON file path with a `parents` list.
+def load_tree_shape(path: Path) -> TreeShape:
+    """Load a tree shape: a JSON file with a `parents` list (names are resolved by the config,
+    `config.drafters.resolve_tree_path`).
 
     Raises:
-        ValueError: unknown name, unreadable file or malformed parents.
+        ValueError: malformed parents.
     """
-    path = resolve_tree_path(name_or_path)
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not isinstance(data.get("parents"), list):
         raise ValueError(f"{path}: expected an object with a 'parents' list")

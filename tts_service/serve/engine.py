@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from store.factory import open_global_store, open_problem_store, problem_id
 from store.redis_store import StoreUnavailableError
-from tts_service.aggregate import extract_answer, majority_vote
+from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import (
     DrafterConfig,
     SamplingConfig,
@@ -24,11 +24,19 @@ from tts_service.config import (
     default_max_rows,
 )
 from tts_service.drafters.methods import method_drafter
-from tts_service.generation import Generator
+from tts_service.generation import Generator, InputTooLongError
 from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
-from tts_service.serve.api import ApiError, ChatCompletionRequest, SolveHttpRequest, new_id, now
+from tts_service.serve.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SolveHttpRequest,
+    new_id,
+    now,
+)
 
 _DRAFTER = TypeAdapter(DrafterConfig)
+HttpRequest = CompletionRequest | ChatCompletionRequest | SolveHttpRequest
 
 
 class Cancelled(Exception):
@@ -37,6 +45,8 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class Job:
+    """A validated request, ready to run: what the routes hand the engine."""
+
     chat: bool
     prompt_ids: list[int]
     n: int
@@ -44,7 +54,8 @@ class Job:
     method: str
     drafter: DrafterConfig
     aggregate: bool
-    task: str
+    task: Task
+    return_trajectories: bool = False  # /v1/solve: the texts and answers with the vote
 
 
 class ServeEngine:
@@ -74,37 +85,33 @@ class ServeEngine:
         fields = method_drafter(method, self.cfg.drafters, self.cfg.model.device)
         return method, _DRAFTER.validate_python(fields)
 
-    def _sampling(self, temperature, top_p, max_tokens, seed, stop, n) -> SamplingConfig:
-        if n > self.cfg.max_n:
+    def _sampling(self, req: HttpRequest) -> SamplingConfig:
+        if req.n > self.cfg.max_n:
             raise ApiError(400, f"n: at most {self.cfg.max_n}", "n")
-        max_new = max_tokens or self.cfg.default_max_tokens
+        max_new = req.max_tokens or self.cfg.default_max_tokens
         if max_new > self.cfg.max_tokens_cap:
             raise ApiError(400, f"max_tokens: at most {self.cfg.max_tokens_cap}", "max_tokens")
         return SamplingConfig(
-            temperature=temperature,
-            top_p=top_p,
+            temperature=req.temperature,
+            top_p=req.top_p,
             max_new_tokens=max_new,
-            seed=secrets.randbelow(2**31) if seed is None else seed,
-            stop=tuple(stop),
+            seed=secrets.randbelow(2**31) if req.seed is None else req.seed,
+            stop=tuple(req.stop)
+            if isinstance(req, CompletionRequest | ChatCompletionRequest)
+            else (),
         )
 
     def _fit(self, ids: list[int], sampling: SamplingConfig, field: str) -> None:
-        limit = getattr(self.generator.loaded.model.config, "max_position_embeddings", None)
-        if limit and len(ids) + sampling.max_new_tokens > limit:
-            raise ApiError(
-                400,
-                f"{field}: {len(ids)} prompt tokens + max_tokens "
-                f"{sampling.max_new_tokens} exceed the context of {limit}",
-                field,
-            )
+        try:
+            self.generator.check_fits(ids, sampling)
+        except InputTooLongError as e:
+            raise ApiError(400, f"{field}: {e}", field) from e
 
-    def prepare(self, req) -> Job:
+    def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Job:
         self._check_model(req.model)
         chat = isinstance(req, ChatCompletionRequest)
         field = "messages" if chat else "prompt"
-        sampling = self._sampling(
-            req.temperature, req.top_p, req.max_tokens, req.seed, req.stop, req.n
-        )
+        sampling = self._sampling(req)
         tok = self.generator.loaded.tokenizer
         if chat:
             try:
@@ -129,13 +136,15 @@ class ServeEngine:
             chat, ids, req.n, sampling, method, drafter, req.aggregate == "majority", req.task
         )
 
-    def prepare_solve(self, req: SolveHttpRequest) -> tuple[Job, SolveHttpRequest]:
+    def prepare_solve(self, req: SolveHttpRequest) -> Job:
         self._check_model(req.model)
-        sampling = self._sampling(req.temperature, req.top_p, req.max_tokens, req.seed, [], req.n)
+        sampling = self._sampling(req)
         ids = self.generator.encode(req.question, chat=True)
         self._fit(ids, sampling, "question")
         method, drafter = self._drafter(req.method)
-        return Job(True, ids, req.n, sampling, method, drafter, True, req.task), req
+        return Job(
+            True, ids, req.n, sampling, method, drafter, True, req.task, req.return_trajectories
+        )
 
     # -- execution -----------------------------------------------------------------------
     def _store(self, job: Job):
@@ -291,8 +300,7 @@ class ServeEngine:
         finally:
             emit(None)
 
-    def solve(self, job_and_req, cancel: threading.Event) -> dict:
-        job, req = job_and_req
+    def solve(self, job: Job, cancel: threading.Event) -> dict:
         try:
             report = self._trajectories(job, cancel)
         except Cancelled:
@@ -309,7 +317,7 @@ class ServeEngine:
             "method": job.method,
             "stats": {**ext["stats"], "trajectories": ext["trajectories"]},
         }
-        if req.return_trajectories:
+        if job.return_trajectories:
             body["trajectories"] = [
                 {
                     "index": i,

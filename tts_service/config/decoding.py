@@ -1,0 +1,60 @@
+"""The target model and how its next token is chosen: what plain decoding samples from."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from tts_service.config.base import StrictConfig
+
+
+class SamplingConfig(StrictConfig):
+    """How the target model's next token is chosen: exactly what plain decoding samples from."""
+
+    temperature: float = Field(0.6, ge=0.0, description="0 means greedy (argmax).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filter, (0, 1].")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    max_new_tokens: int = Field(256, ge=1, description="Generation stops after this many tokens.")
+    seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
+    stop: tuple[str, ...] = Field((), description="Stop strings; the output ends with the first.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks only).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class ModelConfig(StrictConfig):
+    """Which target model to load and where it runs."""
+
+    name: str = Field("smollm2-135m", min_length=1, description="Alias, hub id or local path.")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda:0'.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    max_memory: dict[str, str] | None = Field(
+        None,
+        description="Shard over the visible GPUs (device_map='auto') within these per-device "
+        "budgets, e.g. {'0': '70GiB', '1': '70GiB', 'cpu': '0GiB'}; set by the placement plan.",
+    )
+    tune_matmul: bool = Field(
+        True,
+        description="On a CPU, time both matrix products of every linear layer shape at load "
+        "and use the faster per row count (engine/matmul.py).",
+    )
+
+
+MaxRows = Annotated[int, Field(ge=1, le=256)]
+
+
+def default_max_rows(device: str) -> int:
+    """Rows decoded together when the user does not say: 16 on a CPU (a 16-row step costs
+    ~2.3x a 1-row step here, so the batch pays; more rows stop paying), 64 on a GPU."""
+    return 64 if device.startswith("cuda") else 16

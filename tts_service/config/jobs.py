@@ -1,0 +1,76 @@
+"""Best-of-N jobs: the problems file and the job's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError
+
+from store.config import StoreConfig
+from tts_service.config.base import StrictConfig
+from tts_service.config.decoding import MaxRows, ModelConfig, SamplingConfig
+from tts_service.config.drafters import DrafterConfig, StandDrafterConfig
+
+
+class Problem(StrictConfig):
+    """One line of a problems file."""
+
+    id: str = Field(min_length=1)
+    question: str = Field(min_length=1)
+    task: Literal["math", "choice", "code"] = "math"
+    answer: str | None = None
+
+
+class JobConfig(StrictConfig):
+    """A best-of-N job: what runs, on how many actors, and how trajectories are spread."""
+
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = StandDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=512)
+    store: StoreConfig = StoreConfig()
+    n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
+    batch: int = Field(4, ge=1, le=64, description="Trajectories of one problem per actor call.")
+    max_rows: MaxRows | None = Field(
+        None, description="Rows an actor decodes together, refilled from any call in flight."
+    )
+    replicas: int | None = Field(
+        None, ge=1, description="Generator actors; None: as many as the placement plan allows."
+    )
+    cpus_per_replica: float = Field(1.0, gt=0, description="Ray CPUs per actor (its threads).")
+    gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU, for the plan.")
+    chat: bool = True
+    early_stop: bool = Field(
+        False, description="Stop launching a problem's trajectories once its vote is decided."
+    )
+    max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
+    log_trajectories: bool = Field(
+        False, description="Also write trajectory-log.jsonl (with top-k) for `tts replay`."
+    )
+
+
+def read_problems(path: Path) -> list[Problem]:
+    """A problems file: one JSON `Problem` per line, ids unique (ValueError naming the line)."""
+    if not path.is_file():
+        raise ValueError(f"no such file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    problems, seen = [], set()
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            problem = Problem.model_validate_json(line)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "line"
+            raise ValueError(f"{path}:{lineno}: {where}: {first['msg']}") from e
+        if problem.id in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate id {problem.id!r}")
+        seen.add(problem.id)
+        problems.append(problem)
+    if not problems:
+        raise ValueError(f"{path} has no problems")
+    return problems

@@ -1,0 +1,83 @@
+"""The CLI's requests (`tts generate|solve|calibrate-tree|replay`): validated before anything
+is loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from store.config import StoreConfig
+from tts_service.config.base import ExistingFile, StrictConfig, Text
+from tts_service.config.decoding import MaxRows, ModelConfig, SamplingConfig
+from tts_service.config.drafters import (
+    DrafterConfig,
+    PldDrafterConfig,
+    StandDrafterConfig,
+    TreeName,
+)
+
+
+class GenerateRequest(StrictConfig):
+    """One `tts generate` call: validated before anything is loaded."""
+
+    prompt: Text
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = PldDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    chat: bool = False
+
+
+class SolveRequest(StrictConfig):
+    """One `tts solve` call: best-of-N trajectories for one question or a problems file."""
+
+    question: Text | None = None
+    problems: ExistingFile | None = Field(None, description="JSONL of problems (jobs' format).")
+    task: Literal["math", "choice", "code"] = Field("math", description="How answers are voted.")
+    n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
+    model: ModelConfig = ModelConfig()
+    drafter: DrafterConfig = StandDrafterConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    store: StoreConfig = StoreConfig()
+    chat: bool = True
+    max_rows: MaxRows | None = Field(
+        None, description="Rows decoded together (1: sequential); None: from the device."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SolveRequest:
+        if (self.question is None) == (self.problems is None):
+            raise ValueError("give exactly one of question or problems")
+        return self
+
+
+class CalibrateTreeRequest(StrictConfig):
+    """`tts calibrate-tree`: grow a big STAND tree on calibration prompts, keep the best nodes."""
+
+    prompts: ExistingFile | None = Field(None, description="JSONL, a 'prompt' field per line.")
+    trajectories: ExistingFile | None = Field(None, description="Replay this log instead.")
+    n: int = Field(4, ge=1, le=64, description="Trajectories per prompt (they share a store).")
+    init_tree: TreeName = "stand-625"
+    nodes: int = Field(80, ge=1, le=1024, description="Nodes kept in the calibrated tree.")
+    out: Path
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig(max_new_tokens=128)
+    chat: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CalibrateTreeRequest:
+        if (self.prompts is None) == (self.trajectories is None):
+            raise ValueError("give exactly one of prompts (live) or trajectories (replay)")
+        return self
+
+
+class ReplayRequest(StrictConfig):
+    """`tts replay`: a drafter's acceptance length on logged trajectories, without the model."""
+
+    method: Literal["pld", "recycle", "stand"]
+    trajectories: ExistingFile
+    tree: TreeName | None = None
+    nodes: int | None = Field(None, ge=1, le=1024, description="Tree size (PLD: chain length).")
+    vocab_size: int | None = Field(None, ge=1)
+    strict: bool = False

@@ -1,0 +1,47 @@
+"""The HTTP service's config: one model per replica, OpenAI-compatible routes plus /v1/solve."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from store.config import StoreConfig
+from tts_service.config.base import StrictConfig
+from tts_service.config.decoding import MaxRows, ModelConfig
+from tts_service.drafters.methods import METHOD_NAMES
+
+
+class ServeConfig(StrictConfig):
+    """The HTTP service: one model per replica, OpenAI-compatible routes plus /v1/solve."""
+
+    model: ModelConfig = ModelConfig()
+    served_model_name: str | None = Field(None, description="Name in /v1/models (default: model).")
+    default_method: str = Field("stand", description="A method name (drafters/methods.py).")
+    drafters: dict[str, dict] = Field(
+        default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
+    )
+    store: StoreConfig = StoreConfig()
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")
+    cpus_per_replica: float = Field(1.0, gt=0)
+    max_n: int = Field(64, ge=1, le=64)
+    max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
+    default_max_tokens: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+    max_rows: MaxRows | None = Field(None, description="Rows a replica decodes together.")
+
+    @field_validator("default_method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        if v not in METHOD_NAMES:
+            raise ValueError(f"unknown method {v!r} (choose {', '.join(METHOD_NAMES)})")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_private_redis(cls, v: StoreConfig) -> StoreConfig:
+        if v.url == "local-redis":
+            raise ValueError("local-redis is for one command; give the service a redis:// URL")
+        return v
