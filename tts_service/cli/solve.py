@@ -1,0 +1,123 @@
+"""`tts solve`: best-of-N trajectories of one question or a problems file, sharing one n-gram
+store per problem, then the vote; the whole pipeline in one process, without Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tts_service.cli.common import UsageError, add_common_flags, load, request
+from tts_service.cli.store import store_flags, store_server
+from tts_service.config import SolveRequest, default_max_rows, read_problems
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
+    sol.add_argument("question", nargs="?", help="the problem text (or --problems FILE)")
+    sol.add_argument("--problems", help="JSONL of problems (the jobs' format), all in one run")
+    sol.add_argument("--task", default="math", help="how answers are voted: math, choice, code")
+    add_common_flags(sol)
+    sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
+    sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
+    sol.add_argument(
+        "--max-rows",
+        type=int,
+        help="rows decoded together, refilled as they finish (default: 16 on CPU, 64 on GPU)",
+    )
+    sol.add_argument(
+        "--store",
+        help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",
+    )
+    sol.add_argument(
+        "--store-fallback",
+        action="store_true",
+        help="if Redis is unreachable at start, go on with a local store",
+    )
+    sol.add_argument("--prompt-id", default="q0", help="the problem's id in the log")
+    sol.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.question is None) == (args.problems is None):
+        raise UsageError("--problems: give one QUESTION or --problems FILE (not both)")
+    req = request(
+        args,
+        SolveRequest,
+        {
+            "question": args.question,
+            "problems": args.problems,
+            "task": args.task,
+            "n": args.n,
+            "chat": not args.no_chat,
+            "max_rows": args.max_rows,
+            "store": store_flags(args),
+        },
+    )
+    if req.problems is not None:
+        try:
+            questions = [(p.id, p.question) for p in read_problems(req.problems)]
+        except ValueError as e:
+            raise UsageError(f"--problems: {e}") from e
+    else:
+        questions = [(args.prompt_id, req.question)]
+    gen = load(req)
+    from tqdm import tqdm
+
+    from store.factory import open_global_store, open_problem_store, problem_id
+    from store.redis_store import StoreUnavailableError
+    from tts_service.generation import InputTooLongError
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.solve import ProblemInput, solve_problems
+
+    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
+
+    def progress(_pid, t) -> None:
+        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
+        bar.update(1)
+
+    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
+    try:
+        with store_server(req.store.url) as url:
+            try:
+                global_store = open_global_store(req.store, url)
+                problems = []
+                for pid, question in questions:
+                    ids = gen.encode(question, chat=req.chat)
+                    store = open_problem_store(req.store, url, problem_id(ids), global_store)
+                    problems.append(ProblemInput(pid, ids, store))
+            except StoreUnavailableError as e:
+                raise UsageError(f"--store: {e}") from e
+            solved = solve_problems(
+                TrajectoryRunner(gen, max_rows),
+                problems,
+                req.n,
+                req.drafter,
+                req.sampling,
+                on_trajectory=progress,
+                record=args.log is not None,
+            )
+    except InputTooLongError as e:
+        raise UsageError(f"question: {e}") from e
+    finally:
+        bar.close()
+    if args.log is not None:
+        from tts_service.replay import LogWriter
+
+        writer = LogWriter(Path(args.log))
+        for problem, result in zip(problems, solved.problems, strict=True):
+            writer.write(result.logged(problem.problem_id, problem.prompt_ids))
+    out = solved.to_dict(req.task)
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        for p in out["problems"]:
+            for t in p["trajectories"]:
+                print(f"--- {p['id']} trajectory {t['index']} ({t['finish_reason']}) ---")
+                print(t["text"])
+            print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']} ===")
+        print(json.dumps(out["stats"]), file=sys.stderr)
+    return 0

@@ -1,0 +1,80 @@
+"""`tts store`, and how every command reaches an n-gram store: the --store flag over
+$TTS_STORE_URL (read here, at the edge), 'local-redis' as a private redis-server, and the
+Redis admin that looks at or clears a scope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from tts_service.cli.common import UsageError
+
+
+def store_flags(args: argparse.Namespace) -> dict:
+    """--store overrides TTS_STORE_URL (read here, at the edge); neither: in-process."""
+    url = args.store or os.environ.get("TTS_STORE_URL") or None
+    out: dict[str, Any] = {"url": url} if url else {}
+    if getattr(args, "store_fallback", False):
+        out["fallback"] = True
+    return out
+
+
+@contextlib.contextmanager
+def store_server(url: str | None) -> Iterator[str | None]:
+    """Resolve 'local-redis' to a private redis-server that lives as long as the command."""
+    if url != "local-redis":
+        yield url
+        return
+    from store.local_server import LocalRedisServer, RedisServerError
+
+    try:
+        server = LocalRedisServer().start()
+    except RedisServerError as e:
+        raise UsageError(f"--store: {e}") from e
+    try:
+        print(f"tts: started redis-server at {server.url}", file=sys.stderr)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sto = sub.add_parser("store", help="look at or clean the Redis n-gram store")
+    sto.add_argument("action", choices=["stats", "clear"])
+    sto.add_argument("--scope", choices=["job", "problem", "global", "all"], default="all")
+    sto.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
+    sto.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
+    sto.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.store or os.environ.get("TTS_STORE_URL")
+    if not url or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError("--store: give a redis://host:port/db URL (or set TTS_STORE_URL)")
+    if args.scope != "all" and args.id is None and args.scope != "global":
+        raise UsageError(f"--id: the {args.scope} scope needs an id (or use --scope all)")
+    import redis
+
+    from store.redis_store import delete_scope, scope_stats
+
+    prefix = "tts:" if args.scope == "all" else f"tts:{args.scope}:{args.id or 'default'}:"
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    try:
+        if args.action == "stats":
+            out = {
+                **scope_stats(client, prefix),
+                "used_memory": client.info("memory").get("used_memory_human"),
+                "maxmemory_policy": client.config_get("maxmemory-policy").get("maxmemory-policy"),
+            }
+        else:
+            out = {"prefix": prefix, "deleted": delete_scope(client, prefix)}
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise UsageError(f"--store: cannot reach Redis at {url}: {e}") from e
+    print(json.dumps(out))
+    return 0
