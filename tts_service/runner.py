@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -155,7 +155,11 @@ class TrajectoryRunner:
 
     `speculation="cost"` sizes every step's trees with the measured cost surface; `"fixed"`
     shares a constant `token_budget` per forward out over the rows (the earlier rule, kept to
-    compare with in benchmarks)."""
+    compare with in benchmarks).
+
+    `admission="fifo"` fills free rows in submission order (jobs: throughput); `"fair"` (Serve)
+    gives the next free row to the submission holding the fewest rows, and lets a submission
+    holding none join a full batch, so a short request never waits behind a long one."""
 
     def __init__(
         self,
@@ -163,11 +167,15 @@ class TrajectoryRunner:
         max_rows: int,
         speculation: str = "cost",
         token_budget: int = 64,
+        admission: str = "fifo",
     ) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
         if speculation not in ("cost", "fixed"):
             raise ValueError(f"speculation must be 'cost' or 'fixed', not {speculation!r}")
+        if admission not in ("fifo", "fair"):
+            raise ValueError(f"admission must be 'fifo' or 'fair', not {admission!r}")
+        self.admission = admission
         self.generator = generator
         self.max_rows = max_rows
         self.speculation = speculation
@@ -229,9 +237,10 @@ class TrajectoryRunner:
         decoder.drop(dropped)
         for row in dropped:
             row.tag[0].settle(None)
-        joining = []
-        while self.queue and len(decoder.active) + len(joining) < self.max_rows:
-            sub, req = self.queue.popleft()
+        joining: list[Row] = []
+        while (i := self._next(joining)) is not None:
+            sub, req = self.queue[i]
+            del self.queue[i]
             if sub.skipped(req):
                 sub.settle(None)
                 continue
@@ -254,6 +263,24 @@ class TrajectoryRunner:
         for row in finished:
             sub, _ = row.tag
             sub.settle(self._result(row))
+
+    def _next(self, joining: list[Row]) -> int | None:
+        """The queue index of the request that joins next, or None."""
+        full = len(self.decoder.active) + len(joining) >= self.max_rows
+        if not self.queue or (full and self.admission == "fifo"):
+            return None
+        if self.admission == "fifo":
+            return 0
+        held = Counter(id(r.tag[0]) for r in (*self.decoder.active, *joining))
+        best, fewest, seen = None, 0, set()
+        for i, (sub, _) in enumerate(self.queue):  # each submission's oldest request
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            rows = held[id(sub)]
+            if (not full or rows == 0) and (best is None or rows < fewest):
+                best, fewest = i, rows
+        return best
 
     def _account(self, batch: list[Row], nodes: int, f: ForwardStats, before: int) -> None:
         """Credit the step to every submission with a row in it."""

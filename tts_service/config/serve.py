@@ -31,6 +31,12 @@ class ServeConfig(StrictConfig):
     default_max_tokens: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
     max_rows: MaxRows | None = Field(None, description="Rows a replica decodes together.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request still running after this gets 504 (its work stops)."
+    )
+    max_queued_requests: int = Field(
+        64, ge=1, le=4096, description="Requests a replica holds, running or waiting; then 429."
+    )
 
     @field_validator("default_method")
     @classmethod

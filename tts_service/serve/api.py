@@ -2,7 +2,10 @@
 
 Requests are validated here, at the boundary; an invalid one becomes an OpenAI-style error
 body that names the field (`{"error": {"message", "type", "param", "code"}}`), never a 500.
-Unknown OpenAI fields are ignored, as vLLM does, so the OpenAI client works unchanged.
+Validation is strict (`n: "4"`, `max_tokens: true` and `stream: "yes"` are errors, not
+coerced) and unknown fields are errors. OpenAI parameters this server does not implement
+(`logprobs`, `presence_penalty`, ...) are accepted only at their no-op value, so the OpenAI
+client works unchanged and nothing a user asks for is silently ignored.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from tts_service.drafters.methods import MethodName
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
+    user: str | None = Field(None, description="The caller's label (OpenAI metadata).")
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -42,7 +46,7 @@ class _Request(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
     content: str
@@ -57,7 +61,7 @@ class CompletionRequest(_Request):
 
 
 class SolveHttpRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     question: str = Field(min_length=1)
     task: Literal["math", "choice", "code"] = "math"
@@ -90,14 +94,53 @@ class ApiError(Exception):
         }
 
 
+# OpenAI parameters without an implementation here, and the values that ask for nothing
+NO_OP_VALUES: dict[str, tuple] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+    "stream_options": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+}
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    return "number" if isinstance(x, int | float) else type(x).__name__
+
+
+def _no_op(value: object, allowed: tuple) -> bool:
+    # by kind, so `false` is not taken for 0 nor `0` for False, while 0 and 0.0 are the same
+    return any(_kind(value) == _kind(a) and value == a for a in allowed)
+
+
 def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     """Bytes -> a validated request. Raises ApiError (400) naming the first bad field."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", "body") from e
+    except RecursionError as e:  # '[' * 2000: deeper than the parser goes
+        raise ApiError(400, "request body is nested too deeply", "body") from e
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", "body")
+    if issubclass(model_cls, _Request):
+        for key, allowed in NO_OP_VALUES.items():
+            if key in data and not _no_op(data.pop(key), allowed):
+                shown = ", ".join(json.dumps(a) for a in allowed)
+                raise ApiError(400, f"{key}: not supported by this server (only {shown})", key)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:

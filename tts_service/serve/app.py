@@ -6,9 +6,11 @@ through Serve's ingress wrapper, or it reads `request` as a query parameter.)
 Routes: POST /v1/chat/completions and /v1/completions (OpenAI shapes, `stream` as server-sent
 events, plus `spec_method`, `aggregate: "majority"` and `task`), POST /v1/solve (best-of-N
 with the vote), GET /v1/models, GET /healthz. Started by `serve run configs/serve.yaml` or
-`tts serve`. A replica runs one generation at a time (its model is busy); the others wait in
-its queue, which the `tts_queue_depth` gauge shows. A client that disconnects cancels its
-work at the next decoding step.
+`tts serve`. A replica's requests share one continuously batched runner: a short request
+joins the running batch at the next step instead of waiting for a long one to finish. A
+replica holds at most `max_queued_requests` requests (429 beyond; the `tts_queue_depth` gauge
+shows them); a request running past `request_timeout_s` gets 504; a client that disconnects
+or times out cancels its work at the next decoding step.
 """
 
 import asyncio
@@ -16,6 +18,7 @@ import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -49,6 +52,9 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 
 async def _body(request: Request, limit: int) -> bytes:
+    kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if kind.lower() != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, not {kind!r}", "body")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body over {limit} bytes", "body")
@@ -72,7 +78,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             try:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk)}\n\n"
-            except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            except ApiError as e:  # headers are sent: report in-band, as OpenAI does
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:
                 err = ApiError(500, f"generation failed: {e}", None, "server_error")
                 yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
@@ -89,8 +97,9 @@ class TTSServer:
     def __init__(self, cfg: dict) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
         self.engine = ServeEngine(self.cfg)
-        self.lock = asyncio.Lock()
-        self.waiting = 0
+        # one thread per admitted request: each waits on the shared runner, none queues here
+        self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")
+        self.inflight = 0
         from ray.util import metrics
 
         self.m_requests = metrics.Counter(
@@ -103,7 +112,7 @@ class TTSServer:
             "Tokens per target forward",
             boundaries=[1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0],
         )
-        self.m_queue = metrics.Gauge("tts_queue_depth", "Requests waiting for the engine")
+        self.m_queue = metrics.Gauge("tts_queue_depth", "Requests running or waiting")
 
     def _count(self, route: str, status: int, stats: list[dict] | None = None) -> None:
         self.m_requests.inc(1, tags={"route": route, "status": str(status)})
@@ -113,23 +122,38 @@ class TTSServer:
             self.m_acc.observe(s["acceptance_length"])
             self.m_tok_s.set(s["tokens_per_s"])
 
-    async def _run(self, fn, job, cancel: threading.Event, *extra):
-        """Run blocking engine work in a thread, one request at a time per replica.
+    def _admit(self) -> None:
+        """Count a request in, or refuse it (429) when the replica holds its maximum."""
+        if self.inflight >= self.cfg.max_queued_requests:
+            raise ApiError(
+                429,
+                f"server busy: {self.inflight} requests in flight "
+                f"(max_queued_requests = {self.cfg.max_queued_requests}); retry later",
+                None,
+                "rate_limit_exceeded",
+            )
+        self.inflight += 1
+        self.m_queue.set(self.inflight)
 
-        The lock is released when the thread finishes, not when the request is cancelled: a
-        cancelled request sets `cancel`, and its thread stops at the next decoding step.
-        """
-        self.waiting += 1
-        self.m_queue.set(self.waiting)
+    def _release(self) -> None:
+        self.inflight -= 1
+        self.m_queue.set(self.inflight)
+
+    async def _run(self, fn, job, cancel: threading.Event, *extra):
+        """Run blocking engine work (admitted by `_admit`) in its own thread.
+
+        The request is counted out when its thread finishes, not when it is cancelled or times
+        out: those set `cancel`, and the runner drops its rows at the next decoding step."""
+        work = asyncio.get_running_loop().run_in_executor(self.pool, fn, job, cancel, *extra)
+        work.add_done_callback(lambda _: self._release())
+        timeout = self.cfg.request_timeout_s
         try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-            self.m_queue.set(self.waiting)
-        work = asyncio.ensure_future(asyncio.to_thread(fn, job, cancel, *extra))
-        work.add_done_callback(lambda _: self.lock.release())
-        try:
-            return await asyncio.shield(work)
+            return await asyncio.wait_for(asyncio.shield(work), timeout)
+        except TimeoutError as e:
+            cancel.set()
+            raise ApiError(
+                504, f"request exceeded request_timeout_s = {timeout:g} s; stopped", None, "timeout"
+            ) from e
         except asyncio.CancelledError:
             cancel.set()
             raise
@@ -152,6 +176,11 @@ class TTSServer:
         except ApiError as e:
             self._count(route, e.status)
             raise
+        try:
+            self._admit()
+        except ApiError as e:
+            self._count(route, e.status)
+            raise
         cancel = threading.Event()
         if req.stream:
             self._count(route, 200)
@@ -169,23 +198,26 @@ class TTSServer:
             cancel.set()
             watcher.cancel()
 
-    async def _stream(self, job, cancel: threading.Event) -> AsyncIterator[dict]:
+    def _stream(self, job, cancel: threading.Event) -> AsyncIterator[dict]:
+        """Start decoding now (the request is admitted and counted out when it ends, even if
+        the client never reads) and return its chunks."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def emit(chunk: dict | None) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-        task = asyncio.create_task(self._run(self.engine.stream, job, cancel, emit))
-        try:
-            while True:
-                chunk = await queue.get()
-                if chunk is None:
-                    break
-                yield chunk
-            await task
-        finally:  # the client went away: stop decoding at the next step
-            cancel.set()
+        task = asyncio.ensure_future(self._run(self.engine.stream, job, cancel, emit))
+
+        async def chunks() -> AsyncIterator[dict]:
+            try:
+                while (chunk := await queue.get()) is not None:
+                    yield chunk
+                await task  # a timeout (504) is reported in-band
+            finally:  # the client went away: stop decoding at the next step
+                cancel.set()
+
+        return chunks()
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -200,6 +232,7 @@ class TTSServer:
         try:
             req = parse(SolveHttpRequest, await _body(request, self.cfg.max_body_bytes))
             job = self.engine.prepare_solve(req)
+            self._admit()
         except ApiError as e:
             self._count("solve", e.status)
             raise

@@ -25,7 +25,13 @@ from tts_service.config import (
 )
 from tts_service.drafters.methods import method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
+from tts_service.runner import (
+    RunnerLoop,
+    RunReport,
+    TrajectoryRequest,
+    TrajectoryResult,
+    TrajectoryRunner,
+)
 from tts_service.serve.api import (
     ApiError,
     ChatCompletionRequest,
@@ -68,7 +74,8 @@ class ServeEngine:
         self.global_store = open_global_store(cfg.store, self.store_url)
         max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
         self.generator.batch_cost(max_rows, 1)  # the allocator's cost surface, up front
-        self.runner = TrajectoryRunner(self.generator, max_rows)  # one request at a time
+        # concurrent requests share the batch; a short one joins while a long one decodes
+        self.runner = RunnerLoop(TrajectoryRunner(self.generator, max_rows, admission="fair"))
 
     # -- validation beyond the schema --------------------------------------------------
     def _check_model(self, name: str | None) -> None:

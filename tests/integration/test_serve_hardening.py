@@ -1,0 +1,251 @@
+"""The Serve app under attack, over real HTTP on loopback: hostile bodies, loose types,
+parameters we do not implement, a request that would hold the replica, a full queue, a
+deadline, and a client that goes away. Each test performs the attack; none asserts speed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from store.local_server import free_port
+from tts_service.config import ServeConfig
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 4, "seed": 1}
+LONG = {"messages": [{"role": "user", "content": "go"}], "n": 16, "max_tokens": 300}
+
+
+@pytest.fixture(scope="module")
+def servers(ray_local, tiny_model_dir):
+    """Two apps on one Serve instance: the defaults, and one with a 1-request queue and a 2 s
+    deadline."""
+    from ray import serve
+
+    from tts_service.serve.app import build_app
+
+    model = {"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(
+        build_app(ServeConfig(model=model, cpus_per_replica=0.5, max_tokens_cap=400)),
+        name="tts-hard",
+        route_prefix="/open",
+    )
+    tight = ServeConfig(
+        model=model,
+        cpus_per_replica=0.5,
+        max_tokens_cap=400,
+        max_queued_requests=1,
+        request_timeout_s=2.0,
+    )
+    serve.run(build_app(tight), name="tts-tight", route_prefix="/tight")
+    base = f"http://127.0.0.1:{port}"
+    yield f"{base}/open", f"{base}/tight"
+    serve.delete("tts-hard")
+    serve.delete("tts-tight")
+    serve.shutdown()
+
+
+def call(url: str, body=None, raw: bytes | None = None, kind: str = "application/json"):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": kind})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _openai_error(text: str) -> dict:
+    err = json.loads(text)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+BAD_VALUES = {
+    "n": ["4", True, 0, -3, 65, 1.5, None, [], {}],
+    "temperature": ["hot", "0.5", True, -1, 3, None, [], float("inf")],
+    "top_p": [0, 1.5, "x", False, None],
+    "max_tokens": [True, 0, -5, "8", 10**9, 2.5, []],
+    "stop": [5, [1], [""], ["a"] * 5, {"a": 1}],
+    "seed": [-1, 2**70, "1", True, 1.5],
+    "stream": ["yes", 1, None, []],
+    "messages": [[], "hi", [{"role": "alien", "content": "x"}], [{"role": "user"}]]
+    + [[{"role": "user", "content": 5}], [{"content": "x"}], None, [{"role": "user", "x": 1}]],
+    "spec_method": ["medusa", 5, True],
+    "aggregate": ["mean", True],
+    "task": ["poetry", 1],
+    "model": ["gpt-9", 5],
+    "user": [5, ["a"]],
+    "logprobs": [True, 1],
+    "top_logprobs": [5, "1"],
+    "presence_penalty": [0.5, -1, "0"],
+    "frequency_penalty": [1, False],
+    "logit_bias": [{"1": 5}],
+    "best_of": [2],
+    "echo": [True],
+    "suffix": ["x"],
+    "stream_options": [{"include_usage": True}],
+    "tools": [[{"type": "function"}]],
+    "response_format": [{"type": "json_object"}],
+    "foo": [1],
+    "bar_baz": ["x"],
+}
+RAW = [
+    b"[" * 2000,
+    b'{"a":' * 2000 + b"1" + b"}" * 2000,
+    b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b"{not json",
+    b"",
+    b"[]",
+    b'"chat"',
+    b"42",
+    b"null",
+    b"\xff\xfe\xfd",
+    b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+    b'{"messages": [{"role": "user", "content": "x"}], "n": 1e999}',
+    b'{"messages": [{"role": "user", "content": "x"}]',
+]
+
+
+def _hostile() -> list[tuple[str, bytes, str]]:
+    """(route, body, content type): each one malformed."""
+    out = []
+    for field, values in BAD_VALUES.items():
+        for v in values:
+            out.append(("/v1/chat/completions", {**CHAT, field: v}))
+            if field != "messages":
+                prompt = {"prompt": "2 + 2 =", "max_tokens": 4}
+                out.append(("/v1/completions", {**prompt, field: v}))
+    for q in ["", 5, None, ["x"]]:
+        out.append(("/v1/solve", {"question": q}))
+    for field, v in [("n", "4"), ("n", 0), ("seed", True), ("return_trajectories", "yes")]:
+        out.append(("/v1/solve", {"question": "2 + 2?", field: v}))
+    out.append(("/v1/solve", {"question": "2 + 2?", "logprobs": True}))
+    reqs = [(route, json.dumps(b).encode(), "application/json") for route, b in out]
+    routes = ["/v1/chat/completions", "/v1/completions", "/v1/solve"]
+    for route, raw in itertools.product(routes, RAW):
+        reqs.append((route, raw, "application/json"))
+    for kind in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]:
+        reqs.append(("/v1/chat/completions", json.dumps(CHAT).encode(), kind))
+    return reqs
+
+
+def test_200_hostile_requests_all_get_4xx_then_a_valid_one_succeeds(servers):
+    base, _ = servers
+    hostile = _hostile()
+    assert len(hostile) >= 200
+    for route, raw, kind in hostile:
+        status, text = call(base + route, raw=raw, kind=kind)
+        assert 400 <= status < 500, (route, raw[:80], kind, status, text[:200])
+        _openai_error(text)
+    status, text = call(base + "/v1/chat/completions", CHAT)
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "raw", [b"[" * 2000, b'{"a":' * 2000 + b"1" + b"}" * 2000], ids=["arrays", "objects"]
+)
+def test_deeply_nested_json_is_a_400_not_a_500(servers, raw):
+    status, text = call(servers[0] + "/v1/completions", raw=raw)
+    assert status == 400 and _openai_error(text)["param"] == "body"
+
+
+@pytest.mark.parametrize(
+    "field,value", [("n", "4"), ("max_tokens", True), ("stream", "yes"), ("seed", "1")]
+)
+def test_loose_types_are_refused_not_coerced(servers, field, value):
+    status, text = call(servers[0] + "/v1/chat/completions", {**CHAT, field: value})
+    assert status == 400 and _openai_error(text)["param"] == field
+
+
+def test_a_text_plain_body_is_refused(servers):
+    status, text = call(servers[0] + "/v1/chat/completions", CHAT, kind="text/plain")
+    assert status == 415 and "application/json" in _openai_error(text)["message"]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5), ("best_of", 3)],
+)
+def test_unimplemented_parameters_are_named_unless_they_ask_for_nothing(servers, field, value):
+    status, text = call(servers[0] + "/v1/chat/completions", {**CHAT, field: value})
+    assert status == 400 and _openai_error(text)["param"] == field
+    neutral = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "best_of": 1}
+    status, text = call(servers[0] + "/v1/chat/completions", {**CHAT, field: neutral[field]})
+    assert status == 200, text
+
+
+def test_a_short_request_is_not_starved_by_a_long_one(servers):
+    """A 16 x 300-token request fills the batch; a 4-token request sent after it finishes
+    first: it joins the running batch instead of queueing behind it."""
+    base, _ = servers
+    long_done = threading.Event()
+    results: dict = {}
+
+    def long_request():
+        results["long"] = call(base + "/v1/chat/completions", {**LONG, "temperature": 0.8})
+        long_done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(1.0)  # ample for the tiny model's prefill: the long request is decoding
+    status, text = call(base + "/v1/chat/completions", CHAT)
+    short_first = not long_done.is_set()
+    worker.join(timeout=600)
+    assert status == 200 and results["long"][0] == 200, (text, results["long"][1][:200])
+    assert short_first
+
+
+def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
+    _, tight = servers
+    results: dict = {}
+    worker = threading.Thread(
+        target=lambda: results.setdefault("long", call(tight + "/v1/chat/completions", LONG))
+    )
+    worker.start()
+    refused = None
+    for _ in range(100):  # the long request is admitted within moments; then the queue is full
+        status, text = call(tight + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        if status == 429:
+            refused = _openai_error(text)
+            break
+        time.sleep(0.05)
+    worker.join(timeout=300)
+    assert refused is not None and "max_queued_requests" in refused["message"]
+    status, text = results["long"]
+    assert status == 504 and "request_timeout_s" in _openai_error(text)["message"]
+    for _ in range(100):  # the timed-out work stops at its next step and leaves the queue
+        status, text = call(tight + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        if status != 429:
+            break
+        time.sleep(0.1)
+    assert status == 200, text
+
+
+def test_a_client_gone_stops_the_rest_of_an_n_gt_1_request(tiny_model_dir):
+    """In-process: once the request is cancelled, its remaining rows leave at the next step."""
+    from tts_service.serve.api import ChatCompletionRequest
+    from tts_service.serve.engine import ServeEngine
+
+    cfg = ServeConfig(model={"name": str(tiny_model_dir), "device": "cpu"}, max_tokens_cap=400)
+    engine = ServeEngine(cfg)
+    job = engine.prepare(ChatCompletionRequest.model_validate({**LONG, "n": 8}))
+    decoder = engine.runner.runner.decoder
+    cancel, out = threading.Event(), {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", engine.complete(job, cancel)))
+    worker.start()
+    while decoder.forwards.forwards < 3:
+        time.sleep(0.005)
+    cancel.set()
+    at_cancel = decoder.forwards.forwards
+    worker.join(timeout=120)
+    assert out["r"] == {} and decoder.forwards.forwards <= at_cancel + 2
+    assert not decoder.active  # every row of the request left the batch
