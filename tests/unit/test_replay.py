@@ -9,7 +9,6 @@ import torch
 
 from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
-from tts_service.cli import main
 from tts_service.config import PldDrafterConfig, SamplingConfig, StandDrafterConfig
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.decode import generate
@@ -84,19 +83,3 @@ def test_malformed_lines_are_reported_with_their_line_number(tmp_path):
     assert len(problems) == 1
     assert [e.split(":")[1] for e in errors] == ["2", "3", "4", "5", "6"]
     assert "prompt_ids" in errors[0] and "999" in errors[2] and "ragged" in errors[4]
-
-
-def test_replay_cli_skips_or_rejects_bad_lines(tmp_path, capsys):
-    good = LoggedProblem("ok", [5, 6, 7, 8], [[5, 6, 7, 8]])
-    path = tmp_path / "log.jsonl"
-    path.write_text(good.to_json() + "\n" + '{"prompt_id": 1}\n')
-    assert main(["replay", "--method", "pld", "--trajectories", str(path), "--json"]) == 0
-    out, err = capsys.readouterr()
-    report = json.loads(out)
-    assert report["acceptance_length"] == 2.0 and report["skipped_lines"] == 1
-    assert f"{path}:2" in err
-    assert main(["replay", "--method", "pld", "--trajectories", str(path), "--strict"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and f"{path}:2" in err and err.count("\n") == 1
-    assert main(["replay", "--method", "medusa", "--trajectories", str(path)]) == 2
-    assert "--method" in capsys.readouterr().err

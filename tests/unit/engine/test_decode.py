@@ -1,11 +1,12 @@
-"""Greedy losslessness: every drafter commits exactly what plain decoding and HF generate do."""
+"""Greedy losslessness: every drafter commits exactly what plain decoding and HF generate do,
+also on a vocabulary smaller than the store's top-k."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import make_drafter
+from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
 from tts_service.engine.decode import generate, plain_generate
 
@@ -99,3 +100,25 @@ def test_stop_strings_cut_like_plain_decoding(tiny_model, drafter_config, refere
     res = generate(tiny_model, prompt, make_drafter(drafter_config, 64), cfg, [], decode)
     assert res.token_ids == expect.token_ids and res.stop_text == stop
     assert len(res.token_ids) <= 11 and res.finish_reason == "stop"
+
+
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_llama(vocab_size=VOCAB, seed=2, scale=4.0)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTER_CONFIGS))
+def test_a_vocabulary_of_8_tokens_runs_through_every_drafter(small_vocab_model, name):
+    prompt = [1, 5, 3, 1, 5, 3, 1]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=24)
+    ref = plain_generate(small_vocab_model, prompt, greedy, eos_ids=[])
+    drafter = make_drafter(DRAFTER_CONFIGS[name], VOCAB)
+    assert generate(small_vocab_model, prompt, drafter, greedy, eos_ids=[]).token_ids == (
+        ref.token_ids
+    )
+    sampled = SamplingConfig(temperature=0.8, max_new_tokens=24, seed=3)
+    res = generate(small_vocab_model, prompt, drafter, sampled, eos_ids=[])
+    assert len(res.token_ids) == 24 and all(0 <= t < VOCAB for t in res.token_ids)

@@ -1,6 +1,6 @@
-"""The logit n-gram store: STAND's merge rule on hand-made data, and the `NgramStore` contract
-(`test_contract_*`) run over every backend: in-process, tiered, Redis, and tiered over Redis.
-The Redis ones use the session's private redis-server (skipped where it is not installed)."""
+"""The `NgramStore` contract (`test_contract_*`) run over every backend: in-process, tiered,
+Redis, and tiered over Redis. The Redis ones use the session's private redis-server (skipped
+where it is not installed)."""
 
 from __future__ import annotations
 
@@ -10,37 +10,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from store.base import NgramEntry, NgramRow, NgramStore, merge
+from store.base import NgramEntry, NgramRow, NgramStore
 from store.config import StoreConfig
-from store.factory import open_global_store, open_problem_store, open_store
-from store.local_server import free_port
-from store.memory import InMemoryNgramStore, TieredStore
+from store.factory import open_store
+from store.memory import TieredStore
 from store.redis_store import FLUSH_ROWS, RedisLogitNgramStore
-
-
-def test_merge_first_observation_sorts_and_truncates():
-    e = merge(None, [5, 6, 7], [0.2, 0.5, 0.3], topk=2)
-    assert e == NgramEntry((6, 7), (0.5, 0.3), 1)
-
-
-def test_merge_is_the_count_weighted_running_mean_over_the_union():
-    old = NgramEntry((1, 2), (0.6, 0.4), count=3)
-    # new = 3/4 * old + 1/4 * incoming, absent ids count as 0
-    e = merge(old, [2, 9], [0.8, 0.2], topk=10)
-    expect = {1: 0.6 * 0.75, 2: 0.4 * 0.75 + 0.8 * 0.25, 9: 0.2 * 0.25}
-    assert e.count == 4
-    assert e.ids == (2, 1, 9)  # 0.5, 0.45, 0.05
-    assert e.probs == pytest.approx([expect[i] for i in e.ids], abs=1e-15)
-
-
-def test_merge_truncates_back_to_topk_with_deterministic_ties():
-    old = NgramEntry((1, 2, 3), (0.4, 0.3, 0.3), count=1)
-    e = merge(old, [4, 5], [0.6, 0.4], topk=3)
-    # halves: 1: .2, 2: .15, 3: .15, 4: .3, 5: .2 -> 4, then 1 and 5 tie at .2 (lower id first)
-    assert e.ids == (4, 1, 5) and e.count == 2
-
-
-# -- the contract, over every backend -----------------------------------------------------
 
 
 class Backend:
@@ -191,45 +165,3 @@ def test_contract_tiered_store_prefers_the_problem_scope_and_writes_both(backend
     first.flush()
     second = backend.reader(first)  # next problem: the global scope persists
     assert set(_fetched(second, [5]).ids) == {1, 2}
-
-
-# -- backend specifics ---------------------------------------------------------------------
-
-
-def test_memory_store_stats_count_entries_per_order_hits_misses_and_evictions():
-    s = InMemoryNgramStore(max_order=4, max_entries=3)
-    s.add([NgramRow((1, 2), (3,), (1.0,)), NgramRow((2, 3), (4,), (1.0,))])  # 4 n-grams: 1 goes
-    s.lookup([1, 2])
-    s.lookup([7])
-    st = s.stats()
-    assert st["entries"] == 3 and st["entries_by_order"] == {"1": 1, "2": 2, "3": 0, "4": 0}
-    assert st["hits_by_order"]["2"] == 1 and st["misses"] == 1 and st["evictions"] == 1
-    s.clear()
-    assert s.stats()["entries"] == 0
-
-
-def test_bad_store_arguments():
-    with pytest.raises(ValueError):
-        InMemoryNgramStore(max_order=0)
-
-
-def test_factory_picks_the_backend_by_url_scheme():
-    cfg = StoreConfig(fallback=True)  # no server here: a Redis store starts degraded
-    assert isinstance(open_store(cfg, None, "problem", "p"), InMemoryNgramStore)
-    port = free_port()
-    for url in (f"redis://127.0.0.1:{port}/0", f"rediss://127.0.0.1:{port}/0", "unix:///no.sock"):
-        assert isinstance(open_store(cfg, url, "problem", "p"), RedisLogitNgramStore)
-    for url in ("local-redis", "http://127.0.0.1:6379"):  # the edges resolve 'local-redis'
-        with pytest.raises(ValueError, match="known: redis://, rediss://, unix://"):
-            open_store(cfg, url, "problem", "p")
-
-
-def test_factory_global_scope_is_shared_by_the_problems_that_ask_for_it():
-    assert open_global_store(StoreConfig(), None) is None  # off by default
-    cfg = StoreConfig(global_scope=True)
-    glob = open_global_store(cfg, None)
-    first = open_problem_store(cfg, None, "p1", glob)
-    first.add([NgramRow((4,), (8,), (1.0,))])
-    second = open_problem_store(cfg, None, "p2", glob)
-    assert second.lookup([4]).ids == (8,)  # learned by p1, read through the global scope
-    assert open_problem_store(cfg, None, "p3").lookup([4]) is None  # no global: nothing

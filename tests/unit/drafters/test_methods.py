@@ -1,0 +1,42 @@
+"""Method names: the registry is the one list, so the edges (CLI, jobs, HTTP, tests) offer
+exactly the registered names; each name builds its drafter fields, and `auto` follows the
+device."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from tests.conftest import DRAFTER_CONFIGS
+from tts_service.drafters.methods import (
+    AUTO_METHOD,
+    METHOD_NAMES,
+    METHODS,
+    MethodName,
+    method_drafter,
+)
+from tts_service.serve.api import CompletionRequest
+
+
+def test_the_edges_offer_exactly_the_registered_names():
+    assert get_args(MethodName) == METHOD_NAMES == (*METHODS, "auto")
+    field = CompletionRequest.model_fields["spec_method"]
+    assert set(get_args(field.annotation)) - {type(None)} == {MethodName}
+    assert set(METHODS) <= set(DRAFTER_CONFIGS)  # the tests' parameters cover every method
+
+
+def test_method_names_build_their_drafter_fields_and_auto_follows_the_device():
+    assert method_drafter("stand-gt", {"stand": {"num_nodes": 16, "tree": "stand-80"}}) == {
+        "kind": "stand",
+        "num_nodes": 80,  # GT decides the size; the whole tree is the cap
+        "tree": "stand-80",
+        "sizing": "gt",
+    }
+    assert method_drafter("stand+spine", {})["kind"] == "stand_spine"
+    cpu, gpu = method_drafter("auto", {}, "cpu"), method_drafter("auto", {}, "cuda:1")
+    assert cpu == method_drafter(AUTO_METHOD["cpu"], {}) and gpu == method_drafter(
+        AUTO_METHOD["cuda"], {}
+    )
+    with pytest.raises(ValueError, match="unknown method"):
+        method_drafter("eagle", {})
