@@ -26,7 +26,9 @@ Reason = Literal["passed", "wrong_answer", "timeout", "memory", "refused", "runt
 
 @dataclass(frozen=True)
 class CaseResult:
-    """One test case: passed, or why not (`detail` says what the sandbox saw)."""
+    """One test case: passed, or why not. `detail` is in the evaluator's own words (at most an
+    exception or refused operation's name from the sandbox), never what the program printed:
+    that could be the contents of a file it read."""
 
     passed: bool
     reason: Reason
@@ -79,6 +81,15 @@ def stdout_matches(actual: str, expected: str) -> bool:
     return True
 
 
+def _difference(actual: str, expected: str) -> str:
+    """Where a wrong output first differs, without quoting it."""
+    got, want = _lines(actual), _lines(expected)
+    if len(got) != len(want):
+        return f"{len(got)} output lines, expected {len(want)}"
+    line = next(i for i, (g, w) in enumerate(zip(got, want, strict=True), 1) if g != w)
+    return f"output line {line} differs"
+
+
 def _same_value(a: object, b: object) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
@@ -108,12 +119,13 @@ def run_case(code: str, case: TestCase, func_name: str | None, limits: Limits) -
     if result.status != "ok":
         return CaseResult(False, result.status, result.detail)
     if case.kind == "functional":
-        ok = value_matches(result.value, case.output)
-        got = result.value or ""
-    else:
-        ok = stdout_matches(result.stdout, case.output)
-        got = result.stdout
-    return CaseResult(True, "passed") if ok else CaseResult(False, "wrong_answer", got[:200])
+        if value_matches(result.value, case.output):
+            return CaseResult(True, "passed")
+        why = "no value returned" if result.value is None else "returned a different value"
+        return CaseResult(False, "wrong_answer", why)
+    if stdout_matches(result.stdout, case.output):
+        return CaseResult(True, "passed")
+    return CaseResult(False, "wrong_answer", _difference(result.stdout, case.output))
 
 
 def run_tests(
