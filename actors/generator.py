@@ -56,23 +56,35 @@ class GeneratorActor:
     def ready(self) -> str:
         return self.name
 
-    def _store(self, job_id: str, problem_id: str) -> NgramStore:
-        """The problem's store, kept for the few problems in flight (least recently used go)."""
-        scope_id = f"{job_id}/{problem_id}"
+    def close(self) -> None:
+        """The actor's last call (the job's end): every store pushes what it queued, waiting
+        a bounded time, and reports what it could not (the actor's stderr)."""
         with self._stores_lock:
-            return self._open(scope_id)
+            stores = list(self._stores.values())
+            self._stores.clear()
+        for store in stores:
+            store.close()
+        if self.global_store is not None:
+            self.global_store.close()
 
-    def _open(self, scope_id: str) -> NgramStore:
-        if scope_id in self._stores:
-            self._stores.move_to_end(scope_id)
-        else:
-            if len(self._stores) >= 8:
-                _, old = self._stores.popitem(last=False)
-                old.flush()  # a shared backend pushes its queued writes
-            self._stores[scope_id] = open_problem_store(
-                self.cfg.store, self.store_url, scope_id, self.global_store
-            )
-        return self._stores[scope_id]
+    def _store(self, job_id: str, problem_id: str) -> NgramStore:
+        """The problem's store, kept for the few problems in flight (the least recently used
+        is closed)."""
+        scope_id = f"{job_id}/{problem_id}"
+        dropped = None
+        with self._stores_lock:
+            if scope_id in self._stores:
+                self._stores.move_to_end(scope_id)
+            else:
+                if len(self._stores) >= 8:
+                    _, dropped = self._stores.popitem(last=False)
+                self._stores[scope_id] = open_problem_store(
+                    self.cfg.store, self.store_url, scope_id, self.global_store
+                )
+            store = self._stores[scope_id]
+        if dropped is not None:
+            dropped.close()  # outside the lock: it may wait for Redis
+        return store
 
     def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
         """Decode trajectories `indices` of a problem (seeds: sampling.seed + index).

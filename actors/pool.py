@@ -116,6 +116,18 @@ def start_actors(
     return actors
 
 
+def close_actors(actors: list) -> None:
+    """Close every actor's stores (their final flush, a bounded wait), before the actors go
+    with the job. An actor that died took its queued writes with it: logged, not raised, as
+    every trajectory is already written."""
+    refs = [a.close.remote() for a in actors]
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except RayError as e:
+            log.warning("an actor could not close its stores: %s", e)
+
+
 class TrajectoryPool:
     def __init__(self, cfg: JobConfig, actors: list, job_id: str, results: ResultsFile) -> None:
         if not actors:

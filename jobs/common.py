@@ -142,13 +142,14 @@ def run_pool(
 ) -> tuple[dict, int]:
     """Start the actors, run every missing trajectory (appended to `trajectories`, the resume
     point), and return (problem id -> state, retries)."""
-    from actors.pool import ResultsFile, TrajectoryPool, start_actors
+    from actors.pool import ResultsFile, TrajectoryPool, close_actors, start_actors
 
     with store_url(cfg) as url:
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
         actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
         pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
         states = pool.run(problems, on_trajectory, on_problem)
+        close_actors(actors)  # while a local-redis server still runs
     return states, pool.retries
 
 

@@ -78,8 +78,14 @@ class NgramStore(Protocol):
 
     def flush(self) -> None:
         """Push pending writes to where other readers see them (a no-op in-process; Redis
-        sends a bounded batch per call). Called when a store is dropped, so that a shared
-        backend does not sit on queued updates."""
+        sends a bounded batch per call, and never waits for a server that is down)."""
+
+    def close(self) -> None:
+        """The end of the store's life: push every pending write, waiting a bounded time
+        (`StoreConfig.close_timeout_s`) for a backend that is down; writes that cannot be
+        pushed are reported (stderr, `stats()["lost_updates"]`), never dropped silently.
+        Whoever opens a store closes it; a tiered store closes its problem scope only (the
+        global one outlives it). A closed store may still be used (Redis reconnects)."""
 
     def stats(self) -> dict:
         """Counters for the run's report (JSON-serialisable; the keys depend on the backend)."""

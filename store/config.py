@@ -29,6 +29,12 @@ class StoreConfig(BaseModel):
     )
     ttl_s: int = Field(24 * 3600, ge=1, description="Redis TTL of a scope's entries.")
     max_staleness_s: float = Field(2.0, ge=0.0, description="Local read cache staleness bound.")
+    close_timeout_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="How long closing a store waits for Redis to take its queued updates "
+        "(the rest are reported lost).",
+    )
 
     @field_validator("url")
     @classmethod

@@ -33,6 +33,7 @@ def _redis(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> Ngra
         max_order=cfg.max_order,
         topk=cfg.topk,
         max_staleness_s=cfg.max_staleness_s,
+        close_timeout_s=cfg.close_timeout_s,
     )
 
 

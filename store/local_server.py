@@ -78,6 +78,11 @@ class LocalRedisServer:
         self.stop()
         raise RedisServerError(f"redis-server did not answer on port {self.port}")
 
+    def send_signal(self, sig: signal.Signals) -> None:
+        """Signal this server only (tests: SIGSTOP and SIGCONT make a hung server)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
     def kill(self) -> None:
         """SIGKILL, as a crash would (tests)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -67,6 +67,9 @@ class InMemoryNgramStore:
     def flush(self) -> None:
         """Nothing is pending: writes land in `add`."""
 
+    def close(self) -> None:
+        """Nothing is pending."""
+
     def stats(self) -> dict:
         by_order = [0] * (self.max_order + 1)
         for key in self._entries:
@@ -106,6 +109,11 @@ class TieredStore:
     def flush(self) -> None:
         self.problem.flush()
         self.global_.flush()
+
+    def close(self) -> None:
+        """Close the problem scope only: the global one is shared by the next problems (and
+        maybe other threads), and its owner closes it."""
+        self.problem.close()
 
     def stats(self) -> dict:
         return {"problem": self.problem.stats(), "global": self.global_.stats()}

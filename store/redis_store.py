@@ -13,21 +13,35 @@ Keys: `tts:{scope}:{scope_id}:{n}:{t1,...,tn}` hold a hash `{"_n": count, "<id>"
 `tts:{scope}:{scope_id}:_recent` is a sorted set of keys by last write (for the entry cap).
 Every write refreshes the scope's TTL.
 
+Exactly once. A round trip that times out may still run: its commands wait in the socket of
+a hung server and execute when it resumes, and the retry would add them a second time. So
+writes go in numbered batches (writer id, sequence number), applied by one Lua script that
+also records the writer's last applied number in `..._batches` and counts the rows in
+`..._applied`, atomically. A batch is resent unchanged until acknowledged; a copy whose number
+is already recorded does nothing. The script is refused as a whole (its first write) when
+Redis is out of memory. `_batches` and `_applied` have no TTL while writers are active (so
+`volatile-lru` never evicts them); `close()` gives them the scope's TTL.
+
 Reads never wait on the network per node: lookups are served from an actor-local cache, and
 a miss is remembered and fetched with the next step's round trip, in the same pipeline as
 that step's writes. Cached entries older than `max_staleness_s` are refreshed the same way.
 
-Faults: if Redis goes away, decoding goes on with the local cache (local writes are merged
-into it), updates queue up (bounded), and the store reconnects every `retry_s`, flushing the
-queue; `stats()` counts it all. Output never depends on the store: drafts carry their own
-snapshot of `q` to the verifier.
+Faults: if Redis goes away or refuses writes, decoding goes on with the local cache (local
+writes are merged into it), updates queue up (bounded), and the store retries every `retry_s`,
+flushing the queue; `close()` keeps trying for `close_timeout_s`. Updates that never reach
+Redis are counted in `lost_updates` and reported on stderr. Output never depends on the store:
+drafts carry their own snapshot of `q` to the verifier.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import logging
+import re
+import sys
+import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +54,48 @@ log = logging.getLogger(__name__)
 
 _ERRORS = (redis.RedisError, OSError)  # lost connection, timeouts, and server refusals (OOM)
 FLUSH_ROWS = 512  # rows per round trip: a long outage's queue drains in bounded pipelines
+
+# KEYS: _recent, _applied, _batches, then the entry keys of every batch in order.
+# ARGV: writer, ttl (0: none), now, then per batch: seq, rows, nkeys, and per key: count,
+# nfields, field/sum pairs. Batches at or below the writer's recorded number are skipped.
+# The first write is HINCRBY or INCRBY, which an out-of-memory server refuses before any
+# write lands. Returns the number of rows applied (the rest were already stored).
+APPLY_BATCHES = """
+local recent, applied, batches = KEYS[1], KEYS[2], KEYS[3]
+local writer, ttl, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local last = tonumber(redis.call('HGET', batches, writer) or 0)
+local k, a, done = 4, 4, 0
+while a <= #ARGV do
+  local seq, rows, nkeys = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local fresh = seq > last
+  a = a + 3
+  for _ = 1, nkeys do
+    local key, nfields = KEYS[k], tonumber(ARGV[a + 1])
+    if fresh then
+      redis.call('HINCRBY', key, '_n', ARGV[a])
+      for j = a + 2, a + 2 * nfields, 2 do
+        redis.call('HINCRBYFLOAT', key, ARGV[j], ARGV[j + 1])
+      end
+      redis.call('ZADD', recent, now, key)
+      if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+    end
+    k, a = k + 1, a + 2 + 2 * nfields
+  end
+  if fresh then
+    redis.call('INCRBY', applied, rows)
+    last, done = seq, done + rows
+  end
+end
+if done > 0 then
+  redis.call('HSET', batches, writer, last)
+  redis.call('PERSIST', applied)
+  redis.call('PERSIST', batches)
+  if ttl > 0 then redis.call('EXPIRE', recent, ttl) end
+end
+return done
+"""
+APPLY_SHA = hashlib.sha1(APPLY_BATCHES.encode()).hexdigest()
+_ENTRY_KEY = re.compile(r":(\d+):\d+(?:,\d+)*$")  # ...:{n}:{t1,...,tn}
 
 
 class StoreUnavailableError(RuntimeError):
@@ -58,6 +114,21 @@ class RedisScope:
     @property
     def prefix(self) -> str:
         return f"tts:{self.scope}:{self.scope_id}:"
+
+    @property
+    def meta_keys(self) -> tuple[str, str, str]:
+        """The sorted set of keys by last write, the applied-rows counter, and the writers'
+        last applied batch numbers."""
+        return (f"{self.prefix}_recent", f"{self.prefix}_applied", f"{self.prefix}_batches")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows folded per key into the script's arguments, numbered once and resent unchanged."""
+
+    rows: int
+    keys: list[str]
+    args: list[int | str]
 
 
 def entry_from_hash(raw: dict, topk: int) -> NgramEntry | None:
@@ -81,6 +152,7 @@ class RedisLogitNgramStore:
         cache_entries: int = 200_000,
         max_pending: int = 100_000,
         retry_s: float = 1.0,
+        close_timeout_s: float = 5.0,
     ) -> None:
         self.client = client
         self.scope = scope
@@ -90,11 +162,18 @@ class RedisLogitNgramStore:
         self.refresh_batch = refresh_batch
         self.cache_entries = cache_entries
         self.retry_s = retry_s
+        self.close_timeout_s = close_timeout_s
         # key -> (entry or None for "absent in Redis", fetched at)
         self._cache: OrderedDict[tuple[int, ...], tuple[NgramEntry | None, float]] = OrderedDict()
         self._wanted: set[tuple[int, ...]] = set()
         self._pending: deque[NgramRow] = deque(maxlen=max_pending)
+        self._unacked: list[Batch] = []  # sent, not acknowledged: resent as they are
+        self._writer = uuid.uuid4().hex
+        self._seq = 0
+        self._sending = threading.Lock()  # a store dropped by another thread is closed there
         self._degraded_since: float | None = None
+        self._last_error = ""
+        self._reported_lost = 0
         self._counts = dict(
             hits=0,
             misses=0,
@@ -102,8 +181,9 @@ class RedisLogitNgramStore:
             errors=0,
             fallbacks=0,
             reconnects=0,
-            dropped_updates=0,
-            flushed_updates=0,
+            flushed_updates=0,  # acknowledged: stored exactly once
+            duplicate_updates=0,  # resent after a timeout, found already stored
+            lost_updates=0,  # will never be stored: dropped from the full queue, or at close
         )
 
     # -- construction ------------------------------------------------------------------
@@ -115,6 +195,7 @@ class RedisLogitNgramStore:
         store = cls(client, **kw)
         try:
             client.ping()
+            client.script_load(APPLY_BATCHES)
             store.warm()
         except _ERRORS as e:
             if not fallback:
@@ -146,10 +227,11 @@ class RedisLogitNgramStore:
         for row in rows:
             for n in range(1, min(self.max_order, len(row.context)) + 1):
                 self._merge_local(tuple(row.context[-n:]), row.ids, row.probs)
-        if len(self._pending) + len(rows) > (self._pending.maxlen or 0):
-            self._counts["dropped_updates"] += (
-                len(self._pending) + len(rows) - (self._pending.maxlen or 0)
-            )
+        overflow = len(self._pending) + len(rows) - (self._pending.maxlen or 0)
+        if overflow > 0:  # the deque drops its oldest rows
+            if not self._counts["lost_updates"]:
+                log.warning("Redis store queue full: dropping the oldest updates")
+            self._counts["lost_updates"] += overflow
         self._pending.extend(rows)
         self.flush()
 
@@ -160,29 +242,30 @@ class RedisLogitNgramStore:
             if time.monotonic() - self._degraded_since < self.retry_s:
                 return
             self._degraded_since = time.monotonic()  # next attempt after another retry_s
-        rows = list(itertools.islice(self._pending, FLUSH_ROWS))
-        wanted = list(self._wanted)[: self.refresh_batch]
-        try:
-            replies = self._round_trip(rows, wanted)
-        except _ERRORS as e:
-            self._counts["errors"] += 1
-            if self._degraded_since is None:
-                log.warning("Redis lost (%s): drafting goes on from the local cache", e)
-                self._degrade()
-            return
-        if self._degraded_since is not None:
-            log.info("Redis is back: flushed %d queued updates", len(rows))
-            self._counts["reconnects"] += 1
-            self._degraded_since = None
-        self._counts["flushed_updates"] += len(rows)
-        for _ in rows:
-            self._pending.popleft()
-        now = time.monotonic()
-        for key, raw in zip(wanted, replies, strict=True):
-            self._wanted.discard(key)
-            self._cache[key] = (entry_from_hash(raw, self.topk), now)
-            self._cache.move_to_end(key)
-        self._trim()
+        self._send()
+
+    def close(self) -> None:
+        """Push every queued update, retrying for up to `close_timeout_s` (plus one socket
+        timeout); what is still unacknowledged then is lost: counted in `lost_updates` and
+        reported on stderr. A batch that timed out on a hung server may still land when it
+        resumes. The store stays usable (it reconnects)."""
+        deadline = time.monotonic() + self.close_timeout_s
+        while self._pending or self._unacked:
+            sent = self._send()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not sent:
+                time.sleep(min(0.1, left))
+        lost = self._queued()
+        if lost:
+            self._pending.clear()
+            self._unacked.clear()
+            self._counts["lost_updates"] += lost
+        elif self._seq:
+            self._expire_counters()
+        self._report_lost()
+        self.client.close()
 
     def stats(self) -> dict:
         return {
@@ -191,23 +274,23 @@ class RedisLogitNgramStore:
             "scope_id": self.scope.scope_id,
             "degraded": self._degraded_since is not None,
             "cached_entries": len(self._cache),
-            "pending_updates": len(self._pending),
+            "pending_updates": self._queued(),
             **self._counts,
         }
 
     def clear(self) -> None:
-        """Delete this scope's entries in Redis and forget the local cache."""
+        """Delete this scope's entries in Redis and forget the local cache and queue."""
         self._cache.clear()
         self._wanted.clear()
         self._pending.clear()
+        self._unacked.clear()
         delete_scope(self.client, self.scope.prefix)
 
     def warm(self, chunk: int = 1000) -> int:
         """Load the scope's most recently written entries into the local cache, so a new actor
         drafts from what others learned from its first step (a miss is only fetched with the
         next round trip, one step behind a sequence the cache has never seen)."""
-        recent = f"{self.scope.prefix}_recent"
-        keys = self.client.zrevrange(recent, 0, self.cache_entries - 1)
+        keys = self.client.zrevrange(self.scope.meta_keys[0], 0, self.cache_entries - 1)
         now = time.monotonic()
         for start in range(0, len(keys), chunk):
             part = keys[start : start + chunk]
@@ -225,36 +308,100 @@ class RedisLogitNgramStore:
         self._degraded_since = time.monotonic()
         self._counts["fallbacks"] += 1
 
+    def _queued(self) -> int:
+        return len(self._pending) + sum(b.rows for b in self._unacked)
+
     def _key(self, ctx: tuple[int, ...]) -> str:
         return f"{self.scope.prefix}{len(ctx)}:{','.join(map(str, ctx))}"
 
-    def _round_trip(self, rows: list[NgramRow], wanted: list[tuple[int, ...]]) -> list:
-        pipe = self.client.pipeline(transaction=False)
-        written: set[str] = set()
+    def _send(self) -> bool:
+        """One round trip: the unacknowledged batches, a new batch from the queue (up to
+        `FLUSH_ROWS` rows in all) and the wanted reads. False if it failed."""
+        with self._sending:
+            return self._send_locked()
+
+    def _send_locked(self) -> bool:
+        room = FLUSH_ROWS - sum(b.rows for b in self._unacked)
+        if room > 0 and self._pending:
+            rows = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            self._unacked.append(self._batch(rows))
+        wanted = list(self._wanted)[: self.refresh_batch]
+        try:
+            applied, replies = self._round_trip(wanted)
+        except _ERRORS as e:
+            self._counts["errors"] += 1
+            self._last_error = str(e)
+            if isinstance(e, redis.exceptions.OutOfMemoryError):
+                self._last_error += " (set maxmemory-policy volatile-lru: every key has a TTL)"
+            if self._degraded_since is None:
+                log.warning("Redis failed (%s): drafting goes on from the local cache", e)
+                self._degrade()
+            return False
+        sent = sum(b.rows for b in self._unacked)
+        if self._degraded_since is not None:
+            log.info("Redis is back: flushed %d queued updates", sent)
+            self._counts["reconnects"] += 1
+            self._degraded_since = None
+        self._counts["flushed_updates"] += sent
+        self._counts["duplicate_updates"] += sent - applied
+        self._unacked.clear()
+        now = time.monotonic()
+        for key, raw in zip(wanted, replies, strict=True):
+            self._wanted.discard(key)
+            self._cache[key] = (entry_from_hash(raw, self.topk), now)
+            self._cache.move_to_end(key)
+        self._trim()
+        return True
+
+    def _batch(self, rows: list[NgramRow]) -> Batch:
+        """Number `rows` and fold them per key (a count and one sum per id) for the script."""
+        counts: dict[str, int] = {}
+        sums: dict[str, dict[int, float]] = {}
         for row in rows:
             for n in range(1, min(self.max_order, len(row.context)) + 1):
                 key = self._key(tuple(row.context[-n:]))
-                pipe.hincrby(key, "_n", 1)
+                counts[key] = counts.get(key, 0) + 1
+                acc = sums.setdefault(key, {})
                 for token, p in zip(row.ids, row.probs, strict=True):
-                    pipe.hincrbyfloat(key, str(token), float(p))
-                written.add(key)
-        recent = f"{self.scope.prefix}_recent"
-        if written:
-            now = time.time()
-            pipe.zadd(recent, dict.fromkeys(written, now))
-            if self.scope.ttl_s:
-                for key in written:
-                    pipe.expire(key, self.scope.ttl_s)
-                pipe.expire(recent, self.scope.ttl_s)
+                    acc[token] = acc.get(token, 0.0) + float(p)
+        self._seq += 1
+        args: list[int | str] = [self._seq, len(rows), len(counts)]
+        for key, count in counts.items():
+            args += [count, len(sums[key])]
+            for token, total in sums[key].items():
+                args += [token, repr(total)]
+        return Batch(len(rows), list(counts), args)
+
+    def _round_trip(self, wanted: list[tuple[int, ...]]) -> tuple[int, list]:
+        """(rows applied, the wanted hashes). A server that lost the script (a restart) gets
+        it again, and the round trip is redone: NOSCRIPT means nothing ran."""
+        replies = self._pipeline(wanted)
+        if self._unacked and isinstance(replies[0], redis.exceptions.NoScriptError):
+            self.client.script_load(APPLY_BATCHES)
+            replies = self._pipeline(wanted)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        if not self._unacked:
+            return 0, replies
+        self._enforce_cap()  # after the writes landed; best effort, never retried
+        return int(replies[0]), replies[1:]
+
+    def _pipeline(self, wanted: list[tuple[int, ...]]) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        if self._unacked:
+            keys = [*self.scope.meta_keys, *(k for b in self._unacked for k in b.keys)]
+            args = [self._writer, self.scope.ttl_s or 0, repr(time.time())]
+            args += [a for b in self._unacked for a in b.args]
+            pipe.evalsha(APPLY_SHA, len(keys), *keys, *args)
         for ctx in wanted:
             pipe.hgetall(self._key(ctx))
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         self._counts["round_trips"] += 1
-        if written:
-            self._enforce_cap(recent)  # after the writes landed; best effort, never retried
-        return replies[len(replies) - len(wanted) :] if wanted else []
+        return replies
 
-    def _enforce_cap(self, recent: str) -> None:
+    def _enforce_cap(self) -> None:
+        recent = self.scope.meta_keys[0]
         try:
             excess = int(self.client.zcard(recent)) - self.scope.max_entries
             if excess <= 0:
@@ -264,6 +411,31 @@ class RedisLogitNgramStore:
         except _ERRORS as e:  # the cap is enforced again with the next write
             self._counts["errors"] += 1
             log.warning("Redis entry cap not enforced this step: %s", e)
+
+    def _expire_counters(self) -> None:
+        """Give `_applied` and `_batches` the scope's TTL once our writes are all stored (an
+        active writer's next batch takes it away again, so eviction never reaches them)."""
+        if not self.scope.ttl_s:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in self.scope.meta_keys[1:]:
+                pipe.expire(key, self.scope.ttl_s)
+            pipe.execute()
+        except _ERRORS as e:  # they expire after the next writer's close
+            log.warning("Redis store counters keep no TTL: %s", e)
+
+    def _report_lost(self) -> None:
+        """Say on stderr, never silently, how many updates will not reach Redis."""
+        new = self._counts["lost_updates"] - self._reported_lost
+        if new > 0:
+            print(
+                f"tts store: LOST {new} updates of {self.scope.prefix}* (never stored in "
+                f"Redis; stats: lost_updates). Last error: {self._last_error or 'none'}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._reported_lost += new
 
     def _want(self, key: tuple[int, ...]) -> None:
         if len(self._wanted) < 16 * self.refresh_batch:
@@ -303,15 +475,25 @@ def delete_scope(client: redis.Redis, prefix: str) -> int:
 
 
 def scope_stats(client: redis.Redis, prefix: str) -> dict:
-    """Entries per n-gram order under `prefix` (a SCAN: for operators, not the hot path)."""
+    """Entries per n-gram order, and updates applied, under `prefix`, which may span scopes
+    ("tts:" is all of them). A SCAN: for operators and tests, not the hot path."""
     by_order: dict[str, int] = {}
+    counters: list[bytes] = []
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        rest = key.decode()[len(prefix) :]
-        order = rest.split(":", 1)[0]
-        if order.isdigit():
-            by_order[order] = by_order.get(order, 0) + 1
+        name = key.decode()
+        entry = _ENTRY_KEY.search(name)
+        if entry is not None:
+            by_order[entry[1]] = by_order.get(entry[1], 0) + 1
+        elif name.endswith(":_applied"):
+            counters.append(key)
+    applied = sum(
+        int(v or 0)
+        for i in range(0, len(counters), 1000)
+        for v in client.mget(counters[i : i + 1000])
+    )
     return {
         "prefix": prefix,
         "entries": sum(by_order.values()),
         "entries_by_order": dict(sorted(by_order.items())),
+        "applied_updates": applied,
     }

@@ -35,7 +35,8 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class ProblemInput:
-    """One problem to solve: its id, prompt tokens and the store its trajectories share."""
+    """One problem to solve: its id, prompt tokens and the store its trajectories share
+    (`solve_problems` closes it when they are done, so its stats say what was lost)."""
 
     problem_id: str
     prompt_ids: list[int]
@@ -151,7 +152,11 @@ def solve_problems(
         if on_trajectory is not None:
             on_trajectory(req.problem_id, traj)
 
-    report = runner.run(requests, collect, skip)
+    try:
+        report = runner.run(requests, collect, skip)
+    finally:  # the stores' final flush, whether the run finished or failed
+        for p in problems:
+            p.store.close()
     for p in problems:
         res = results[p.problem_id]
         res.trajectories.sort(key=lambda t: t.index)

@@ -28,7 +28,8 @@ def test_kill_9_of_redis_mid_solve_changes_nothing_and_is_recorded(smollm2):
     ids = smollm2.encode(QUESTION, chat=True)
     expect = solve(smollm2, ids, 3, STAND, GREEDY, InMemoryNgramStore()).problems[0]
     with LocalRedisServer() as server:
-        store = open_problem_store(StoreConfig(), server.url, problem_id(ids))
+        cfg = StoreConfig(close_timeout_s=0.5)  # solve closes the store: Redis stays dead
+        store = open_problem_store(cfg, server.url, problem_id(ids))
 
         def crash_after_first(traj) -> None:
             if traj.index == 0:
@@ -42,6 +43,7 @@ def test_kill_9_of_redis_mid_solve_changes_nothing_and_is_recorded(smollm2):
     ]
     stats = got.store_stats
     assert stats["degraded"] and stats["fallbacks"] == 1 and stats["errors"] >= 1
+    assert stats["lost_updates"] > 0 and stats["pending_updates"] == 0  # reported, not pending
     assert got.trajectories[2].output.stats.acceptance_length > 1.5  # the local cache served
 
 

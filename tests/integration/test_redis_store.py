@@ -11,9 +11,17 @@ import pytest
 import redis
 
 from store.base import NgramRow
+from store.config import StoreConfig
+from store.factory import open_store
 from store.local_server import LocalRedisServer
-from store.memory import InMemoryNgramStore
-from store.redis_store import RedisLogitNgramStore, RedisScope, StoreUnavailableError
+from store.memory import InMemoryNgramStore, TieredStore
+from store.redis_store import (
+    FLUSH_ROWS,
+    RedisLogitNgramStore,
+    RedisScope,
+    StoreUnavailableError,
+    scope_stats,
+)
 from tts_service.cli import main
 
 
@@ -114,6 +122,44 @@ def test_store_cli_reports_counts(redis_server, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["entries"] == 2 and out["entries_by_order"] == {"1": 1, "2": 1}
     assert main(["store", "stats", "--store", "http://nope"]) == 2
+
+
+def test_store_cli_stats_of_every_scope_count_every_scope(capsys):
+    """`tts store stats` defaults to --scope all: the keys of every scope count."""
+    with LocalRedisServer() as server:
+        _store(server.url, "p1").add([NgramRow((1, 2), (3,), (1.0,))])
+        job = RedisLogitNgramStore.connect(server.url, scope=RedisScope("job", "j/p"))
+        job.add([NgramRow((4, 5, 6), (7,), (1.0,)), NgramRow((5, 6), (8,), (1.0,))])
+        assert main(["store", "stats", "--store", server.url]) == 0
+        out = json.loads(capsys.readouterr().out)
+    assert out["entries"] == 2 + 3 and out["entries_by_order"] == {"1": 2, "2": 2, "3": 1}
+    assert out["applied_updates"] == 3
+
+
+def test_close_pushes_the_whole_queue_and_a_tiered_store_leaves_its_global_scope_open(
+    redis_server,
+):
+    """`add` pushes one batch of FLUSH_ROWS rows; `close` pushes the rest. A tiered store
+    closes its problem scope, not the global one, which the next problem shares.
+    The counters have no TTL while a writer may still write, and the scope's once it closed."""
+    url, cfg = redis_server.url, StoreConfig(ttl_s=100)
+    problem, global_ = (open_store(cfg, url, s, f"close-{s}") for s in ("problem", "global"))
+    store = TieredStore(problem, global_)
+    store.add([NgramRow((t,), (1,), (1.0,)) for t in range(3 * FLUSH_ROWS)])
+    client = redis.Redis.from_url(url)
+    applied = problem.scope.meta_keys[1]
+    assert client.ttl(applied) == -1  # a writer is active: never evicted
+    store.close()
+    s = store.stats()
+    assert (
+        s["problem"]["flushed_updates"] == 3 * FLUSH_ROWS and s["problem"]["pending_updates"] == 0
+    )
+    assert s["global"]["flushed_updates"] == FLUSH_ROWS  # add's batch: the rest waits
+    assert scope_stats(client, problem.scope.prefix)["applied_updates"] == 3 * FLUSH_ROWS
+    assert 0 < client.ttl(applied) <= 100
+    global_.close()
+    assert global_.stats()["flushed_updates"] == 3 * FLUSH_ROWS
+    assert s["problem"]["lost_updates"] == global_.stats()["lost_updates"] == 0
 
 
 def test_unreachable_at_start_is_a_clear_error_or_a_counted_fallback():

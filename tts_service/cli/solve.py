@@ -91,15 +91,19 @@ def run(args: argparse.Namespace) -> int:
                     problems.append(ProblemInput(pid, ids, store))
             except StoreUnavailableError as e:
                 raise UsageError(f"--store: {e}") from e
-            solved = solve_problems(
-                TrajectoryRunner(gen, max_rows),
-                problems,
-                req.n,
-                req.drafter,
-                req.sampling,
-                on_trajectory=progress,
-                record=args.log is not None,
-            )
+            try:  # solve_problems closes the problem stores
+                solved = solve_problems(
+                    TrajectoryRunner(gen, max_rows),
+                    problems,
+                    req.n,
+                    req.drafter,
+                    req.sampling,
+                    on_trajectory=progress,
+                    record=args.log is not None,
+                )
+            finally:  # while a local-redis server still runs
+                if global_store is not None:
+                    global_store.close()
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
     finally:

@@ -114,6 +114,10 @@ class TTSServer:
         )
         self.m_queue = metrics.Gauge("tts_queue_depth", "Requests running or waiting")
 
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica: the global store's final flush."""
+        self.engine.close()
+
     def _count(self, route: str, status: int, stats: list[dict] | None = None) -> None:
         self.m_requests.inc(1, tags={"route": route, "status": str(status)})
         for s in stats or []:

@@ -7,6 +7,7 @@ turns requests into engine calls, and shapes OpenAI responses with our extension
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from store.base import NgramStore
 from store.factory import open_global_store, open_problem_store, problem_id
 from store.redis_store import StoreUnavailableError
 from tts_service.aggregate import Task, extract_answer, majority_vote
@@ -154,7 +156,7 @@ class ServeEngine:
         )
 
     # -- execution -----------------------------------------------------------------------
-    def _store(self, job: Job):
+    def _store(self, job: Job) -> NgramStore:
         try:
             return open_problem_store(
                 self.cfg.store, self.store_url, problem_id(job.prompt_ids), self.global_store
@@ -162,12 +164,16 @@ class ServeEngine:
         except StoreUnavailableError as e:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
+    def close(self) -> None:
+        """The replica's end: the global store pushes what it queued (a bounded wait)."""
+        if self.global_store is not None:
+            self.global_store.close()
+
     def _requests(
-        self, job: Job, cancel: threading.Event, on_commit=None
+        self, job: Job, store: NgramStore, cancel: threading.Event, on_commit=None
     ) -> list[TrajectoryRequest]:
         """The request's n trajectories (seeds: seed + index), each stopping at its next step
         once `cancel` is set (the client went away)."""
-        store = self._store(job)
         return [
             TrajectoryRequest(
                 "request",
@@ -185,7 +191,10 @@ class ServeEngine:
 
     def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
         """Every trajectory of the request, in index order, through the replica's runner."""
-        report = self.runner.run(self._requests(job, cancel), skip=lambda _r: cancel.is_set())
+        with contextlib.closing(self._store(job)) as store:  # the request's end is its store's
+            report = self.runner.run(
+                self._requests(job, store, cancel), skip=lambda _r: cancel.is_set()
+            )
         if cancel.is_set():
             raise Cancelled
         report.results.sort(key=lambda r: r.request.index)
@@ -300,10 +309,11 @@ class ServeEngine:
             chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
 
         try:
-            requests = self._requests(job, cancel, on_commit)
-            for i in range(job.n):
-                chunk(i, None, None, first=True)
-            self.runner.run(requests, on_result, skip=lambda _r: cancel.is_set())
+            with contextlib.closing(self._store(job)) as store:
+                requests = self._requests(job, store, cancel, on_commit)
+                for i in range(job.n):
+                    chunk(i, None, None, first=True)
+                self.runner.run(requests, on_result, skip=lambda _r: cancel.is_set())
         finally:
             emit(None)
 
