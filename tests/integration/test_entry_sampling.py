@@ -22,7 +22,8 @@ import tts_service.serve.engine
 from actors.generator import GeneratorActor
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
-from tests.conftest import save_tiny_model
+from tests.conftest import FLAT_COST, save_tiny_model
+from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import (
     DrafterConfig,
     JobConfig,
@@ -31,8 +32,10 @@ from tts_service.config import (
     ServeConfig,
 )
 from tts_service.drafters.methods import method_drafter
+from tts_service.engine.cost import CostModel
 from tts_service.engine.sampling import target_probs
 from tts_service.generation import Generator
+from tts_service.models import load_model
 from tts_service.serve.api import CompletionRequest
 from tts_service.serve.engine import ServeEngine
 from tts_service.solve import solve
@@ -55,7 +58,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def generator(model_dir) -> Generator:
-    return Generator.load(_model_cfg(model_dir))
+    """Fixed cost curves: how many nodes the allocator drafts must not hang on how loaded the
+    machine is while the curves are measured (a busy box measured trees as never paying)."""
+    loaded = load_model(_model_cfg(model_dir))
+    return Generator(loaded, cost=CostModel.fixed(FLAT_COST), batch_cost=FLAT)
 
 
 @pytest.fixture(scope="module")
