@@ -102,6 +102,19 @@ def problem_result(state, cfg: JobConfig) -> dict:
     }
 
 
+def problem_line(result: dict, problem: Problem) -> str:
+    """The vote in one line: what won, by how much, and against the reference if known."""
+    n = result["stats"]["trajectories"]
+    won = round(result["share"] * n)
+    line = (
+        f"[job] problem {problem.id}: vote {result['answer']!r}, share {result['share']:.2f} "
+        f"({won} of {n}), votes {result['votes']}, no answer {result['no_answer']}"
+    )
+    if problem.answer is not None:
+        line += f", reference {problem.answer!r}, correct {result['correct']}"
+    return line
+
+
 def write_log_line(state, path: Path) -> None:
     """The problem as one line of a trajectory log (`tts replay` reads it)."""
     from tts_service.replay import LoggedProblem, LogWriter
@@ -133,11 +146,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
         (out / "problems" / f"{state.problem.id}.json").write_text(json.dumps(state.result))
         if cfg.log_trajectories:
             write_log_line(state, out / "trajectory-log.jsonl")
-        print(
-            f"[job] problem {state.problem.id}: answer {state.result['answer']!r} "
-            f"share {state.result['share']:.2f} correct {state.result['correct']}",
-            flush=True,
-        )
+        print(problem_line(state.result, state.problem), flush=True)
 
     states, retries = run_pool(
         cfg, problems, out / "trajectories.jsonl", job_id_for(out), progress.trajectory, on_problem

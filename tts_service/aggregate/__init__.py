@@ -3,10 +3,9 @@
 Best-of-N only helps if answers that mean the same thing are counted together: `\\frac{1}{2}`,
 `0.5` and `1/2` must share one vote. One module per stage, each depending only on the ones
 before it: `extract` (answer from raw text), `normalize` (canonical strings), `equivalence`
-(math values, sympy in a child process), `vote` (majority vote, early stop, grading).
-
-Stdlib + sympy only (sympy is imported in the child, never here), so the CPU-side aggregator
-stays light and importable without the GPU stack.
+(math values), `vote` (majority vote, early stop, grading). For math, extraction and
+equivalence are HuggingFace's math-verify, run by `mathverify` in a child process with a
+timeout, so this package imports neither it nor sympy and stays light.
 """
 
 from tts_service.aggregate.equivalence import math_equal

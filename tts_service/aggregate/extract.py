@@ -1,71 +1,61 @@
 """Extraction: the answer a trajectory commits to, read from its raw text.
 
-Also home to what every later stage shares: the task kinds and LaTeX brace matching (which
-normalisation and the LaTeX converter reuse), so the modules depend on each other in one
-direction only: extract <- normalize <- equivalence <- vote.
+Also home to the task kinds every later stage shares, so the modules depend on each other in
+one direction only: extract <- normalize <- equivalence <- vote.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal
+
+from tts_service.aggregate import mathverify
 
 Task = Literal["math", "choice", "code"]
 TASKS: tuple[Task, ...] = ("math", "choice", "code")
 
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_CHOICE_RE = re.compile(r"answer\s*\**\s*[:：][\s*(\[{]*([a-j])(?![\w'’])", re.IGNORECASE)
+EXTRACT_TIMEOUT_S = 5.0
+_CHOICE_RE = re.compile(
+    r"(?:answer|choice)\s*\**\s*(?:[:：]|(?P<is>is\b:?))[\s*(\[{\"'“‘]*(?P<letter>[a-j])(?![\w'’])",
+    re.IGNORECASE,
+)
 _FENCE_RE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 
 
-def _match_brace(s: str, open_idx: int) -> int | None:
-    """Index of the `}` closing the `{` at `open_idx`, by brace counting; None if unbalanced.
+@functools.lru_cache(maxsize=1024)
+def _extract_math(text: str) -> str | None:
+    """Cached: the pool re-reads every finished trajectory each time one more finishes (a
+    timeout is cached too, so a pathological text costs one timeout per process)."""
+    return mathverify.extract(text, EXTRACT_TIMEOUT_S)
 
-    Escaped braces (`\\{`, `\\}`) are literal set-notation braces and do not count.
-    """
-    depth = 0
-    i = open_idx
-    while i < len(s):
-        c = s[i]
-        if c == "\\":
-            i += 2
+
+def _extract_choice(text: str) -> str | None:
+    for m in reversed(list(_CHOICE_RE.finditer(text))):
+        letter = m["letter"]
+        # "answer: a careful look", "the answer is I think": an article or pronoun, not a pick.
+        prose = re.match(r"\s+[a-z]", text[m.end() :]) is not None
+        if (prose and (letter.islower() or letter == "I")) or (m["is"] and letter.islower()):
             continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
+        return letter.upper()
     return None
-
-
-def _extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}`/`\\fbox{...}`: the final box is the model's answer."""
-    matches = list(_BOX_RE.finditer(text))
-    if not matches:
-        return None
-    start = matches[-1].end() - 1
-    end = _match_brace(text, start)
-    return None if end is None else text[start + 1 : end].strip()
 
 
 def extract_answer(text: str, task: Task) -> str | None:
     """The answer a trajectory commits to, or None when it never commits to one.
 
-    math: content of the last `\\boxed{}`/`\\fbox{}` (None if absent or unbalanced).
-    choice: upper-cased letter A-J of the last `Answer:` that is followed by one, tolerating
-    `(C)`, `**C**` and lower case. code: body of the last fenced block (empty counts as none).
+    math: what math-verify extracts (in a child process; None after `EXTRACT_TIMEOUT_S`): the
+    last `\\boxed{}` or "final answer is X" first, then "answer: X", then the last LaTeX or
+    plain expression in the text, as math-verify normalised it (`\\dfrac` -> `\\frac`,
+    units dropped). Text with no number or formula has no answer.
+    choice: upper-cased letter A-J of the last `Answer:`, `answer is` or `choice is` followed
+    by one, tolerating `(C)`, `**C**`, `"C"` and lower case after a colon.
+    code: body of the last fenced block (empty counts as none).
     """
     if task == "math":
-        return _extract_boxed(text)
+        return _extract_math(text)
     if task == "choice":
-        for m in reversed(list(_CHOICE_RE.finditer(text))):
-            # A lower-case letter followed by a word is prose ("answer: a careful ..."), not a pick.
-            if m.group(1).islower() and re.match(r"\s+[a-z]", text[m.end() :]):
-                continue
-            return m.group(1).upper()
-        return None
+        return _extract_choice(text)
     if task == "code":
         blocks = _FENCE_RE.findall(text)
         if not blocks or not blocks[-1].strip():

@@ -1,6 +1,7 @@
-"""Normalisation: one canonical string per answer, so trivially different spellings share a vote.
+"""Normalisation: one canonical string per answer, so identical answers share a vote cheaply.
 
-Cheap and in-process; it settles most equal pairs before `equivalence` has to reach for sympy.
+In-process string work only. For math it is only the identity fast path (and the vote's class
+key); `equivalence` (math-verify) decides which spellings mean the same value.
 """
 
 from __future__ import annotations
@@ -9,46 +10,13 @@ import re
 import tokenize
 from io import StringIO
 
-from tts_service.aggregate.extract import TASKS, Task, _match_brace
-
-_WRAPPERS = ("text", "textbf", "textrm", "mathrm", "mbox", "mathbf")
-_WRAPPER_RE = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
-_DEGREE_RE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|°")
-_CMD_SPACE_RE = re.compile(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])")
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def _unwrap(s: str) -> str:
-    """`\\text{cm}` -> `cm` (innermost first is not needed: we rescan until none is left)."""
-    while (m := _WRAPPER_RE.search(s)) is not None:
-        end = _match_brace(s, m.end() - 1)
-        if end is None:
-            return s
-        s = s[: m.start()] + s[m.end() : end] + s[end + 1 :]
-    return s
+from tts_service.aggregate.extract import TASKS, Task
 
 
 def normalize_math(s: str) -> str:
-    """Canonical string for a math answer, so that trivially different spellings compare equal.
-
-    Strips `$`, whitespace, `\\left`/`\\right`, thin spaces, a trailing `.`, degree marks and
-    `\\text{}`-style wrappers; maps `\\dfrac`/`\\tfrac` to `\\frac`, `\\%` to `%` and drops
-    thousands separators from plain numbers (`1,000` -> `1000`).
-    """
-    s = s.strip().replace("$", "")
-    s = _unwrap(s)
-    s = s.replace("\\left", "").replace("\\right", "")
-    for thin in ("\\!", "\\,", "\\;", "\\:", "\\ "):
-        s = s.replace(thin, "")
-    s = _DEGREE_RE.sub("", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\%", "%")
-    # Keep one space where it terminates a command (`\pi r`), drop all other whitespace.
-    s = _CMD_SPACE_RE.sub(lambda m: m.group(1) + "\0", s)
-    s = re.sub(r"\s+", "", s).replace("\0", " ")
-    s = s.rstrip(".")
-    if _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
-    return s
+    """`s` without `$`, a trailing `.` and outer whitespace; inner whitespace runs become one
+    space (a space can end a LaTeX command: `\\pi r` is not `\\pir`)."""
+    return " ".join(s.replace("$", "").split()).rstrip(".").strip()
 
 
 def normalize_choice(s: str) -> str:

@@ -1,7 +1,8 @@
 """Grade one trajectory against its item: is the answer it commits to correct?
 
-- AIME: the last `\\boxed{}` against the reference by `aggregate.math_equal` (normalisation,
-  exact rationals, then sympy in a child process with a timeout).
+- AIME: the answer math-verify extracts (the last `\\boxed{}` or "final answer is X", else
+  "answer: X", else the last expression) against the reference by `aggregate.math_equal`
+  (math-verify in a child process with a timeout).
 - GPQA: the letter after the last `Answer:` against the shuffled correct letter.
 - LiveCodeBench: the last fenced code block, run in the sandbox against the public, then the
   private tests, stopping at the first failure (as LiveCodeBench's own grader does). Output is

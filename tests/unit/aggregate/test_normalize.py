@@ -1,4 +1,4 @@
-"""Normalisation: trivially different spellings of one answer map to one string."""
+"""Normalisation: identical answers, differently spaced, map to one string."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ from tts_service.aggregate.normalize import normalize_code, normalize_math
 @pytest.mark.parametrize(
     "raw, norm",
     [
-        (r"$\dfrac{1}{2}$", r"\frac{1}{2}"),
-        (r"\left( 1, 2 \right)", "(1,2)"),
-        (r"90^\circ", "90"),
-        (r"5\text{ cm}", "5cm"),
-        ("1,000", "1000"),
-        ("(1,000, 2)", "(1,000,2)"),  # a tuple, not a number: commas stay
-        ("42.", "42"),
-        (r"3\!\cdot\!4", r"3\cdot4"),
+        (r"$\frac{1}{2}$", r"\frac{1}{2}"),
+        ("  42. ", "42"),
+        ("1,  2", "1, 2"),
+        (r"2\pi   r", r"2\pi r"),  # the space ends `\pi`: `\pir` would be another command
     ],
 )
 def test_normalize_math(raw, norm):

@@ -73,6 +73,27 @@ def test_vote_from_raw_model_outputs():
     assert vote.num_no_answer == 1
 
 
+def test_vote_from_plain_text_outputs():
+    """SmolLM2 writes no `\\boxed{}` (issue 17): its plain-text answers must still vote."""
+    outputs = [
+        "17 + 25 = 32\n\nThe final answer is 32.",
+        "So the final answer is 32.",
+        "17 + 25 = 42",
+        "I'm sorry, I can't help with that.",
+        "The final answer is $32$.",
+    ]
+    vote = majority_vote([extract_answer(o, "math") for o in outputs], "math")
+    assert vote.answer == "32" and vote.votes == {"32": 3, "42": 1}
+    assert vote.winner_indices == (0, 1, 4) and vote.num_no_answer == 1
+    assert vote.share == pytest.approx(3 / 5)
+
+
+def test_vote_groups_padded_aime_answers():
+    vote = majority_vote(["034", "033", "33", r"\boxed{33}", None], "math")
+    assert vote.answer == "033" and vote.votes == {"034": 1, "033": 3}
+    assert vote.num_no_answer == 1
+
+
 # ------------------------------------------------------------------------------ early stop, grade
 
 
@@ -94,6 +115,7 @@ def test_leader_is_final(votes, remaining, final):
 
 def test_is_correct():
     assert is_correct(r"\dfrac{1}{2}", "0.5", "math")
+    assert is_correct("033", "33", "math")
     assert not is_correct("0.4", "0.5", "math")
     assert not is_correct(None, "0.5", "math")
     assert is_correct("c", "C", "choice")
