@@ -27,6 +27,10 @@ _MIB = 2**20
 _KIB = 2**10
 
 
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested replicas: what was asked and what it has."""
+
+
 @dataclass(frozen=True)
 class PlacementPlan:
     """One replica's shape, decided once on the driver and handed to every replica.
@@ -190,8 +194,8 @@ def create_placement_groups(
     One bundle holds all of a replica's GPUs, so Ray must find them on one node (sharding a
     model across nodes would put every layer boundary on the network). All groups are created
     first and then awaited against one shared deadline, so N replicas wait at most `timeout_s`
-    in total. If any is not ready by then, every group created here is removed and RuntimeError
-    is raised: a half-placed fleet would hold GPUs that nothing uses.
+    in total. If any is not ready by then, every group created here is removed and
+    PlacementError is raised: a half-placed fleet would hold resources that nothing uses.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -204,6 +208,7 @@ def create_placement_groups(
     if not bundle:
         raise ValueError("a CPU plan needs cpus_per_replica > 0: the bundle would be empty")
 
+    free = ray.available_resources()  # before this plan's own reservations
     groups: list[PlacementGroup] = []
     try:
         for _ in range(plan.num_replicas):
@@ -211,10 +216,13 @@ def create_placement_groups(
         deadline = time.monotonic() + timeout_s
         for index, group in enumerate(groups):
             if not group.wait(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(
+                asked = {k: v * plan.num_replicas for k, v in bundle.items()}
+                raise PlacementError(
                     f"placement group {index + 1} of {plan.num_replicas} (bundle {bundle}, "
-                    f"STRICT_PACK) was not placed within {timeout_s:g}s; cluster has "
-                    f"{ray.cluster_resources()}, free {ray.available_resources()}. "
+                    f"STRICT_PACK) was not placed within {timeout_s:g}s: asked for "
+                    f"{_amounts(asked)} in all; the cluster has "
+                    f"{_amounts(ray.cluster_resources(), bundle)} "
+                    f"(free: {_amounts(free, bundle)}). "
                     f"All {len(groups)} groups created for this plan were removed."
                 )
     except BaseException:
@@ -222,6 +230,11 @@ def create_placement_groups(
             remove_placement_group(group)
         raise
     return groups
+
+
+def _amounts(resources: dict[str, float], keys: dict | None = None) -> str:
+    """`CPU 2, GPU 0`: the resources a bundle asks for, leaving out Ray's internal ones."""
+    return ", ".join(f"{k} {resources.get(k, 0):g}" for k in sorted(keys or resources))
 
 
 def scheduling_strategy(pg: PlacementGroup) -> PlacementGroupSchedulingStrategy:

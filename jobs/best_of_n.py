@@ -4,26 +4,31 @@
         --out results/ [--set sampling.temperature=0.7 --set n=8 ...]
 
 Four steps only: parse, validate (a bad field exits 2 before any actor starts), run the pool,
-write results. Writes `trajectories.jsonl` (every trajectory as it finishes; the resume point),
-`problems/<id>.json` (answer, votes, correct, trajectories, stats), and at the end
-`results.jsonl` and `summary.json`.
+write results. Writes `run.json` (the settings, which a resume must match), `trajectories.jsonl`
+(every trajectory as it finishes; the resume point), `problems/<id>.json` (answer, votes,
+correct, trajectories, stats), and at the end `results.jsonl` and `summary.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
+from itertools import count
 from pathlib import Path
 
+from actors.placement import PlacementError
 from jobs.common import (
     JobInputError,
     Progress,
+    first_difference,
     init_ray,
     job_id_for,
     load_config,
     run_pool,
+    run_settings,
 )
 from tts_service.config import JobConfig, Problem, read_problems
 
@@ -41,25 +46,84 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     ap.add_argument("--problems", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
+    ap.add_argument(
+        "--new-run",
+        action="store_true",
+        help="if --out holds a run with other settings, use the first of <out>-2, <out>-3, ... "
+        "that is new or holds a run with these settings",
+    )
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    return cfg, load_problems(Path(args.problems)), Path(args.out)
+    problems = load_problems(Path(args.problems))
+    out = Path(args.out)
+    if args.new_run:
+        candidates = (out if k == 1 else Path(f"{out}-{k}") for k in count(1))
+        out = next(c for c in candidates if resume_conflict(c, cfg, problems) is None)
+    return cfg, problems, out
 
 
-def summarize(states: dict, cfg: JobConfig, wall_s: float) -> dict:
+def _question_digests(problems: list[Problem]) -> dict[str, str]:
+    return {p.id: hashlib.sha1(p.question.encode()).hexdigest()[:16] for p in problems}
+
+
+def resume_conflict(out: Path, cfg: JobConfig, problems: list[Problem]) -> str | None:
+    """Why `out` cannot take this run (None: it is new, or it holds this run to resume).
+
+    Trajectories are reused by (problem id, index), so a resume must have the settings that made
+    them (`jobs.common.run_settings`) and the same question under each id it shares."""
+    path = out / "run.json"
+    if not path.is_file():
+        found = (out / "trajectories.jsonl").exists()
+        return "trajectories with no run.json (their settings are unknown)" if found else None
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+        settings, questions = before["settings"], before["questions"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return "a run.json that cannot be read"
+    differs = first_difference(settings, run_settings(cfg))
+    if differs:
+        return f"a run with {differs}"
+    for pid, digest in _question_digests(problems).items():
+        if questions.get(pid, digest) != digest:
+            return f"a run where problem {pid!r} has another question"
+    return None
+
+
+def claim_run_dir(out: Path, cfg: JobConfig, problems: list[Problem]) -> None:
+    """Record the run's settings in `out/run.json`, or refuse a directory holding another run.
+
+    Raises:
+        JobInputError: `out` holds another run (the message names the differing field).
+    """
+    conflict = resume_conflict(out, cfg, problems)
+    if conflict:
+        raise JobInputError(
+            f"--out: {out} holds {conflict}; use the same settings, another --out, or --new-run"
+        )
+    path = out / "run.json"
+    questions = json.loads(path.read_text(encoding="utf-8"))["questions"] if path.is_file() else {}
+    (out / "problems").mkdir(parents=True, exist_ok=True)
+    info = {"settings": run_settings(cfg), "questions": questions | _question_digests(problems)}
+    path.write_text(json.dumps(info, indent=1), encoding="utf-8")
+
+
+def summarize(states: dict, cfg: JobConfig, wall_s: float, progress: Progress) -> dict:
+    """The run's totals; tokens/s counts only what this run generated, not resumed work."""
     tokens = sum(r["stats"]["new_tokens"] for s in states.values() for r in s.records.values())
     forwards = sum(
         r["stats"]["target_forwards"] for s in states.values() for r in s.records.values()
     )
     graded = [s for s in states.values() if s.problem.answer is not None]
     correct = sum(1 for s in graded if s.result and s.result.get("correct"))
+    trajectories = sum(len(s.records) for s in states.values())
     return {
         "problems": len(states),
-        "trajectories": sum(len(s.records) for s in states.values()),
+        "trajectories": trajectories,
+        "resumed_trajectories": trajectories - progress.trajectories,
         "accuracy": correct / len(graded) if graded else None,
         "graded": len(graded),
         "total_tokens": tokens,
-        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s": progress.tokens / wall_s if wall_s > 0 else 0.0,
         "mean_acceptance_length": tokens / forwards if forwards else 0.0,
         "wall_s": round(wall_s, 2),
         "method": cfg.drafter.kind,
@@ -134,9 +198,10 @@ def write_log_line(state, path: Path) -> None:
 
 
 def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
+    """Run what `out` is missing; raises JobInputError (before Ray starts) if `out` holds
+    another run, PlacementError if the cluster cannot hold the replicas."""
+    claim_run_dir(out, cfg, problems)
     init_ray(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "problems").mkdir(exist_ok=True)
     start = time.perf_counter()
     progress = Progress(cfg.n * len(problems), len(problems))
 
@@ -154,7 +219,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
     with (out / "results.jsonl").open("w") as f:
         for p in problems:
             f.write(json.dumps(states[p.id].result) + "\n")
-    summary = summarize(states, cfg, time.perf_counter() - start)
+    summary = summarize(states, cfg, time.perf_counter() - start, progress)
     summary["retries"] = retries
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"[job] done: {json.dumps(summary)}", flush=True)
@@ -163,11 +228,10 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, problems, out = parse(argv)
-    except JobInputError as e:
+        run(*parse(argv))
+    except (JobInputError, PlacementError) as e:
         print(f"jobs.best_of_n: error: {e}", file=sys.stderr)
         return 2
-    run(cfg, problems, out)
     return 0
 
 

@@ -11,15 +11,18 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
 
 from tts_service.config import JobConfig, Problem, load_yaml
+
+if TYPE_CHECKING:
+    from actors.placement import PlacementPlan
 
 
 class JobInputError(ValueError):
@@ -69,21 +72,47 @@ def job_id_for(out: Path) -> str:
     return hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
 
 
-def init_ray(cfg: JobConfig) -> None:
-    """Attach to the cluster inside `ray job submit` (RAY_ADDRESS), else start a local Ray."""
-    import ray
+# How the work is spread and retried, not what a trajectory is: a resume may change these.
+EXECUTION_FIELDS = frozenset(
+    {
+        "replicas",
+        "cpus_per_replica",
+        "gpu_memory_gb",
+        "placement_timeout_s",
+        "batch",
+        "max_rows",
+        "max_retries",
+        "log_trajectories",
+    }
+)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        ray.init(
-            num_cpus=max(2, math.ceil(cfg.cpus_per_replica * (cfg.replicas or 1))),
-            include_dashboard=False,
-            object_store_memory=500 * 1024**2,
-        )
+
+def run_settings(cfg: JobConfig) -> dict:
+    """The settings a resumed run must share with the trajectories it reuses."""
+    return cfg.model_dump(mode="json", exclude=set(EXECUTION_FIELDS))
+
+
+def first_difference(before: object, now: object, path: str = "") -> str | None:
+    """`sampling.max_new_tokens=128, not 256`: the first field where two settings differ."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(before.keys() | now.keys()):
+            found = first_difference(before.get(key), now.get(key), f"{path}{key}.")
+            if found:
+                return found
+        return None
+    return None if before == now else f"{path.rstrip('.')}={before!r}, not {now!r}"
+
+
+def init_ray(cfg: JobConfig) -> None:
+    """The cluster at RAY_ADDRESS (set by `ray job submit`, or by hand), else a private local
+    Ray on 127.0.0.1 sized for the replicas (`actors/cluster.py`)."""
+    from actors.cluster import connect
+
+    using = connect(
+        num_cpus=max(2, math.ceil(cfg.cpus_per_replica * (cfg.replicas or 1))),
+        object_store_memory=500 * 1024**2,
+    )
+    print(f"[job] Ray: {using}", flush=True)
 
 
 @contextlib.contextmanager
@@ -98,38 +127,66 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
         yield server.url
 
 
-def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list | None]:
-    """(config, replicas, GPUs per replica, scheduling strategies). Without GPUs: `replicas`
-    CPU actors. With GPUs: the placement plan sizes each replica from the model's parameter
-    count and reserves its GPUs as one STRICT_PACK group; a replica of several GPUs loads the
-    model sharded over exactly those (device_map + max_memory)."""
+def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
+    """(config, replicas, GPUs per replica, scheduling strategies), every replica's resources
+    reserved as one STRICT_PACK placement group within `placement_timeout_s`. Without GPUs:
+    `replicas` groups of `cpus_per_replica` CPUs. With GPUs: the placement plan sizes each
+    replica from the model's parameter count; a replica of several GPUs loads the model sharded
+    over exactly those (device_map + max_memory).
+
+    Raises:
+        PlacementError: the cluster cannot hold the replicas (the message names the fields).
+    """
     import ray
-    import torch
-    from transformers import AutoConfig
 
     from actors.placement import (
-        count_params_from_config,
+        PlacementError,
+        PlacementPlan,
         create_placement_groups,
-        plan_placement,
         scheduling_strategy,
     )
-    from tts_service.models import model_source
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if not gpus or cfg.model.device == "cpu":
-        return cfg, cfg.replicas or 1, 0, None
+        replicas = cfg.replicas or 1
+        reason = f"{replicas} replica(s) of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
+        plan = PlacementPlan(0, replicas, 0, {}, reason)
+        asked = f"replicas={replicas} with cpus_per_replica={cfg.cpus_per_replica:g}"
+    else:
+        cfg, plan = _gpu_plan(cfg, gpus)
+        asked = (
+            f"{plan.num_replicas} replica(s) of {plan.gpus_per_replica} GPU(s) with "
+            f"cpus_per_replica={cfg.cpus_per_replica:g}"
+        )
+    print(f"[job] placement: {plan.reason}", flush=True)
+    try:
+        groups = create_placement_groups(plan, cfg.cpus_per_replica, cfg.placement_timeout_s)
+    except PlacementError as e:
+        raise PlacementError(f"{asked} cannot be placed: {e}") from e
+    return cfg, plan.num_replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
+
+
+def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
+    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load."""
+    import torch
+    from transformers import AutoConfig
+
+    from actors.placement import PlacementError, count_params_from_config, plan_placement
+    from tts_service.models import model_source
+
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     dtype_bytes = torch.finfo(dtype).bits // 8
     params = count_params_from_config(AutoConfig.from_pretrained(model_source(cfg.model)))
-    plan = plan_placement(params, dtype_bytes, int(cfg.gpu_memory_gb * 1024**3), gpus)
+    try:
+        plan = plan_placement(params, dtype_bytes, int(cfg.gpu_memory_gb * 1024**3), gpus)
+    except ValueError as e:  # the model does not fit this cluster's GPUs
+        raise PlacementError(f"gpu_memory_gb={cfg.gpu_memory_gb:g}: {e}") from e
     replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
     plan = dataclasses.replace(plan, num_replicas=replicas)
-    print(f"[job] placement: {plan.reason}", flush=True)
-    groups = create_placement_groups(plan, cfg.cpus_per_replica)
     if plan.gpus_per_replica > 1:
         memory = {str(k): v for k, v in plan.max_memory.items()}
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_memory": memory})})
-    return cfg, replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
+    return cfg, plan
 
 
 def run_pool(
@@ -142,14 +199,20 @@ def run_pool(
 ) -> tuple[dict, int]:
     """Start the actors, run every missing trajectory (appended to `trajectories`, the resume
     point), and return (problem id -> state, retries)."""
+    from ray.util.placement_group import remove_placement_group
+
     from actors.pool import ResultsFile, TrajectoryPool, close_actors, start_actors
 
     with store_url(cfg) as url:
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
-        actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
-        pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
-        states = pool.run(problems, on_trajectory, on_problem)
-        close_actors(actors)  # while a local-redis server still runs
+        try:
+            actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
+            pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
+            states = pool.run(problems, on_trajectory, on_problem)
+            close_actors(actors)  # while a local-redis server still runs
+        finally:  # the reservations (and the actors in them) end with the run, not the driver
+            for strategy in strategies:
+                remove_placement_group(strategy.placement_group)
     return states, pool.retries
 
 

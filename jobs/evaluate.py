@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from jobs.common import JobInputError, Progress, init_ray, job_id_for, load_config, run_pool
+from actors.placement import PlacementError
+from jobs.common import (
+    JobInputError,
+    Progress,
+    first_difference,
+    init_ray,
+    job_id_for,
+    load_config,
+    run_pool,
+)
 from tts_service.config import JobConfig, Problem
 from tts_service.drafters.methods import METHOD_NAMES, METHODS, method_drafter, resolve_method
 from tts_service.tasks.items import TASK_NAMES, EvalItem, TaskName
@@ -149,12 +158,12 @@ def _check_resumable(job: EvalJob) -> None:
     if not path.is_file():
         return
     before = json.loads(path.read_text(encoding="utf-8"))
-    for key, value in job.run_info.items():
-        if before.get(key) != value:
-            raise JobInputError(
-                f"--out: {job.run_dir} holds a run with {key}={before.get(key)!r}, not "
-                f"{value!r}; use another --out or the same settings"
-            )
+    differs = first_difference({key: before.get(key) for key in job.run_info}, job.run_info)
+    if differs:
+        raise JobInputError(
+            f"--out: {job.run_dir} holds a run with {differs}; use another --out or the same "
+            "settings"
+        )
 
 
 def run(job: EvalJob) -> list[Path]:
@@ -220,11 +229,10 @@ def run(job: EvalJob) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        job = parse(argv)
-    except JobInputError as e:
+        run(parse(argv))
+    except (JobInputError, PlacementError) as e:
         print(f"jobs.evaluate: error: {e}", file=sys.stderr)
         return 2
-    run(job)
     return 0
 
 

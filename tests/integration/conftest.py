@@ -15,22 +15,15 @@ def smollm2() -> Generator:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One small local Ray for the session (declared GPUs stand in for real ones)."""
-    import os
-
+    """One small private Ray on 127.0.0.1 for the session (declared GPUs stand in for real
+    ones), whatever RAY_ADDRESS says."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from actors.cluster import start_local
+
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            num_cpus=2,
-            num_gpus=8,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            object_store_memory=300 * 1024**2,
-            log_to_driver=False,
-        )
+        start_local(num_cpus=2, num_gpus=8, object_store_memory=300 * 1024**2, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

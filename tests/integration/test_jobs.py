@@ -88,6 +88,11 @@ def test_a_rerun_resumes_without_redoing_finished_work(ray_local, tiny_model_dir
     keys = _keys(out / "trajectories.jsonl")
     assert len(keys) == len(set(keys)) == 12 and keys[:5] == _keys_of(lines[:5])
     assert summary["trajectories"] == 12 and summary["problems"] == 3
+    # tokens/s is this run's work only, not the 5 trajectories it found done
+    redone = map(json.loads, (out / "trajectories.jsonl").read_text().splitlines()[5:])
+    tokens = sum(r["stats"]["new_tokens"] for r in redone)
+    assert summary["resumed_trajectories"] == 5
+    assert summary["tokens_per_s"] == pytest.approx(tokens / summary["wall_s"], rel=0.02)
     result = json.loads((out / "problems" / "p2.json").read_text())
     assert {"answer", "votes", "correct", "trajectories", "stats"} <= set(result)
     assert len(result["trajectories"]) == 4
@@ -95,6 +100,53 @@ def test_a_rerun_resumes_without_redoing_finished_work(ray_local, tiny_model_dir
 
 def _keys_of(lines: list[str]) -> list[tuple[str, int]]:
     return [(r["problem_id"], r["index"]) for r in map(json.loads, lines)]
+
+
+def test_a_resume_with_other_settings_is_refused_or_starts_a_new_run(
+    ray_local, tiny_model_dir, tmp_path, capsys
+):
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(PROBLEMS[0].model_dump_json() + "\n")
+    out = tmp_path / "out"
+
+    def job(out: Path, max_new_tokens: int, *flags: str) -> int:
+        sets = (
+            f"model.name={tiny_model_dir}",
+            "model.device=cpu",
+            "model.dtype=float32",
+            "n=2",
+            "batch=2",
+            "replicas=1",
+            "cpus_per_replica=0.5",
+            f"sampling.max_new_tokens={max_new_tokens}",
+        )
+        argv = ["--problems", str(problems), "--out", str(out), *flags]
+        return job_main(argv + [a for s in sets for a in ("--set", s)])
+
+    assert job(out, 12) == 0
+    done = (out / "trajectories.jsonl").read_text()
+    capsys.readouterr()
+    assert job(out, 24) == 2  # before any actor: nothing reused, nothing added
+    err = capsys.readouterr().err
+    assert "sampling.max_new_tokens=12, not 24" in err and "--new-run" in err
+    assert (out / "trajectories.jsonl").read_text() == done
+
+    assert job(out, 24, "--new-run") == 0  # a fresh directory beside it, all work done anew
+    fresh = tmp_path / "out-2"
+    assert (
+        json.loads((fresh / "run.json").read_text())["settings"]["sampling"]["max_new_tokens"] == 24
+    )
+    assert json.loads((fresh / "summary.json").read_text())["resumed_trajectories"] == 0
+    assert job(out, 24, "--new-run") == 0  # the same command again resumes out-2
+    assert len(_keys(fresh / "trajectories.jsonl")) == 2 and not (tmp_path / "out-3").exists()
+
+    unknown = tmp_path / "before-run-json"  # results from before settings were recorded
+    unknown.mkdir()
+    (unknown / "trajectories.jsonl").write_text(done)
+    problems.write_text(PROBLEMS[0].model_copy(update={"question": "2 + 2?"}).model_dump_json())
+    capsys.readouterr()
+    assert job(unknown, 12) == 2 and "settings are unknown" in capsys.readouterr().err
+    assert job(out, 12) == 2 and "'p1' has another question" in capsys.readouterr().err
 
 
 def test_bad_config_or_problems_exit_2_before_any_actor(tmp_path, capsys):

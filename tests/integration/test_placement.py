@@ -3,7 +3,6 @@ accelerate load path on CPU. No GPU needed: `ray.init(num_gpus=8)` declares the 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,19 +104,15 @@ def test_count_params_matches_a_real_tiny_llama(tied: bool) -> None:
 
 @pytest.fixture(scope="module")
 def ray_8_gpus() -> Iterator[None]:
-    """A local Ray with 8 declared GPUs; shut down only if this fixture started it."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """A private Ray on 127.0.0.1 with 8 declared GPUs; shut down only if this fixture
+    started it."""
     import ray
+
+    from actors.cluster import start_local
 
     started = False
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=2,
-            num_gpus=8,
-            include_dashboard=False,
-            object_store_memory=300 * 1024**2,
-            _node_ip_address="127.0.0.1",
-        )
+        start_local(num_cpus=2, num_gpus=8, object_store_memory=300 * 1024**2)
         started = True
     gpus = ray.cluster_resources().get("GPU", 0)
     assert gpus == 8, f"these tests need a Ray cluster with exactly 8 GPUs; this one has {gpus}"

@@ -1,11 +1,10 @@
-"""`tts serve`: the OpenAI-compatible endpoint on a local Ray Serve, for trying the HTTP layer
-without a cluster; the Serve config is validated before Ray starts.
+"""`tts serve`: the OpenAI-compatible endpoint on Ray Serve, on the cluster at RAY_ADDRESS or a
+private Ray bound to 127.0.0.1; the Serve config is validated before Ray starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from tts_service.cli.common import UsageError
@@ -21,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start a local Ray if none is running, deploy the app, serve until interrupted."""
+    """Attach to RAY_ADDRESS or start a private loopback Ray, deploy the app, serve until
+    interrupted."""
     try:
         data = load_yaml(args.config)
         app = (data.get("applications") or [{}])[0]
@@ -35,16 +35,14 @@ def run(args: argparse.Namespace) -> int:
         **({"host": args.host} if args.host else {}),
         **({"port": args.port} if args.port else {}),
     }
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import time
 
-    import ray
     from ray import serve
 
+    from actors.cluster import connect
     from tts_service.serve.app import build_app
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    print(f"tts: Ray: {connect()}", file=sys.stderr, flush=True)
     serve.start(
         http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))}
     )

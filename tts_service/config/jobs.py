@@ -39,6 +39,9 @@ class JobConfig(StrictConfig):
     )
     cpus_per_replica: float = Field(1.0, gt=0, description="Ray CPUs per actor (its threads).")
     gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU, for the plan.")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="Wait for the cluster to place every replica, then fail."
+    )
     chat: bool = True
     early_stop: bool = Field(
         False, description="Stop launching a problem's trajectories once its vote is decided."
