@@ -207,12 +207,16 @@ def test_a_short_request_is_not_starved_by_a_long_one(servers):
 def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
     _, tight = servers
     results: dict = {}
-    worker = threading.Thread(
-        target=lambda: results.setdefault("long", call(tight + "/v1/chat/completions", LONG))
-    )
+
+    def long_request():  # sent until admitted: a probe below may hold the one place
+        while (reply := call(tight + "/v1/chat/completions", LONG))[0] == 429:
+            time.sleep(0.01)
+        results["long"] = reply
+
+    worker = threading.Thread(target=long_request)
     worker.start()
     refused = None
-    for _ in range(100):  # the long request is admitted within moments; then the queue is full
+    for _ in range(200):  # the long request is admitted within moments; then the queue is full
         status, text = call(tight + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
         if status == 429:
             refused = _openai_error(text)
@@ -224,8 +228,9 @@ def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
     assert status == 504 and "request_timeout_s" in _openai_error(text)["message"]
     for _ in range(100):  # the timed-out work stops at its next step and leaves the queue
         status, text = call(tight + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
-        if status != 429:
+        if status == 200:
             break
+        assert status in (429, 504), text  # still leaving, or a busy box: nothing else
         time.sleep(0.1)
     assert status == 200, text
 
