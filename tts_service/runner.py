@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from store.base import NgramStore
 from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.drafters.base import NoDrafter
 from tts_service.engine.allocate import nodes_for_step
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.decode import OnCommit
@@ -299,10 +298,7 @@ class TrajectoryRunner:
     def _row(self, sub: Submission, req: TrajectoryRequest) -> Row:
         gen = self.generator
         gen.check_fits(req.prompt_ids, req.sampling)
-        if req.drafter.kind == "plain":
-            drafter = NoDrafter()
-        else:
-            drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
+        drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
         if req.record:
             drafter = TrajectoryRecorder(drafter)
         return self.decoder.new_row(
