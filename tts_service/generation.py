@@ -16,14 +16,9 @@ from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.allocate import BatchCost, SlotStats, measure_batch_cost
+from tts_service.engine.batch import generate
 from tts_service.engine.cost import CostModel
-from tts_service.engine.decode import (
-    FinishReason,
-    GenerationResult,
-    OnCommit,
-    generate,
-    plain_generate,
-)
+from tts_service.engine.decode import FinishReason, GenerationResult, OnCommit, plain_generate
 from tts_service.engine.metrics import GenerationStats
 from tts_service.models import LoadedModel, encode_prompt, load_model
 

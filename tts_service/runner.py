@@ -311,7 +311,7 @@ class TrajectoryRunner:
             return max(0, self.token_budget // len(rows) - 1)
         if all(r.tag[1].drafter.kind == "plain" for r in rows):
             return 0
-        cost = self.generator.batch_cost(self.max_rows, self.decoder.valid.shape[1])
+        cost = self.generator.batch_cost(self.max_rows, self.decoder.context_len)
         f = self.decoder.forwards
         per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
         stats = [self.generator.slot_stats(r.tag[1].drafter) for r in rows]

@@ -11,7 +11,7 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
 from tts_service.config import PldDrafterConfig, SamplingConfig, StandDrafterConfig
 from tts_service.drafters.registry import DraftEnv, build_drafter
-from tts_service.engine.decode import generate
+from tts_service.engine.batch import generate
 from tts_service.replay import LoggedProblem, TrajectoryRecorder, parse_line, read_log, replay
 
 

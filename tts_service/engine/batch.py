@@ -1,13 +1,21 @@
 """Continuous batched speculative decoding: rows decode together, each with its own draft tree,
 in one target forward per step; rows join a running batch and leave it when they finish.
 
-One KV cache holds the batch. A row's valid entries need not be contiguous: a row that joins is
-prefilled on its own and spliced in left padded, and after each step a row keeps only its root
-and accepted nodes at the front of the step's new region; the rest of that region becomes a
-hole. `valid[b, s]` says which cache slots row b may attend to, and positions are logical
-(prefix length + depth), so holes change nothing a row computes. When holes outnumber entries
-the cache is compacted. Every row commits exactly what it would alone (greedy: the same tokens;
-sampling: the same distribution, from the row's own random stream).
+One preallocated KV cache holds the batch (`engine.kv.StaticKV`). A row's valid entries need not
+be contiguous: a row that joins is prefilled on its own and spliced in left padded, and after
+each step a row keeps only its root and accepted nodes at the front of the step's new region;
+the rest of that region becomes a hole. The cache's `valid[b, s]` says which slots row b may
+attend to, and positions are logical (prefix length + depth), so holes change nothing a row
+computes. When holes outnumber entries the cache is compacted in place. Every row commits
+exactly what it would alone (greedy: the same tokens; sampling: the same distribution, from the
+row's own random stream).
+
+One step is draft -> pack -> forward -> verify -> accept -> compact KV -> observe. The verify
+work runs on the device for every row at once, and the host reads its results with one copy
+(one synchronisation per step): the argmax and the drafters' top-k at every node, and for
+sampled rows over deterministic drafts the draws of `verify.draw_match`. Only trees with
+sampled children (recursive rejection sampling) walk node by node on the device. On CUDA the
+forward can be a captured graph (`engine.graphs`).
 """
 
 from __future__ import annotations
@@ -15,20 +23,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, Drafter
-from tts_service.engine.decode import GenerationResult, OnCommit, StopRule, store_topk
-from tts_service.engine.kv import append_rows, gather_slots, keep_region, select_rows
+from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
+from tts_service.engine.graphs import GraphedForward
+from tts_service.engine.kv import StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats
-from tts_service.engine.sampling import target_probs
+from tts_service.engine.sampling import store_probs, target_probs
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, ancestor_mask
-from tts_service.engine.verify import Acceptance, verify_greedy, verify_sampling
+from tts_service.engine.verify import (
+    Acceptance,
+    accept_greedy,
+    accept_match,
+    draw_match,
+    verify_sampling,
+)
+
+
+class Oracle(Protocol):
+    """Decides a row's acceptance instead of the target: timing replay, where the forwards are
+    real and acceptance follows a logged trajectory (`tts_service.replay.LoggedOracle`)."""
+
+    def __call__(self, tree: DraftTree, position: int) -> tuple[Acceptance, NodeTopK]:
+        """The acceptance of `tree` drafted after `position` generated tokens, and the top-k
+        its drafter observes."""
+        ...
 
 
 @dataclass
@@ -41,6 +66,7 @@ class Row:
     rule: StopRule
     device: torch.device  # the verifier's random stream lives where the target's logits do
     tag: Any = None
+    oracle: Oracle | None = None
     tokens: list[int] = field(init=False)
     gen: torch.Generator = field(init=False)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -64,8 +90,21 @@ def nodes_per_row(token_budget: int, active_rows: int) -> int:
     return max(0, token_budget // max(active_rows, 1) - 1)
 
 
+@dataclass
+class _Verified:
+    """What the host learned from one step's single device copy, for one row."""
+
+    acc: Acceptance
+    top: NodeTopK
+
+
 class BatchDecoder:
-    """The rows decoding now, their shared KV cache, and the per-forward counters."""
+    """The rows decoding now, their shared KV cache, and the per-forward counters.
+
+    `cuda_graphs`: capture the verify forward per (rows, tokens) bucket on a CUDA device
+    (ignored elsewhere); `full_view` makes attention span the whole preallocated cache, the
+    static shapes graphs need (on by itself with graphs; tests turn it on to check the masks
+    graphs use on a CPU)."""
 
     def __init__(
         self,
@@ -73,6 +112,8 @@ class BatchDecoder:
         eos_ids: Sequence[int],
         decode: Callable[[list[int]], str] | None = None,
         compact_slack: int = 64,
+        cuda_graphs: bool = True,
+        full_view: bool = False,
     ) -> None:
         self.model = model
         self.compact_slack = compact_slack
@@ -80,9 +121,16 @@ class BatchDecoder:
         self.decode = decode
         self.min = torch.finfo(model.dtype).min
         self.active: list[Row] = []
-        self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=model.device)
+        self.cache = StaticKV(model)
+        graphs = cuda_graphs and model.device.type == "cuda"
+        self.graphs = GraphedForward(model, self.cache) if graphs else None
+        self.cache.full_view = full_view or graphs
         self.forwards = ForwardStats()
+
+    @property
+    def context_len(self) -> int:
+        """Slots in use: what attention spans (before the step's tokens)."""
+        return self.cache.length
 
     def new_row(
         self,
@@ -91,11 +139,12 @@ class BatchDecoder:
         cfg: SamplingConfig,
         on_commit: OnCommit | None = None,
         tag: Any = None,
+        oracle: Oracle | None = None,
     ) -> Row:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         rule = StopRule(cfg, self.eos_ids, self.decode, on_commit)
-        return Row(list(prompt_ids), drafter, cfg, rule, self.model.device, tag)
+        return Row(list(prompt_ids), drafter, cfg, rule, self.model.device, tag, oracle)
 
     @torch.inference_mode()
     def run(self, rows: list[Row], token_budget: int = 64) -> list[GenerationResult]:
@@ -110,7 +159,7 @@ class BatchDecoder:
         """Prefill the rows' prompts (all but the root) in one forward and add them."""
         t0 = time.perf_counter()
         cache, valid = self._prefill(rows)
-        self.valid = append_rows(self.cache, self.valid, cache, valid)
+        self.cache.append_rows(cache, valid)
         for row in rows:
             row.drafter.start(row.tokens)
             row.joined_at = t0
@@ -125,13 +174,11 @@ class BatchDecoder:
             self._keep_rows(keep)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        if not keep:  # an empty batch starts over with an empty cache
-            self.active, self.cache = [], DynamicCache(config=self.model.config)
-            self.valid = torch.zeros(0, 0, dtype=torch.bool, device=self.model.device)
+        if not keep:  # an empty batch starts over at slot 0
+            self.active = []
+            self.cache.clear()
             return
-        sel = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
-        select_rows(self.cache, sel)
-        self.valid = self.valid.index_select(0, sel)
+        self.cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.model.device))
         self.active = [self.active[b] for b in keep]
 
     def _prefill(self, rows: list[Row]) -> tuple[DynamicCache, torch.Tensor]:
@@ -165,23 +212,29 @@ class BatchDecoder:
         )
         return cache, valid
 
-    def _pack(self, trees: list[DraftTree], roots: list[int], valid: torch.Tensor):
-        """Batched inputs: `[B, n]` ids and positions, `[B, 1, n, S + n]` mask."""
-        device = self.model.device
-        b_size, n = len(trees), max(t.size for t in trees)
-        ids = torch.zeros(b_size, n, dtype=torch.long)
-        pos = torch.zeros(b_size, n, dtype=torch.long)
-        tree_allowed = torch.eye(n, dtype=torch.bool).repeat(b_size, 1, 1)  # pads: self only
+    def _pack(self, trees: list[DraftTree], roots: list[int], shape: tuple[int, int]):
+        """Batched inputs padded to `shape` = (rows, tokens): `[R, N]` ids and positions and the
+        `[R, 1, N, K]` mask, K the key width attention sees (the slots in use plus the tree's,
+        or the whole cache under `full_view`). Pad rows and pad nodes attend to themselves."""
+        device, kv = self.model.device, self.cache
+        rows, n = shape
+        start = kv.length
+        width = kv.capacity if kv.full_view else start + n
+        ids = torch.zeros(rows, n, dtype=torch.long)
+        pos = torch.zeros(rows, n, dtype=torch.long)
+        tree_allowed = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1)
         for b, (tree, root_pos) in enumerate(zip(trees, roots, strict=True)):
             ids[b, : tree.size] = torch.tensor(tree.tokens)
             ids[b, tree.size :] = tree.tokens[0]
             pos[b, : tree.size] = torch.tensor(tree.depths) + root_pos
             pos[b, tree.size :] = root_pos
             tree_allowed[b, : tree.size, : tree.size] = ancestor_mask(tree.parents)
-        allowed = torch.cat([valid[:, None, :].expand(-1, n, -1).cpu(), tree_allowed], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype)
+        allowed = torch.zeros(rows, n, width, dtype=torch.bool, device=device)
+        allowed[:, :, :start] = kv.valid[:rows, None, :start]
+        allowed[:, :, start : start + n] = tree_allowed.to(device)
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
         mask.masked_fill_(~allowed, self.min)
-        return ids.to(device), pos.to(device), mask[:, None].to(device)
+        return ids.to(device), pos.to(device), mask[:, None]
 
     @torch.inference_mode()
     def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
@@ -198,24 +251,21 @@ class BatchDecoder:
         ]
         t1 = time.perf_counter()
         # 2-3. pack and one forward for the whole batch
-        prefix = self.cache.get_seq_length()
-        ids, pos, mask = self._pack(trees, [len(r.tokens) - 1 for r in batch], self.valid)
-        logits = self._forward(ids, pos, mask, self.cache)  # [B, n, V]
-        # 4-5. verify and accept, row by row
-        keeps, accs, still, done, committed_total = [], [], [], [], 0
-        for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
-            row_logits = logits[b, : tree.size]
-            acc = (
-                verify_greedy(tree, row_logits)
-                if row.cfg.greedy
-                else verify_sampling(tree, target_probs(row_logits, row.cfg), row.gen)
-            )
-            committed = row.rule.push(acc.committed)
+        start = self.cache.length
+        width = max(t.size for t in trees)
+        shape = self.graphs.bucket(len(batch), width) if self.graphs else (len(batch), width)
+        self.cache.reserve(shape[0], start + shape[1])
+        ids, pos, mask = self._pack(trees, [len(r.tokens) - 1 for r in batch], shape)
+        logits = self._forward(ids, pos, mask, start)  # [R, N, V]
+        # 4-5. verify (on the device, one copy back) and accept, row by row
+        verified = self._verify(batch, trees, logits)
+        keeps, still, done, committed_total = [], [], [], 0
+        for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
+            committed = row.rule.push(v.acc.committed)
             committed_total += committed
-            row.tokens.extend(acc.committed[:committed])
-            keeps.append([0, *acc.path])
-            accs.append(acc)
-            row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
+            row.tokens.extend(v.acc.committed[:committed])
+            keeps.append([0, *v.acc.path])
+            row.stats.record_step(tree.size - 1, min(v.acc.num_accepted, committed), committed)
             (still if row.rule.finish is None else done).append(b)
         # 6. compact KV: each row keeps root + accepted path at the front of the new region
         m = max(len(k) for k in keeps)
@@ -224,21 +274,20 @@ class BatchDecoder:
         for b, keep in enumerate(keeps):
             idx[b, : len(keep)] = torch.tensor(keep)
             new_valid[b, : len(keep)] = True
-        keep_region(self.cache, prefix, idx.to(self.valid.device))
-        self.valid = torch.cat([self.valid, new_valid.to(self.valid.device)], dim=1)
+        self.cache.keep_region(start, idx)
+        self.cache.set_region_valid(start, new_valid)
         finished = [batch[b] for b in done]
         if done:  # finished rows leave the batch
             self._keep_rows(still)
-        if self.active and self.valid.shape[1] > 2 * int(self.valid.sum(1).max()) + (
-            self.compact_slack
-        ):
-            self.valid = self._compact(self.cache, self.valid)
+        valid = self.cache.active_valid()
+        if self.active and valid.shape[1] > 2 * int(valid.sum(1).max()) + self.compact_slack:
+            self._compact()
         t2 = time.perf_counter()
         # 7. observe: every drafter learns from the target's distributions at its nodes
-        for b, (row, tree, acc) in enumerate(zip(batch, trees, accs, strict=True)):
-            row.drafter.observe(tree, acc, store_topk(logits[b, : tree.size], row.cfg))
+        for row, tree, v in zip(batch, trees, verified, strict=True):
+            row.drafter.observe(tree, v.acc, v.top)
             if observe is not None:
-                observe(row, tree, acc)
+                observe(row, tree, v.acc)
         t3 = time.perf_counter()
         for row in batch:  # one forward for all: each row is booked an equal share
             row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
@@ -247,17 +296,59 @@ class BatchDecoder:
             row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
         nodes = sum(t.size - 1 for t in trees)
         self.forwards.record(
-            len(batch), ids.shape[1], nodes, committed_total, (t1 - t0) + (t3 - t2), t2 - t1
+            len(batch), width, nodes, committed_total, (t1 - t0) + (t3 - t2), t2 - t1
         )
         return finished
 
-    def _forward(self, ids, pos, mask, cache: DynamicCache) -> torch.Tensor:
-        out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    def _verify(
+        self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor
+    ) -> list[_Verified]:
+        """Every row's acceptance and top-k, from one device-to-host copy (plus node-by-node
+        walks for trees with sampled children)."""
+        k = min(STORE_TOPK, logits.shape[-1])
+        ids, probs, draws = [], [], []
+        for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
+            row_logits = logits[b, : tree.size]
+            top = torch.topk(store_probs(row_logits, row.cfg), k, dim=-1)
+            ids.append(torch.cat([row_logits.argmax(-1, keepdim=True), top.indices], dim=1))
+            probs.append(top.values)
+            if not row.cfg.greedy and row.oracle is None and not any(tree.sampled):
+                draws.append(draw_match(tree, target_probs(row_logits, row.cfg), row.gen))
+        host_ids = torch.cat(ids).cpu()  # the step's one synchronisation
+        host_probs = torch.cat(probs).cpu()
+        host_draws = torch.cat(draws).cpu().tolist() if draws else []
+        out, at, drawn_at = [], 0, 0
+        for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
+            n = tree.size
+            top = NodeTopK(host_ids[at : at + n, 1:], host_probs[at : at + n])
+            if row.oracle is not None:
+                acc, top = row.oracle(tree, len(row.rule.out))
+            elif row.cfg.greedy:
+                acc = accept_greedy(tree, host_ids[at : at + n, 0].tolist())
+            elif not any(tree.sampled):
+                acc = accept_match(tree, host_draws[drawn_at : drawn_at + 3 * n - 2])
+                drawn_at += 3 * n - 2
+            else:
+                p = target_probs(logits[b, :n], row.cfg)
+                acc = verify_sampling(tree, p, row.gen)
+            out.append(_Verified(acc, top))
+            at += n
+        return out
+
+    def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
+        if self.graphs is not None:
+            return self.graphs(ids, pos, mask, start)
+        if self.cache.full_view:  # the write slots a graph would take from a device tensor
+            self.cache.write_slots = torch.arange(start, start + ids.shape[1], device=ids.device)
+        try:
+            out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache)
+        finally:
+            self.cache.write_slots = None
         return out.logits
 
-    @staticmethod
-    def _compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    def _compact(self) -> None:
         """Right-align every row's valid slots and drop the holes."""
+        valid = self.cache.active_valid()
         counts = valid.sum(1)
         width = int(counts.max())
         idx = torch.zeros(valid.shape[0], width, dtype=torch.long, device=valid.device)
@@ -266,5 +357,25 @@ class BatchDecoder:
             slots = torch.nonzero(valid[b]).flatten()
             idx[b, width - len(slots) :] = slots
             new_valid[b, width - len(slots) :] = True
-        gather_slots(cache, idx)
-        return new_valid
+        self.cache.gather_slots(idx, new_valid)
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    prompt_ids: Sequence[int],
+    drafter: Drafter,
+    cfg: SamplingConfig,
+    eos_ids: Sequence[int],
+    decode: Callable[[list[int]], str] | None = None,
+    max_nodes: int = 1024,
+    on_commit: OnCommit | None = None,
+) -> GenerationResult:
+    """Speculative tree decoding of one sequence (a batch of one row); commits exactly what
+    `decode.plain_generate` would (greedy), or the same distribution (sampling)."""
+    decoder = BatchDecoder(model, eos_ids, decode)
+    row = decoder.new_row(list(prompt_ids), drafter, cfg, on_commit)
+    decoder.join([row])
+    while decoder.active:
+        decoder.step(max_nodes)
+    return row.result()

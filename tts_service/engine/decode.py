@@ -1,8 +1,10 @@
-"""Plain decoding (the oracle and the baseline) and speculative tree decoding, side by side.
+"""Plain decoding, the oracle every speculative path is tested against, and what decoding
+shares: the stop rule, the result, and the top-k handed to drafters.
 
+`plain_generate` is transformers' own loop over a `DynamicCache`, one forward per token, kept
+independent of the speculative engine (`engine.batch`) on purpose: it is the reference.
 Speculative invariant: the KV cache holds every committed token except the last one, the
-**root**, which is the first input of the next verify forward. One step is:
-draft -> pack -> forward -> verify -> accept -> compact KV -> observe.
+**root**, which is the first input of the next verify forward.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
-from tts_service.engine.kv import keep_kv
 from tts_service.engine.metrics import GenerationStats
-from tts_service.engine.sampling import sample, store_probs, target_probs
+from tts_service.engine.sampling import sample, target_probs
 from tts_service.engine.streams import Stream, stream_generator
-from tts_service.engine.tree import pack
-from tts_service.engine.verify import Acceptance, verify_greedy, verify_sampling
 
 FinishReason = Literal["stop", "length", "cancelled"]
 OnCommit = Callable[[Sequence[int]], bool]
@@ -89,12 +87,6 @@ class StopRule:
         return len(tokens)
 
 
-def store_topk(logits: torch.Tensor, cfg: SamplingConfig) -> NodeTopK:
-    """The target's top ids and probabilities at every node, on the CPU, for the drafters."""
-    top = torch.topk(store_probs(logits, cfg), min(STORE_TOPK, logits.shape[-1]), dim=-1)
-    return NodeTopK(top.indices.cpu(), top.values.cpu())
-
-
 def _new_cache(model: PreTrainedModel) -> DynamicCache:
     return DynamicCache(config=model.config)
 
@@ -125,78 +117,3 @@ def plain_generate(
         ids = torch.tensor([[token]], device=model.device)
     stats.wall_s = stats.verify_s = time.perf_counter() - start
     return GenerationResult(tuple(rule.out), rule.finish, stats, rule.stop_text)
-
-
-@torch.inference_mode()
-def generate(
-    model: PreTrainedModel,
-    prompt_ids: Sequence[int],
-    drafter: Drafter,
-    cfg: SamplingConfig,
-    eos_ids: Sequence[int],
-    decode: Callable[[list[int]], str] | None = None,
-    max_nodes: int = 1024,
-    on_commit: OnCommit | None = None,
-) -> GenerationResult:
-    """Speculative tree decoding; commits exactly what `plain_generate` would (greedy), or the
-    same distribution (sampling)."""
-    if not prompt_ids:
-        raise ValueError("prompt_ids must not be empty")
-    start = time.perf_counter()
-    gen = stream_generator(cfg.seed, Stream.VERIFY, model.device)
-    rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
-    cache = _new_cache(model)
-    tokens = list(prompt_ids)
-    if len(tokens) > 1:  # prefill everything but the root
-        prefix = torch.tensor([tokens[:-1]], device=model.device)
-        model(prefix, past_key_values=cache, logits_to_keep=1)
-    drafter.start(tokens)
-    while rule.finish is None:
-        step(model, cache, drafter, tokens, len(prompt_ids), cfg, gen, rule, stats, max_nodes)
-    stats.wall_s = time.perf_counter() - start
-    return GenerationResult(tuple(rule.out), rule.finish, stats, rule.stop_text)
-
-
-def step(
-    model: PreTrainedModel,
-    cache: DynamicCache,
-    drafter: Drafter,
-    tokens: list[int],
-    prompt_len: int,
-    cfg: SamplingConfig,
-    gen: torch.Generator,
-    rule: StopRule,
-    stats: GenerationStats,
-    max_nodes: int,
-) -> Acceptance:
-    """One speculative step; appends the committed tokens to `tokens` and `rule`."""
-    # 1. draft
-    t0 = time.perf_counter()
-    tree = drafter.draft(DraftContext(tokens, prompt_len, max_nodes, cfg.greedy))
-    t1 = time.perf_counter()
-    # 2. pack: root + draft nodes, positions prefix_len + depth, ancestor-only mask
-    prefix_len = cache.get_seq_length()
-    ids, pos, mask = pack(tree, prefix_len, model.dtype, model.device)
-    # 3. forward: one target pass over the whole tree
-    logits = model(
-        ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
-    ).logits[0]  # [n, V]
-    # 4. verify
-    if cfg.greedy:
-        acc = verify_greedy(tree, logits)
-    else:
-        acc = verify_sampling(tree, target_probs(logits, cfg), gen)
-    # 5. accept: EOS / max tokens / stop strings may cut the block
-    num_committed = rule.push(acc.committed)
-    tokens.extend(acc.committed[:num_committed])
-    # 6. compact KV: keep the root and the accepted path
-    keep_kv(cache, prefix_len, [0, *acc.path])
-    t2 = time.perf_counter()
-    # 7. observe: the drafter learns from the target's distributions at every node
-    top = store_topk(logits, cfg)
-    drafter.observe(tree, acc, top)
-    t3 = time.perf_counter()
-    stats.record_step(tree.size - 1, min(acc.num_accepted, num_committed), num_committed)
-    stats.draft_s += (t1 - t0) + (t3 - t2)
-    stats.verify_s += t2 - t1
-    return acc

@@ -1,80 +1,183 @@
-"""Keep the accepted path's KV entries after a verify forward, drop the rest of the tree.
+"""The batch's KV cache: preallocated per layer, rewritten in place, never grown per step.
 
-transformers 5.x layout: `cache.layers[i].keys/values` are `[B, kv_heads, seq, head_dim]`.
-Accepted nodes sit at contiguous depths, so the RoPE keys computed in the tree stay valid.
-One sequence and a batch use the same region rewrite; a batch also drops rows and compacts.
+Every layer holds `[row_capacity, kv_heads, capacity, head_dim]` keys and values, and the cache
+holds `valid[row_capacity, capacity]`, the slots each row may attend to. All rows share one
+write position, `length`: a forward of `n` tokens writes slots `[length, length + n)` of every
+row, and the caller then keeps what it accepted (`keep_region`). A row's valid slots need not
+be contiguous: positions are logical (prefix length + depth), so holes change nothing a row
+computes. Accepted tree nodes sit at contiguous depths, so the RoPE keys computed in the tree
+stay valid after the rewrite.
+
+Attention sees either the slots in use (`[0, length + n)`, the default: least work) or, with
+`full_view`, the whole buffer (`[0, capacity)`, static shapes for CUDA graphs; slots past the
+ones in use are masked). Capacity grows by doubling when a join or a step needs more, which
+invalidates captured graphs (`epoch` counts reallocations).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-def keep_region(cache: DynamicCache, start: int, idx: torch.Tensor) -> None:
-    """Rewrite the region after `start` in place with its slots `start + idx[b]` (`[B, m]`),
-    then crop to `start + m`: only the tree's region is copied, never the prefix."""
-    m = idx.shape[1]
-    for layer in cache.layers:
-        sel = (start + idx.to(layer.keys.device))[:, None, :, None].expand(
-            -1, layer.keys.shape[1], -1, layer.keys.shape[-1]
-        )
-        kept_k, kept_v = layer.keys.gather(2, sel), layer.values.gather(2, sel)
-        layer.keys[:, :, start : start + m] = kept_k
-        layer.values[:, :, start : start + m] = kept_v
-        layer.keys = layer.keys[:, :, : start + m]
-        layer.values = layer.values[:, :, : start + m]
+def _grown(current: int, needed: int) -> int:
+    return max(needed, 2 * current)
 
 
-def keep_kv(cache: DynamicCache, prefix_len: int, keep: list[int]) -> None:
-    """One sequence: keep the first `prefix_len` entries plus tree nodes `keep` (tree indices)."""
-    keep_region(cache, prefix_len, torch.tensor([keep]))
+class SlotLayer(CacheLayerMixin):
+    """One layer's preallocated keys and values; writes where its `StaticKV` says."""
+
+    def __init__(self, owner: StaticKV) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("StaticKV allocates its layers up front")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.owner
+        rows, n = key_states.shape[0], key_states.shape[2]
+        if kv.write_slots is not None:  # static shapes: slots from a device tensor
+            self.keys[:rows].index_copy_(2, kv.write_slots, key_states)
+            self.values[:rows].index_copy_(2, kv.write_slots, value_states)
+        else:
+            self.keys[:rows, :, kv.length : kv.length + n] = key_states
+            self.values[:rows, :, kv.length : kv.length + n] = value_states
+        end = self.keys.shape[2] if kv.full_view else kv.length + n
+        return self.keys[:rows, :, :end], self.values[:rows, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
 
 
-def gather_slots(cache: DynamicCache, idx: torch.Tensor) -> None:
-    """Keep, per row, the cache slots `idx[b]` (`[B, m]`), in order; the cache becomes m long."""
-    for layer in cache.layers:
-        sel = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        layer.keys = layer.keys.gather(2, sel)
-        layer.values = layer.values.gather(2, sel)
+class StaticKV(Cache):
+    """The preallocated cache of a batch of rows (see the module docstring)."""
 
+    def __init__(self, model: PreTrainedModel, rows: int = 1, capacity: int = 256) -> None:
+        cfg = model.config.get_text_config()
+        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dtype, self.device = model.dtype, model.device
+        super().__init__(layers=[SlotLayer(self) for _ in range(cfg.num_hidden_layers)])
+        self.rows = 0  # rows in the batch
+        self.length = 0  # slots in use, the same for every row
+        self.full_view = False
+        self.write_slots: torch.Tensor | None = None
+        self.epoch = 0
+        self._allocate(max(rows, 1), max(capacity, 1))
 
-def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep only batch rows `rows` (finished rows leave the batch)."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def row_capacity(self) -> int:
+        return self.valid.shape[0]
 
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
 
-def append_rows(
-    cache: DynamicCache, valid: torch.Tensor, new: DynamicCache, new_valid: torch.Tensor
-) -> torch.Tensor:
-    """Add `new`'s rows below `cache`'s (rows joining a running batch); returns the joint
-    `valid`. The narrower side is left padded with invalid slots, which no row attends to.
+    def _allocate(self, rows: int, capacity: int) -> None:
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        for layer in self.layers:
+            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if layer.is_initialized:
+                keys[: self.rows, :, : self.length] = layer.keys[: self.rows, :, : self.length]
+                values[: self.rows, :, : self.length] = layer.values[: self.rows, :, : self.length]
+            layer.keys, layer.values, layer.is_initialized = keys, values, True
+        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
+        if hasattr(self, "valid"):
+            valid[: self.rows, : self.length] = self.valid[: self.rows, : self.length]
+        self.valid = valid
+        self.epoch += 1
 
-    A layer not yet written (every prompt so far was one token) counts as width 0."""
-    width = max(valid.shape[1], new_valid.shape[1])
-    for a, b in zip(cache.layers, new.layers, strict=True):
-        if not a.is_initialized and not b.is_initialized:
-            continue  # both sides are 0 wide: the first forward creates the layer
-        ref = a if a.is_initialized else b
-        parts = []
-        for layer, rows in ((a, valid.shape[0]), (b, new_valid.shape[0])):
-            k, v = (layer.keys, layer.values) if layer.is_initialized else (None, None)
-            if k is None or k.dim() != 4:  # unwritten, or emptied to a 1-D placeholder
-                shape = (rows, ref.keys.shape[1], 0, ref.keys.shape[3])
-                k, v = ref.keys.new_zeros(shape), ref.values.new_zeros(shape)
-            pad = width - k.shape[2]
-            if pad:
-                k = torch.nn.functional.pad(k, (0, 0, pad, 0))
-                v = torch.nn.functional.pad(v, (0, 0, pad, 0))
-            parts.append((k, v))
-        if not a.is_initialized:
-            a.lazy_initialization(ref.keys, ref.values)
-        a.keys = torch.cat([parts[0][0], parts[1][0]], dim=0)
-        a.values = torch.cat([parts[0][1], parts[1][1]], dim=0)
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Make room for `rows` rows and `capacity` slots (doubling what is short)."""
+        if rows > self.row_capacity or capacity > self.capacity:
+            self._allocate(
+                _grown(self.row_capacity, rows) if rows > self.row_capacity else self.row_capacity,
+                _grown(self.capacity, capacity) if capacity > self.capacity else self.capacity,
+            )
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=False)
+    def active_valid(self) -> torch.Tensor:
+        """`[rows, length]`: the slots each row attends to."""
+        return self.valid[: self.rows, : self.length]
 
-    return torch.cat([padded(valid), padded(new_valid.to(valid.device))], dim=0)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    # -- rewrites, all in place -------------------------------------------------------------
+    def keep_region(self, start: int, idx: torch.Tensor) -> None:
+        """After a forward wrote slots from `start`: row b keeps slots `start + idx[b]`
+        (`[rows, m]`, in order) at `[start, start + m)`, and the cache ends there. Only the
+        written region is copied, never the prefix. `idx` pads a short row with any index."""
+        m = idx.shape[1]
+        idx = idx.to(self.device)
+        for layer in self.layers:
+            sel = (start + idx)[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+            rows = slice(0, self.rows)
+            layer.keys[rows, :, start : start + m] = layer.keys[rows].gather(2, sel)
+            layer.values[rows, :, start : start + m] = layer.values[rows].gather(2, sel)
+        self.length = start + m
+
+    def set_region_valid(self, start: int, valid: torch.Tensor) -> None:
+        """Which of the slots from `start` (`[rows, m]`) each row may attend to."""
+        self.valid[: self.rows, start : start + valid.shape[1]] = valid.to(self.device)
+
+    def gather_slots(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
+        """Row b keeps its slots `idx[b]` (`[rows, m]`) at `[0, m)`, valid where `valid` says;
+        the cache becomes m long (compaction)."""
+        m = idx.shape[1]
+        for layer in self.layers:
+            sel = idx[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+            layer.keys[: self.rows, :, :m] = layer.keys[: self.rows].gather(2, sel)
+            layer.values[: self.rows, :, :m] = layer.values[: self.rows].gather(2, sel)
+        self.valid[: self.rows, :m] = valid
+        self.valid[: self.rows, m:] = False
+        self.length = m
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` (`[k]`, ascending), moved to the top (rows leave the batch)."""
+        k, used = keep.shape[0], slice(0, self.length)
+        for layer in self.layers:
+            layer.keys[:k, :, used] = layer.keys[keep, :, used]
+            layer.values[:k, :, used] = layer.values[keep, :, used]
+        self.valid[:k] = self.valid[keep]
+        self.valid[k:] = False
+        self.rows = k
+
+    def clear(self) -> None:
+        """No rows, nothing in use (the buffers stay allocated)."""
+        self.valid.fill_(False)
+        self.rows = self.length = 0
+
+    def append_rows(self, new: DynamicCache, new_valid: torch.Tensor) -> None:
+        """Add a prefilled batch below the rows here (rows joining a running batch). The
+        shorter side is left padded with invalid slots, which no row attends to."""
+        k, width = new_valid.shape
+        joint = max(self.length, width)
+        self.reserve(self.rows + k, joint + 1)
+        shift = joint - self.length
+        if shift and self.rows:  # move the rows here right, so both sides end at `joint`
+            for layer in self.layers:
+                for buf in (layer.keys, layer.values):
+                    buf[: self.rows, :, shift:joint] = buf[: self.rows, :, : self.length].clone()
+            self.valid[: self.rows, shift:joint] = self.valid[: self.rows, : self.length].clone()
+            self.valid[: self.rows, :shift] = False
+        rows = slice(self.rows, self.rows + k)
+        if width:
+            for layer, src in zip(self.layers, new.layers, strict=True):
+                layer.keys[rows, :, joint - width : joint] = src.keys
+                layer.values[rows, :, joint - width : joint] = src.values
+        self.valid[rows] = False
+        self.valid[rows, joint - width : joint] = new_valid.to(self.device)
+        self.rows += k
+        self.length = joint

@@ -19,6 +19,7 @@ children), so every committed token is distributed exactly as under plain sampli
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,11 @@ class Acceptance:
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     """Rule (a): follow the argmax. `logits`: `[n, V]`, one row per tree node."""
-    best = logits.argmax(dim=-1).tolist()
+    return accept_greedy(tree, logits.argmax(dim=-1).tolist())
+
+
+def accept_greedy(tree: DraftTree, best: Sequence[int]) -> Acceptance:
+    """Rule (a) on the host, from the argmax at every node (computed on the device)."""
     node, path = 0, []
     while True:
         y = best[node]
@@ -127,6 +132,59 @@ def verify_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator
         child, residual = verify_node(tree, node, p[node], generator)
         if child is None:
             bonus = sample(residual, generator)
+            return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)
+        path.append(child)
+        node = child
+
+
+def draw_match(tree: DraftTree, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Device half of rule (b) over a tree of deterministic drafts, with no host sync: what
+    `accept_match` needs, as one float64 tensor `[3n - 2]` to copy back at once.
+
+    * `[0, n-1)`: p(x) of every draft node x at its parent;
+    * `[n-1, 2n-2)`: one uniform per draft node;
+    * `[2n-2, 3n-2)`: per node, a bonus drawn from its residual once all its children are
+      rejected (p without its children's tokens, renormalised).
+
+    The residual after rejecting deterministic siblings x_1..x_j is p without them, so each
+    child's acceptance probability is p(x) / (1 - Σ p(x_<i)) and each node's final residual is
+    known before the walk: drawing every bonus up front is exact (they use their own uniforms).
+    """
+    n, device = tree.size, p.device
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
+    drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)
+    child_p = p[parents, drafts].to(torch.float64)
+    u = torch.rand(n - 1, generator=generator, dtype=torch.float64, device=device)
+    residual = p.to(torch.float64).index_put((parents, drafts), torch.zeros_like(child_p))
+    cdf = torch.cumsum(residual, dim=-1)
+    total = cdf[:, -1:]
+    v = torch.rand(n, 1, generator=generator, dtype=torch.float64, device=device)
+    # strictly below the total, so the first cdf step above it has positive mass
+    x = torch.minimum(v * total, torch.nextafter(total, torch.zeros_like(total)))
+    bonus = torch.searchsorted(cdf, x, right=True).clamp_(max=p.shape[-1] - 1)
+    return torch.cat([child_p, u, bonus[:, 0].to(torch.float64)])
+
+
+def accept_match(tree: DraftTree, drawn: Sequence[float]) -> Acceptance:
+    """Host half of rule (b): walk the tree with `draw_match`'s values."""
+    n = tree.size
+    node, path = 0, []
+    while True:
+        rejected, tried, child = 0.0, set(), None
+        for c in tree.children[node]:
+            x, px = tree.tokens[c], drawn[c - 1]
+            if (
+                x not in tried
+                and 1.0 - rejected > _TINY
+                and drawn[n - 1 + c - 1] < px / (1.0 - rejected)
+            ):
+                child = c
+                break
+            if x not in tried:
+                rejected += px
+                tried.add(x)
+        if child is None:
+            bonus = int(drawn[2 * n - 2 + node])
             return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)
         path.append(child)
         node = child

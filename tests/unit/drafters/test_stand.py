@@ -15,7 +15,8 @@ from tests.conftest import tiny_llama
 from tts_service.config import SamplingConfig, StandDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, StandDrafter, gumbel_top_k
-from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.batch import generate
+from tts_service.engine.decode import plain_generate
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
@@ -24,14 +25,17 @@ def test_nodes_per_row_shares_the_budget():
     assert nodes_per_row(64, 1) == 63 and nodes_per_row(64, 16) == 3 and nodes_per_row(8, 16) == 0
 
 
-def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_config):
+@pytest.mark.parametrize("full_view", [False, True], ids=["used-slots", "full-view"])
+def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_config, full_view):
+    """Rows join (prefill), leave (EOS, max tokens) and compact; `full_view` runs the static
+    shapes CUDA graphs replay (attention over the whole preallocated cache)."""
     prompts = _prompts()
     cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (30, 12, 30, 25, 5, 30)]
     eos = plain_generate(tiny_model, prompts[2], cfgs[2], eos_ids=[]).token_ids[9]
     refs = [
         plain_generate(tiny_model, p, c, eos_ids=[eos]) for p, c in zip(prompts, cfgs, strict=True)
     ]
-    decoder = BatchDecoder(tiny_model, eos_ids=[eos], compact_slack=0)
+    decoder = BatchDecoder(tiny_model, eos_ids=[eos], compact_slack=0, full_view=full_view)
     drafters = [make_drafter(drafter_config, VOCAB) for _ in prompts]
     rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
     results = decoder.run(rows, token_budget=48)
@@ -53,8 +57,8 @@ class _Spy(BatchDecoder):
         self.steps: list[tuple[list, torch.Tensor]] = []
         self.pending: list = []
 
-    def _forward(self, ids, pos, mask, cache):
-        logits = super()._forward(ids, pos, mask, cache)
+    def _forward(self, ids, pos, mask, start):
+        logits = super()._forward(ids, pos, mask, start)
         self.steps.append((self.pending, logits.clone()))
         self.pending = []
         return logits
@@ -76,7 +80,8 @@ class _Recording:
         self.inner.observe(tree, acc, topk)
 
 
-def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards():
+@pytest.mark.parametrize("full_view", [False, True], ids=["used-slots", "full-view"])
+def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards(full_view):
     model = tiny_llama(vocab_size=VOCAB, seed=4, dtype=torch.float32, scale=4.0)
     prompts = _prompts()
     names = ["plain", "pld", "recycle", "stand", "pld", "recycling-80"]
@@ -84,7 +89,7 @@ def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards():
         SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i)
         for i, n in enumerate((40, 15, 40, 30, 8, 40))
     ]
-    spy = _Spy(model, eos_ids=[], compact_slack=0)
+    spy = _Spy(model, eos_ids=[], compact_slack=0, full_view=full_view)
     drafters = [_Recording(make_drafter(DRAFTER_CONFIGS[n], VOCAB), spy) for n in names]
     spy.run(
         [spy.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)],

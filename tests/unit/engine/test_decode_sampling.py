@@ -13,7 +13,8 @@ from scipy.stats import chisquare
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
 from tts_service.engine import verify
-from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.batch import generate
+from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
 pytestmark = pytest.mark.statistical  # chi-square tests over thousands of generations

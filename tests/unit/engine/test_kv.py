@@ -1,5 +1,6 @@
-"""KV compaction: one tree forward equals a separate forward of every root path, across
-compaction steps that keep non-contiguous accepted paths."""
+"""The preallocated KV cache: one tree forward equals a separate forward of every root path,
+across compaction steps that keep non-contiguous accepted paths, and the in-place row
+operations (join, leave, compact, grow) keep every row's entries."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.conftest import tiny_llama
-from tts_service.engine.kv import keep_kv
+from tts_service.engine.kv import StaticKV
 from tts_service.engine.tree import DraftTree, pack
 
 
@@ -18,6 +19,12 @@ def _random_tree(rng: random.Random, root: int, n: int, vocab: int) -> DraftTree
     parents = [-1] + [rng.randrange(i) for i in range(1, n)]
     tokens = [root] + [rng.randrange(vocab) for _ in range(1, n)]
     return DraftTree(tuple(tokens), tuple(parents), (False,) * n, (None,) * n)
+
+
+def _prefilled(model, ids: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor(ids), past_key_values=cache)
+    return cache, torch.ones(len(ids), len(ids[0]), dtype=torch.bool)
 
 
 @pytest.mark.parametrize(
@@ -28,17 +35,16 @@ def test_tree_logits_equal_root_path_forwards_across_compaction_steps(dtype, att
     model.config._attn_implementation = attn
     rng = random.Random(0)
     committed = [rng.randrange(64) for _ in range(9)]
-    cache = DynamicCache(config=model.config)
+    kv = StaticKV(model, rows=1, capacity=4)  # grows as the steps need
     with torch.inference_mode():
-        model(torch.tensor([committed[:-1]]), past_key_values=cache)
+        kv.append_rows(*_prefilled(model, [committed[:-1]]))
         for _step in range(6):
             tree = _random_tree(rng, committed[-1], rng.randrange(1, 12), 64)
-            prefix_len = cache.get_seq_length()
+            prefix_len = kv.length
             assert prefix_len == len(committed) - 1
+            kv.reserve(1, prefix_len + tree.size)
             ids, pos, mask = pack(tree, prefix_len, dtype, torch.device("cpu"))
-            logits = model(
-                ids, attention_mask=mask, position_ids=pos, past_key_values=cache
-            ).logits[0]
+            logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=kv).logits[0]
             for node in range(tree.size):
                 path = committed + tree.path_tokens(node)
                 ref = model(torch.tensor([path])).logits[0, -1]
@@ -49,5 +55,40 @@ def test_tree_logits_equal_root_path_forwards_across_compaction_steps(dtype, att
             while n > 0:
                 keep.append(n)
                 n = tree.parents[n]
-            keep_kv(cache, prefix_len, [0, *keep[::-1]])
+            kv.keep_region(prefix_len, torch.tensor([[0, *keep[::-1]]]))
             committed += tree.path_tokens(node) + [rng.randrange(64)]
+    assert kv.epoch > 1  # it grew at least once, keeping every entry
+
+
+def _entries(kv: StaticKV, row: int) -> torch.Tensor:
+    """Row `row`'s valid keys of layer 0, in slot order."""
+    slots = torch.nonzero(kv.valid[row, : kv.length]).flatten()
+    return kv.layers[0].keys[row, :, slots]
+
+
+def test_rows_join_leave_and_compact_in_place():
+    model = tiny_llama(vocab_size=64, seed=1, dtype=torch.float32)
+    with torch.inference_mode():
+        kv = StaticKV(model, rows=1, capacity=2)
+        short, long = _prefilled(model, [[1, 2, 3]]), _prefilled(model, [[4, 5, 6, 7, 8]])
+        kv.append_rows(*short)
+        kv.append_rows(*long)  # wider: the first row moves right, left padded
+        assert (kv.rows, kv.length) == (2, 5)
+        assert kv.valid[0, :5].tolist() == [False, False, True, True, True]
+        torch.testing.assert_close(_entries(kv, 0), short[0].layers[0].keys[0])
+        torch.testing.assert_close(_entries(kv, 1), long[0].layers[0].keys[0])
+        kv.append_rows(*short)  # narrower: right-aligned under the others
+        assert kv.valid[2, :5].tolist() == [False, False, True, True, True]
+        kv.select_rows(torch.tensor([1, 2]))  # row 0 leaves
+        assert kv.rows == 2 and not kv.valid[2].any()
+        torch.testing.assert_close(_entries(kv, 0), long[0].layers[0].keys[0])
+        torch.testing.assert_close(_entries(kv, 1), short[0].layers[0].keys[0])
+        kv.valid[0, 1] = False  # a hole, as a rejected tree node leaves
+        before = [_entries(kv, b).clone() for b in range(2)]
+        idx = torch.tensor([[0, 2, 3, 4], [2, 2, 3, 4]])
+        kv.gather_slots(idx, torch.tensor([[True] * 4, [False, True, True, True]]))
+        assert kv.length == 4
+        for b in range(2):
+            torch.testing.assert_close(_entries(kv, b), before[b])
+        kv.clear()
+        assert (kv.rows, kv.length) == (0, 0) and not kv.valid.any()

@@ -8,7 +8,8 @@ from torch import nn
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
-from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.batch import generate
+from tts_service.engine.decode import plain_generate
 from tts_service.engine.matmul import _Choice, faster_transposed_rows, tune_linear_products
 
 

@@ -8,6 +8,9 @@ import torch
 
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import (
+    accept_greedy,
+    accept_match,
+    draw_match,
     proposal,
     rrs_step,
     sample_and_match_step,
@@ -173,3 +176,57 @@ def test_sampling_accepts_a_certain_draft_and_never_an_impossible_one():
     for seed in range(20):
         acc = verify_sampling(tree, p, torch.Generator().manual_seed(seed))
         assert acc.committed == (3, 2)
+
+
+def test_device_greedy_walk_equals_the_logits_walk():
+    tree = DraftTree((9, 5, 6, 7), (-1, 0, 0, 1), (False,) * 4, (None,) * 4)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(4, 10, generator=gen)
+        logits[0, 5] += 2 * float(torch.rand((), generator=gen))
+        assert accept_greedy(tree, logits.argmax(-1).tolist()) == verify_greedy(tree, logits)
+
+
+def test_matched_thresholds_renormalise_over_rejected_siblings():
+    """Children 3, 3, 0 of the root: the duplicate can never be accepted, and 0 is accepted
+    exactly when its uniform is below p(0) / (1 - p(3))."""
+    rows = [[0.3, 0.1, 0.1, 0.5], [0.25] * 4, [0.25] * 4, [0.25] * 4]
+    p = torch.tensor(rows, dtype=torch.float64)
+    tree = DraftTree((2, 3, 3, 0), (-1, 0, 0, 0), (False,) * 4, (None,) * 4)
+    drawn = draw_match(tree, p, torch.Generator().manual_seed(0)).tolist()
+    assert drawn[:3] == [0.5, 0.5, 0.3]
+    threshold = 0.3 / (1 - 0.5)
+
+    def walk(u1: float, u2: float, u3: float):
+        return accept_match(tree, [*drawn[:3], u1, u2, u3, *drawn[6:]])
+
+    assert walk(0.49, 0.0, 0.99).path == (1,)
+    assert walk(0.5, 0.0, threshold - 1e-9).path == (3,)  # the duplicate (node 2) is skipped
+    rejected = walk(0.5, 0.0, threshold + 1e-9)
+    assert rejected.path == () and rejected.bonus == int(drawn[6])
+    assert rejected.bonus in (1, 2)  # the root's residual: p without 3 and 0
+
+
+@pytest.mark.statistical
+def test_device_sample_and_match_commits_p_by_monte_carlo():
+    """`draw_match` + `accept_match` on a depth-2 tree with a duplicate sibling, 20k draws, 5
+    sigma: the first committed token is distributed as p at the root, and the second as p at the
+    first token's node (the exact thresholds are checked above)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.stack([_rand_dist(gen) for _ in range(4)])
+    # root -> 3, 3, 0; node 1 (token 3) -> 5
+    tree = DraftTree((2, 3, 3, 0, 5), (-1, 0, 0, 0, 1), (False,) * 5, (None,) * 5)
+    p = torch.stack([rows[0], rows[1], rows[0], rows[2], rows[3]])
+    n = 20_000
+    first = torch.zeros(V, dtype=torch.float64)
+    second = torch.zeros(V, dtype=torch.float64)
+    for _ in range(n):
+        acc = accept_match(tree, draw_match(tree, p, gen).tolist())
+        first[acc.committed[0]] += 1
+        if acc.committed[0] == 3:
+            second[acc.committed[1]] += 1
+    sigma = torch.sqrt(rows[0] * (1 - rows[0]) / n)
+    assert ((first / n - rows[0]).abs() <= 5 * sigma + 1e-9).all(), (first / n, rows[0])
+    m = second.sum()
+    sigma = torch.sqrt(rows[1] * (1 - rows[1]) / m)
+    assert ((second / m - rows[1]).abs() <= 5 * sigma + 1e-9).all(), (second / m, rows[1])
