@@ -205,14 +205,22 @@ def _match(tree: DraftTree, truth: list[int]) -> list[int]:
     return path
 
 
-def _walk(drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport) -> None:
-    prompt, resp = problem.prompt_ids, problem.responses[r]
-    drafter.start(list(prompt))
-    tokens, pos = list(prompt), 0
-    while pos < len(resp):
-        tree = drafter.draft(DraftContext(tokens, len(prompt), MAX_NODES, greedy=True))
-        path = _match(tree, resp[pos:])
-        committed = resp[pos : pos + len(path) + 1]
+class LoggedOracle:
+    """Acceptance that follows logged response `r` of a problem: the deepest tree path that
+    matches the logged next tokens, then the logged token after it; the drafter observes the
+    logged top-k at the committed positions. Under greedy verification this is exactly what
+    the live engine commits. Offline replay (`replay`) uses it without a model; the device
+    benchmark's timing replay (`bench/device.py`, `BatchDecoder` rows with an oracle) uses it
+    with real forwards, so a device's speed is measured with real trees and real acceptance."""
+
+    def __init__(self, problem: LoggedProblem, r: int) -> None:
+        self.problem, self.r = problem, r
+        self.response = problem.responses[r]
+
+    def __call__(self, tree: DraftTree, position: int) -> tuple[Acceptance, NodeTopK]:
+        resp, problem, r = self.response, self.problem, self.r
+        path = _match(tree, resp[position:])
+        committed = resp[position : position + len(path) + 1]
         bonus = committed[-1] if len(committed) > len(path) else -1  # -1: the response ended
         acc = Acceptance(tuple(path), tuple(tree.tokens[v] for v in path), bonus)
         nodes = [0, *path][: len(committed)]
@@ -222,11 +230,23 @@ def _walk(drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport
         known: tuple[int, ...] = ()
         if problem.top_ids is not None:
             for j, v in enumerate(nodes):
-                ids[v] = torch.tensor(problem.top_ids[r][pos + j])
-                probs[v] = torch.tensor(problem.top_probs[r][pos + j], dtype=torch.float64)
+                ids[v] = torch.tensor(problem.top_ids[r][position + j])
+                probs[v] = torch.tensor(problem.top_probs[r][position + j], dtype=torch.float64)
             known = tuple(nodes)
-        drafter.observe(tree, acc, NodeTopK(ids, probs, known))
-        report.add_step(r, tree.size - 1, min(len(path), len(committed)), len(committed))
+        return acc, NodeTopK(ids, probs, known)
+
+
+def _walk(drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport) -> None:
+    prompt, resp = problem.prompt_ids, problem.responses[r]
+    oracle = LoggedOracle(problem, r)
+    drafter.start(list(prompt))
+    tokens, pos = list(prompt), 0
+    while pos < len(resp):
+        tree = drafter.draft(DraftContext(tokens, len(prompt), MAX_NODES, greedy=True))
+        acc, top = oracle(tree, pos)
+        committed = list(acc.committed[: len(resp) - pos])
+        drafter.observe(tree, acc, top)
+        report.add_step(r, tree.size - 1, min(acc.num_accepted, len(committed)), len(committed))
         tokens += committed
         pos += len(committed)
 

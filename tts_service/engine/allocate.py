@@ -18,14 +18,13 @@ inside the k nodes it is given (GT-sized drafters may send fewer).
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from tts_service.engine.cost import sync_device
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -163,22 +162,6 @@ def nodes_for_step(
     return best_k
 
 
-def random_cache(model: PreTrainedModel, rows: int, context_len: int) -> DynamicCache:
-    """A KV cache of `rows` × `context_len` random entries: attention costs the same as over
-    a real one, without prefilling (16 rows × 4096 tokens would take minutes on a CPU)."""
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cache = DynamicCache(config=cfg)
-    shape = (rows, heads, context_len, head_dim)
-    for layer in cache.layers:
-        k = torch.randn(shape, dtype=model.dtype, device=model.device)
-        v = torch.randn(shape, dtype=model.dtype, device=model.device)
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return cache
-
-
 @torch.inference_mode()
 def measure_batch_cost(
     model: PreTrainedModel,
@@ -187,43 +170,26 @@ def measure_batch_cost(
     max_tokens: int,
     repeats: int = 2,
     seed: int = 0,
+    cuda_graphs: bool = True,
 ) -> BatchCost:
-    """Time batched verify forwards (rows × tokens per row) over a `context_len` cache.
+    """Time batched verify steps (rows × tokens per row) over a `context_len` cache, through
+    the engine's own forward (`BatchDecoder.time_forward`: the static cache, and CUDA graphs
+    where they run).
 
     Rows are 1, 4, 16, 64 up to `max_rows` (and `max_rows` itself); widths 1, 2, 4, ... while
     rows × width <= `max_tokens`. Shapes are interleaved across repeats and the fastest kept
     (a busy machine only ever adds time)."""
-    device = model.device
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
     row_counts = sorted({r for r in (1, 4, 16, 64) if r < max_rows} | {max_rows})
     widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w == 1 or w * row_counts[0] <= max_tokens]
-    dtype_min = torch.finfo(model.dtype).min
+    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=cuda_graphs)
+    decoder.fill_random(max_rows, max(1, context_len), seed)
     timings: dict[tuple[int, int], list[float]] = {}
-    caches = {rows: random_cache(model, rows, max(1, context_len)) for rows in row_counts}
     shapes = [(r, w) for r in row_counts for w in widths if w == 1 or r * w <= max_tokens]
-    for rnd in range(repeats + 1):  # the first round warms up kernels and allocators
+    for rnd in range(repeats + 1):  # the first round warms up kernels, allocators and graphs
         for rows, width in shapes:
-            cache = caches[rows]
-            s = cache.get_seq_length()
-            ids = torch.randint(vocab, (rows, width), generator=gen).to(device)
-            pos = (s + torch.arange(width)).expand(rows, -1).to(device)
-            allowed = torch.cat(
-                [
-                    torch.ones(width, s, dtype=torch.bool),
-                    torch.tril(torch.ones(width, width, dtype=torch.bool)),
-                ],
-                dim=1,
-            )
-            mask = torch.zeros(allowed.shape, dtype=model.dtype).masked_fill_(~allowed, dtype_min)
-            mask = mask.expand(rows, 1, -1, -1).to(device)
-            sync_device(device)
-            t0 = time.perf_counter()
-            model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
-            sync_device(device)
+            seconds = decoder.time_forward(rows, width)
             if rnd:
-                timings.setdefault((rows, width), []).append(time.perf_counter() - t0)
-            cache.crop(-width)
+                timings.setdefault((rows, width), []).append(seconds)
     table = []
     for rows in row_counts:
         line = [min(timings[rows, w]) for w in widths if (rows, w) in timings]

@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward
 from tts_service.engine.kv import StaticKV
@@ -345,6 +346,39 @@ class BatchDecoder:
         finally:
             self.cache.write_slots = None
         return out.logits
+
+    # -- cost measurement --------------------------------------------------------------------
+    def fill_random(self, rows: int, context_len: int, seed: int = 0) -> None:
+        """`rows` rows of `context_len` random cache entries and no real rows: attention costs
+        as much as over real ones, without prefilling (16 × 4096 tokens take minutes on a CPU).
+        For measuring forwards (`time_forward`); rows joined later start from here."""
+        kv = self.cache
+        self.active = []
+        kv.clear()
+        kv.reserve(rows, context_len + 1)
+        gen = torch.Generator(device=kv.device).manual_seed(seed)
+        for layer in kv.layers:
+            for buf in (layer.keys, layer.values):
+                buf[:rows, :, :context_len].normal_(generator=gen)
+        kv.valid[:rows, :context_len] = True
+        kv.rows, kv.length = rows, context_len
+
+    @torch.inference_mode()
+    def time_forward(self, rows: int, width: int) -> float:
+        """Seconds of one verify step's device work, `rows` trees of `width` tokens over the
+        cache as it is: pack, forward (a graph where one is captured), argmax and the host
+        copy. The written slots are discarded."""
+        start = self.cache.length
+        trees = [DraftTree.chain(1, [1] * (width - 1))] * rows
+        shape = self.graphs.bucket(rows, width) if self.graphs else (rows, width)
+        self.cache.reserve(shape[0], start + shape[1])
+        sync_device(self.model.device)
+        t0 = time.perf_counter()
+        ids, pos, mask = self._pack(trees, [start] * rows, shape)
+        self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
+        seconds = time.perf_counter() - t0
+        self.cache.length = start
+        return seconds
 
     def _compact(self) -> None:
         """Right-align every row's valid slots and drop the holes."""

@@ -1,0 +1,355 @@
+"""How fast the engine is on the device at hand: one command, any GPU (or a CPU), no weights.
+
+    python -m bench.device --model-config qwen2.5-7b --json results/device-h100.json
+    python -m bench.device --model-config tiny --device cpu            # CI-sized
+
+Needs torch, transformers and the engine only (pydantic comes with the engine's configs): no
+Ray, Redis, HTTP or downloads, so it runs on a bare GPU machine with no network. A named
+architecture is built with random weights (bf16 on a GPU) from its published shape; `--model
+PATH` loads local weights instead. It reports, in JSON:
+
+* `plain_tokens_per_s`: our plain decoding of one sequence (static cache, CUDA graphs where
+  they run), against `hf_generate_tokens_per_s` (`model.generate`, greedy) and
+  `bandwidth_bound_tokens_per_s` (the device's measured copy bandwidth over the weight bytes:
+  a decode step must read every weight once);
+* `verify_cost_ms`: the verify step's cost surface T(rows, tree tokens) over a 512-token
+  cache, {rows: {tokens: ms}};
+* `replay`: **timing replay** of best-of-16. The engine runs real forwards with the trees each
+  method's drafter builds from a logged trajectory file (the `tts replay` format), while
+  acceptance follows the logged tokens (`tts_service.replay.LoggedOracle`): the device's
+  tokens/s with real tree shapes and real acceptance, without real weights. Per method
+  ({method: {tokens_per_s, acceptance_length, ...}}), all 16 responses of a problem in one
+  batch, nodes sized by the runner's cost-aware allocator, against `hf_n16_tokens_per_s`
+  (`generate(num_return_sequences=16)` on the same model, same lengths);
+* `greedy_mismatch`: how often greedy speculative output differs from plain greedy on this
+  model in its dtype and in float32 (in float32 it must be 0; in bf16 a tree forward and a
+  sequential forward round differently, so outputs can split at near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from store.memory import InMemoryNgramStore
+from tts_service.config import DRAFTER_CONFIGS, SamplingConfig, StandDrafterConfig
+from tts_service.drafters.base import NoDrafter
+from tts_service.drafters.methods import method_drafter, resolve_method
+from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.engine.allocate import SlotStats, measure_batch_cost, nodes_for_step
+from tts_service.engine.batch import BatchDecoder, generate
+from tts_service.engine.cost import CostModel, sync_device
+from tts_service.engine.decode import plain_generate
+from tts_service.replay import LoggedOracle, LoggedProblem, parse_line
+
+LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
+
+ARCHITECTURES = {
+    "qwen2.5-7b": lambda: Qwen2Config(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": lambda: LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # SmolLM2's vocabulary, so the shipped log's token ids fit; everything else tiny
+    "tiny": lambda: LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+}
+METHODS = ("plain", "stand", "auto")
+
+
+def build_model(name: str | None, path: str | None, device: str, dtype: torch.dtype):
+    """A named architecture with seeded random weights, or local weights from `path`."""
+    if path:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return model.to(device).eval(), Path(path).name
+    torch.manual_seed(0)
+    cfg = ARCHITECTURES[name]()
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval(), name
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
+    n = mib * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        sync_device(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / min(times[1:])
+
+
+def timed(fn, device: torch.device) -> float:
+    sync_device(device)
+    t0 = time.perf_counter()
+    fn()
+    sync_device(device)
+    return time.perf_counter() - t0
+
+
+def plain_speed(model, prompt: list[int], new_tokens: int) -> float:
+    """Our plain decoding of one sequence: decode steps only (prefill excluded), tokens/s."""
+    cfg = SamplingConfig(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    decoder = BatchDecoder(model, eos_ids=[])
+    best = 0.0
+    for _ in range(2):  # the first run captures the graphs
+        row = decoder.new_row(prompt, NoDrafter(), cfg)
+        decoder.join([row])
+        steps = timed(lambda: [decoder.step(0) for _ in range(new_tokens)], model.device)
+        best = max(best, new_tokens / steps)
+    return best
+
+
+def hf_speed(model, prompt: list[int], new_tokens: int, n: int = 1) -> float:
+    """`model.generate` tokens/s of `n` sequences (sampled when n > 1): decode steps only, as
+    the difference between `new_tokens` and 1 new token."""
+    ids = torch.tensor([prompt], device=model.device)
+    kw = {"do_sample": n > 1, "num_return_sequences": n, "pad_token_id": 0}
+    if n == 1:
+        kw.update(temperature=None, top_p=None, top_k=None)
+
+    def run(k: int) -> None:
+        model.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw)
+
+    run(2)  # warm-up
+    full = min(timed(lambda: run(new_tokens), model.device) for _ in range(2))
+    one = min(timed(lambda: run(1), model.device) for _ in range(2))
+    return n * (new_tokens - 1) / max(full - one, 1e-9)
+
+
+def verify_surface(model, rows: list[int], tokens: list[int], context: int) -> dict:
+    """{rows: {tokens: ms}}: the median of 3 timed verify steps, interleaved across shapes."""
+    decoder = BatchDecoder(model, eos_ids=[])
+    decoder.fill_random(max(rows), context)
+    times: dict[tuple[int, int], list[float]] = {}
+    for rnd in range(4):
+        for r in rows:
+            for t in tokens:
+                s = decoder.time_forward(r, t)
+                if rnd:
+                    times.setdefault((r, t), []).append(s)
+    return {
+        str(r): {str(t): round(1000 * statistics.median(times[r, t]), 3) for t in tokens}
+        for r in rows
+    }
+
+
+def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        out = [parse_line(line) for line in f if line.strip()][:problems]
+    if not out:
+        raise SystemExit(f"no trajectories in {path}")
+    return [
+        LoggedProblem(
+            p.prompt_id,
+            p.prompt_ids,
+            [r[:max_tokens] for r in p.responses],
+            None if p.top_ids is None else [t[:max_tokens] for t in p.top_ids],
+            None if p.top_probs is None else [t[:max_tokens] for t in p.top_probs],
+        )
+        for p in out
+    ]
+
+
+def timing_replay(model, method: str, problems: list[LoggedProblem], max_nodes: int) -> dict:
+    """Best-of-N of every logged problem, its N responses as one batch, on the real device
+    with acceptance following the log; nodes per step from the cost-aware allocator."""
+    vocab = model.config.vocab_size
+    device = "cuda" if model.device.type == "cuda" else "cpu"
+    drafter_cfg = None
+    if method != "plain":
+        fields = method_drafter(resolve_method(method, device), {}, device)
+        drafter_cfg = DRAFTER_CONFIGS[fields["kind"]].model_validate(fields)
+    decoder = BatchDecoder(model, eos_ids=[])
+    shared: dict = {}
+    verify_cost = CostModel.for_model(model, repeats=2)
+    stats = SlotStats()
+    tokens = forwards = row_forwards = 0
+    seconds = 0.0
+    width = max(len(p.responses) for p in problems)
+    cost = measure_batch_cost(model, len(problems[0].prompt_ids) + 128, width, 4096)
+    for problem in problems:
+        store, per_problem = InMemoryNgramStore(), {}
+        rows = []
+        for r, resp in enumerate(problem.responses):
+            cfg = SamplingConfig(temperature=0, max_new_tokens=len(resp), ignore_eos=True, seed=r)
+            env = DraftEnv(vocab, store, r, verify_cost, generator=shared, problem=per_problem)
+            drafter = NoDrafter() if drafter_cfg is None else build_drafter(drafter_cfg, env)
+            oracle = LoggedOracle(problem, r)
+            rows.append(decoder.new_row(problem.prompt_ids, drafter, cfg, oracle=oracle))
+
+        def run(rows: list = rows) -> None:
+            decoder.join(rows)
+            while decoder.active:
+                nodes = 0
+                if drafter_cfg is not None:
+                    stats.tick()
+                    nodes = nodes_for_step(cost, [stats] * len(decoder.active), max_nodes)
+                decoder.step(nodes, observe=lambda _row, tree, acc: stats.record(tree, acc))
+
+        before = decoder.forwards.forwards, decoder.forwards.row_forwards
+        seconds += timed(run, model.device)
+        forwards += decoder.forwards.forwards - before[0]
+        row_forwards += decoder.forwards.row_forwards - before[1]
+        tokens += sum(r.stats.new_tokens for r in rows)
+    return {
+        "tokens_per_s": round(tokens / seconds, 2),
+        "acceptance_length": round(tokens / row_forwards, 3),
+        "target_forwards": forwards,
+        "new_tokens": tokens,
+        "seconds": round(seconds, 3),
+    }
+
+
+def greedy_mismatch(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Sequences whose greedy STAND output differs from plain greedy (and the first position
+    of each difference)."""
+    cfg = SamplingConfig(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    differing, first = 0, []
+    for i, prompt in enumerate(prompts):
+        ref = plain_generate(model, prompt, cfg, eos_ids=[]).token_ids
+        env = DraftEnv(model.config.vocab_size, InMemoryNgramStore(), i)
+        spec = generate(model, prompt, build_drafter(StandDrafterConfig(), env), cfg, [])
+        if spec.token_ids != ref:
+            differing += 1
+            pairs = enumerate(zip(spec.token_ids, ref, strict=False))
+            first.append(next(j for j, (a, b) in pairs if a != b))
+    return {"sequences": len(prompts), "differing": differing, "first_difference_at": first}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model-config", choices=sorted(ARCHITECTURES), default="tiny")
+    src.add_argument("--model", help="a local model directory (weights are used as they are)")
+    ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda:0")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, else float32)")
+    ap.add_argument("--log", type=Path, default=LOG, help="trajectory log (JSONL, .gz ok)")
+    ap.add_argument("--problems", type=int, default=4, help="logged problems to replay")
+    ap.add_argument("--max-tokens", type=int, default=256, help="replay at most this per row")
+    ap.add_argument("--max-nodes", type=int, default=64, help="draft nodes per row per step")
+    ap.add_argument("--new-tokens", type=int, default=128, help="plain decoding length")
+    ap.add_argument("--rows", default="1,4,16", help="verify surface rows")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="verify surface tokens")
+    ap.add_argument("--json", type=Path, help="also write the report here")
+    args = ap.parse_args(argv)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    dtype_name = args.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_name)
+    torch.set_grad_enabled(False)
+    model, model_name = build_model(args.model_config, args.model, str(device), dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(vocab, (64,), generator=gen).tolist()
+    problems = read_log(args.log, args.problems, args.max_tokens)
+
+    def progress(what: str) -> None:
+        print(f"[device] {what}", file=sys.stderr, flush=True)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict = {
+        "device": f"{name} ({device.type})",
+        "model": model_name,
+        "dtype": dtype_name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "host": os.uname().nodename,
+        "load_average": os.getloadavg()[0],
+    }
+    progress(f"{report['device']}, {model_name} in {dtype_name}: bandwidth")
+    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
+    report["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    report["bandwidth_bound_tokens_per_s"] = round(bandwidth / weight_bytes(model), 1)
+    progress("plain decoding, ours and model.generate (interleaved)")
+    ours, hf = [], []
+    for _ in range(2):
+        ours.append(plain_speed(model, prompt, args.new_tokens))
+        hf.append(hf_speed(model, prompt, args.new_tokens))
+    report["plain_tokens_per_s"] = round(max(ours), 2)
+    report["hf_generate_tokens_per_s"] = round(max(hf), 2)
+    report["plain_share_of_bound"] = round(max(ours) / report["bandwidth_bound_tokens_per_s"], 3)
+    progress("verify cost surface")
+    rows = [int(x) for x in args.rows.split(",")]
+    tokens = [int(x) for x in args.tokens.split(",")]
+    report["verify_cost_ms"] = verify_surface(model, rows, tokens, 512)
+    progress(f"timing replay of {len(problems)} logged problems, best-of-N per batch")
+    replay = {m: timing_replay(model, m, problems, args.max_nodes) for m in METHODS}
+    report["replay"] = replay
+    n = max(len(p.responses) for p in problems)
+    length = round(statistics.mean(len(r) for p in problems for r in p.responses))
+    report["hf_n16_tokens_per_s"] = round(hf_speed(model, problems[0].prompt_ids, length, n), 2)
+    for m in METHODS:
+        replay[m]["vs_hf_n16"] = round(replay[m]["tokens_per_s"] / report["hf_n16_tokens_per_s"], 3)
+    progress("greedy speculative vs plain output")
+    prompts = [p.prompt_ids for p in problems]
+    mismatch = {dtype_name: greedy_mismatch(model, prompts, 64)}
+    if dtype != torch.float32:
+        mismatch["float32"] = greedy_mismatch(model.float(), prompts, 64)
+    report["greedy_mismatch"] = mismatch
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
