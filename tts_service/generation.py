@@ -126,7 +126,9 @@ class Generator:
             model = self.loaded.model
             max_tokens = 4096 if model.device.type == "cuda" else 128
             self._batch_costs[max_rows] = CostModel(
-                lambda n: measure_batch_cost(model, n, max_rows, max_tokens),
+                lambda n: measure_batch_cost(
+                    model, n, max_rows, max_tokens, cuda_graphs=self.loaded.cuda_graphs
+                ),
                 getattr(model.config, "max_position_embeddings", None),
             )
         return self._batch_costs[max_rows].at(context_len)

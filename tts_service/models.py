@@ -53,6 +53,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     name: str
+    cuda_graphs: bool = True  # capture verify forwards on a CUDA device (engine/graphs.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -200,6 +201,7 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         device=device,
         dtype=dtype,
         name=cfg.name,
+        cuda_graphs=cfg.cuda_graphs,
     )
 
 

@@ -180,7 +180,12 @@ class TrajectoryRunner:
         self.speculation = speculation
         self.token_budget = token_budget
         gen = generator
-        self.decoder = BatchDecoder(gen.loaded.model, gen.loaded.eos_token_ids, gen.decode)
+        self.decoder = BatchDecoder(
+            gen.loaded.model,
+            gen.loaded.eos_token_ids,
+            gen.decode,
+            cuda_graphs=gen.loaded.cuda_graphs,
+        )
         self.queue: deque[tuple[Submission, TrajectoryRequest]] = deque()
         self.start = time.perf_counter()
 

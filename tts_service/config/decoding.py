@@ -44,6 +44,11 @@ class ModelConfig(StrictConfig):
         description="Shard over the visible GPUs (device_map='auto') within these per-device "
         "budgets, e.g. {'0': '70GiB', '1': '70GiB', 'cpu': '0GiB'}; set by the placement plan.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On a CUDA device, capture the verify forward as CUDA graphs per (rows, "
+        "tokens) bucket (engine/graphs.py); a capture that fails falls back to eager.",
+    )
     tune_matmul: bool = Field(
         True,
         description="On a CPU, time both matrix products of every linear layer shape at load "
