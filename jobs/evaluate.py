@@ -1,14 +1,18 @@
 """Accuracy and speed on AIME-2024, GPQA-Diamond and LiveCodeBench, as a Ray Job entrypoint (or
 a plain local run), or of any OpenAI-compatible server.
 
-    python -m jobs.evaluate --tasks aime24,gpqa_diamond,lcb --n 16 --method stand \\
-        --out results/eval [--data hub|fixtures | --data-files F ...] [--release release_v5] \\
-        [--limit K] [--log-samples] [--config configs/best_of_16.yaml] [--set key=value ...] \\
-        [--test-timeout 6] [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
+    python -m jobs.evaluate --tasks aime24,gpqa_diamond,lcb --n 16 --method plain,stand \\
+        --out results/eval [--round-items K] [--data hub|fixtures | --data-files F ...] \\
+        [--release release_v5] [--limit K] [--log-samples] [--config configs/best_of_16.yaml] \\
+        [--set key=value ...] [--test-timeout 6] \\
+        [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
 
 `--tasks` takes one or more names, comma-separated (lm-eval's `gpqa_diamond` is `gpqa`).
-`--method` is any name in `tts_service.drafters.methods.METHODS` (default stand); `auto` runs,
-and names the run after, the method it resolves to on the model's device. With `--endpoint`,
+`--method` is one or more names in `tts_service.drafters.methods.METHODS` (default stand);
+`auto` runs, and names the run after, the method it resolves to on the model's device. Several
+methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
+alternates, so that their speeds are measured under the same conditions: the report divides
+tokens/s only between runs of one invocation. With `--endpoint`,
 the trajectories come from that server's chat completions (`n` choices per item) instead of
 this service's actors, and the run is named `endpoint`.
 
@@ -70,6 +74,7 @@ class EvalJob:
     log_samples: bool = False
     endpoint: Endpoint | None = None
     concurrent: int = 4  # requests in flight at the endpoint
+    round_items: int | None = None  # items per interleaving round (None: all in one)
 
     @property
     def run_dir(self) -> Path:
@@ -90,12 +95,26 @@ def _tasks(value: str) -> list[TaskName]:
     return list(dict.fromkeys(names))  # type: ignore[arg-type]
 
 
+def _methods(value: str) -> list[str]:
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHOD_NAMES]
+    if bad or not names:
+        known = ", ".join(METHOD_NAMES)
+        raise argparse.ArgumentTypeError(f"unknown method {', '.join(bad) or value!r} ({known})")
+    return list(dict.fromkeys(names))
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = _Parser(prog="jobs.evaluate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument(
         "--tasks", "--task", required=True, type=_tasks, help="comma-separated: aime24,gpqa,lcb"
     )
-    ap.add_argument("--method", choices=METHOD_NAMES, default="stand", help="default stand")
+    ap.add_argument(
+        "--method", type=_methods, default=["stand"], help="comma-separated (default stand)"
+    )
+    ap.add_argument(
+        "--round-items", type=int, help="items per interleaving round of several methods"
+    )
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
     ap.add_argument("--out", required=True, help="runs and the report go here")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
@@ -114,15 +133,15 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _flags(args: argparse.Namespace):
-    """--method and --n as changes to the preset (a --set still wins over them). The preset's
+def _flags(args: argparse.Namespace, method: str):
+    """`method` and --n as changes to the preset (a --set still wins over them). The preset's
     drafter fields are kept when the method has the same drafter kind."""
 
     def update(data: dict) -> dict:
         preset = dict(data.get("drafter") or {})
         kind = preset.pop("kind", None)
         device = (data.get("model") or {}).get("device", "auto")
-        data["drafter"] = method_drafter(args.method, {kind: preset} if kind else {}, device)
+        data["drafter"] = method_drafter(method, {kind: preset} if kind else {}, device)
         if args.n is not None:
             data["n"] = args.n
         return data
@@ -148,71 +167,84 @@ def _endpoint(args: argparse.Namespace) -> Endpoint | None:
         return None
     if not args.endpoint.startswith(("http://", "https://")):
         raise JobInputError(f"--endpoint: expected http(s)://host:port/v1, got {args.endpoint!r}")
+    if len(args.method) > 1:
+        raise JobInputError("--method: the endpoint's server decides the method; give one")
     if args.concurrent < 1:
         raise JobInputError(f"--concurrent: must be >= 1, got {args.concurrent}")
     return Endpoint(args.endpoint, args.api_key)
 
 
-def parse(argv: list[str] | None) -> list[EvalJob]:
-    """Parse and validate everything, the datasets included: one job per task. Raises
-    JobInputError."""
-    args = _arguments(argv)
-    cfg = load_config(args.config, args.set, _flags(args))
+def _config(args: argparse.Namespace, method: str) -> tuple[JobConfig, str]:
+    """The validated config of one method, and the method's name as run (`auto` resolved)."""
+    cfg = load_config(args.config, args.set, _flags(args, method))
     if cfg.early_stop:
         raise JobInputError("early_stop: evaluation needs all N trajectories (pass@k, maj@k)")
-    if args.limit is not None and args.limit < 1:
-        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
-    if args.test_timeout <= 0:
-        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
-    method = resolve_method(args.method, cfg.model.device)  # `auto` is named by what it runs
+    method = resolve_method(method, cfg.model.device)  # `auto` is named by what it runs
     if METHODS[method].kind != cfg.drafter.kind:
         raise JobInputError(f"drafter.kind: {cfg.drafter.kind!r} is not --method {method}'s")
+    return cfg, method
+
+
+def parse(argv: list[str] | None) -> list[EvalJob]:
+    """Parse and validate everything, the datasets included: one job per task and method, in
+    task order. Raises JobInputError."""
+    args = _arguments(argv)
+    configs = dict(_config(args, m)[::-1] for m in args.method)  # method -> config
+    if args.limit is not None and args.limit < 1:
+        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
+    if args.round_items is not None and args.round_items < 1:
+        raise JobInputError(f"--round-items: must be >= 1, got {args.round_items}")
+    if args.test_timeout <= 0:
+        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
     source = _source(args)
     endpoint = _endpoint(args)
     release = args.release or DEFAULT_RELEASE
-    model = cfg.model.name
+    model = None  # the endpoint's, when there is one
     if endpoint is not None:
-        method = ENDPOINT_METHOD
+        configs = {ENDPOINT_METHOD: next(iter(configs.values()))}
         try:
             model = endpoint.model()
         except EndpointError as e:
             raise JobInputError(f"--endpoint: {e}") from e
     jobs = []
     for task in args.tasks:
+        first = next(iter(configs.values()))
         try:  # last: the Hub may take a while to answer
             rows = load_rows(task, source, args.data_files, release)
-            items = build_items(task, rows, cfg.sampling.seed)
+            items = build_items(task, rows, first.sampling.seed)
         except DatasetUnavailable as e:
             raise JobInputError(f"--data hub: {e}" if source == "hub" else str(e)) from e
         except ValueError as e:
             raise JobInputError(str(e)) from e
-        run_info = {
-            "task": task,
-            "method": method,
-            "drafter": None if endpoint else cfg.drafter.model_dump(mode="json"),
-            "model": model,
-            "endpoint": endpoint.url if endpoint else None,
-            "n": cfg.n,
-            "sampling": cfg.sampling.model_dump(mode="json"),
-            "chat": cfg.chat,
-            "data": source,
-            "data_files": [str(p) for p in args.data_files or []],
-            "release": release if source == "hub" and task == "lcb" else None,
-        }
-        job = EvalJob(
-            cfg,
-            task,
-            method,
-            items[: args.limit],
-            Path(args.out),
-            run_info,
-            Limits(timeout_s=args.test_timeout),
-            args.log_samples,
-            endpoint,
-            args.concurrent,
-        )
-        _check_resumable(job)
-        jobs.append(job)
+        for method, cfg in configs.items():
+            run_info = {
+                "task": task,
+                "method": method,
+                "drafter": None if endpoint else cfg.drafter.model_dump(mode="json"),
+                "model": model if endpoint else cfg.model.name,
+                "endpoint": endpoint.url if endpoint else None,
+                "n": cfg.n,
+                "sampling": cfg.sampling.model_dump(mode="json"),
+                "chat": cfg.chat,
+                "data": source,
+                "data_files": [str(p) for p in args.data_files or []],
+                "release": release if source == "hub" and task == "lcb" else None,
+            }
+            job = EvalJob(
+                cfg,
+                task,
+                method,
+                items[: args.limit],
+                Path(args.out),
+                run_info,
+                Limits(timeout_s=args.test_timeout),
+                args.log_samples,
+                endpoint,
+                args.concurrent,
+                args.round_items,
+            )
+            _check_resumable(job)
+            jobs.append(job)
     return jobs
 
 
@@ -254,8 +286,23 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_one(job: EvalJob, invocation: str) -> None:
-    """Run what is missing of one task; record this invocation's conditions and speed."""
+def schedule(jobs: list[EvalJob]) -> list[tuple[EvalJob, list[EvalItem]]]:
+    """The order of the work: per task, its items in rounds of `round_items`, every method
+    running each round, the methods' order alternating from round to round (so that none is
+    always measured first, with a warmer machine or a fuller store)."""
+    order = []
+    for task in dict.fromkeys(j.task for j in jobs):
+        group = [j for j in jobs if j.task == task]
+        items = group[0].items
+        size = group[0].round_items or len(items)
+        for r, start in enumerate(range(0, len(items), size)):
+            order += [(j, items[start : start + size]) for j in group[:: -1 if r % 2 else 1]]
+    return order
+
+
+def run_one(job: EvalJob, items: list[EvalItem], invocation: str) -> None:
+    """Run what is missing of `items` (some or all of the job's); record this invocation's
+    conditions and speed as one session in run.json."""
     from actors.pool import ResultsFile
     from tts_service.tasks.grading import grade_item
     from tts_service.tasks.sandbox import protections
@@ -270,9 +317,9 @@ def run_one(job: EvalJob, invocation: str) -> None:
         print(f"[eval] sandbox: {json.dumps(info['sandbox'])}", flush=True)
     graded = ResultsFile(job.run_dir / "items.jsonl", key="id", key_type=str)
     done = {row["id"] for row in graded.load()}
-    todo = {item.id: item for item in job.items if item.id not in done}
+    todo = {item.id: item for item in items if item.id not in done}
     print(
-        f"[eval] {job.task}/{job.method}: {len(job.items)} items, {len(job.items) - len(todo)} "
+        f"[eval] {job.task}/{job.method}: {len(items)} items, {len(items) - len(todo)} "
         f"already graded, {len(todo)} to run, n={job.cfg.n}",
         flush=True,
     )
@@ -346,8 +393,8 @@ def run(jobs: list[EvalJob]) -> list[Path]:
     from tts_service.tasks import report
 
     invocation = uuid.uuid4().hex[:12]
-    for job in jobs:
-        run_one(job, invocation)
+    for job, items in schedule(jobs):
+        run_one(job, items, invocation)
     out = jobs[0].out
     paths = report.write(out)
     for r in json.loads(paths[0].read_text())["runs"] if paths else []:

@@ -78,12 +78,12 @@ def speed(run: dict) -> dict:
 
 
 def versus_plain(run: dict, plain: dict | None) -> dict:
-    """The speed ratio to `plain`, computed only when both were measured in one invocation."""
+    """The speed ratio to `plain`, computed only when every measurement of both was made in one
+    invocation (interleaved: `jobs.evaluate --method plain,...`)."""
     if plain is None or plain is run:
         return {"ratio": None, "basis": "no plain run" if plain is None else "plain itself"}
-    mine, base = measured(run), measured(plain)
-    one = len(mine) == len(base) == 1 and mine[0]["invocation"] == base[0]["invocation"]
-    if not one:
+    invocations = {s["invocation"] for s in (*measured(run), *measured(plain))}
+    if len(invocations) != 1:
         return {"ratio": None, "basis": "cross-run"}
     a, b = run["speed"]["tokens_per_s"], plain["speed"]["tokens_per_s"]
     return {"ratio": round(a / b, 3) if a and b else None, "basis": "same invocation"}

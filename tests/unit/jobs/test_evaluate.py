@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.evaluate import main, parse
+from jobs.evaluate import main, parse, schedule
 from tts_service.drafters.methods import METHOD_NAMES, METHODS, resolve_method
 
 FIXTURES = ["--task", "gpqa", "--data", "fixtures"]
@@ -47,6 +47,11 @@ def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
     _fails(capsys, ["--tasks", "aime24,lcb", "--out", out, "--data-files", "x"], "one task")
     _fails(capsys, [*FIXTURES, "--out", out, "--api-key", "k"], "--api-key", "--endpoint")
     _fails(capsys, [*FIXTURES, "--out", out, "--endpoint", "host:8000"], "http")
+    endpoint = ["--endpoint", "http://127.0.0.1:9/v1"]
+    _fails(capsys, [*FIXTURES, "--out", out, "--method", "plain,stand", *endpoint], "give one")
+    _fails(capsys, [*FIXTURES, "--out", out, *endpoint], "--endpoint", "127.0.0.1:9")
+    _fails(capsys, [*FIXTURES, "--out", out, "--method", "plain,medusa"], "medusa")
+    _fails(capsys, [*FIXTURES, "--out", out, "--round-items", "0"], "--round-items")
     _fails(capsys, ["--task", "lcb", "--out", out, "--data-files", "nope.jsonl"], "no such file")
     assert not (tmp_path / "out").exists()
 
@@ -85,6 +90,24 @@ def test_several_tasks_in_one_run_with_lm_eval_names(tmp_path):
     assert all(j.cfg is jobs[0].cfg and len(j.items) >= 10 for j in jobs)
     (job,) = parse(["--task", "gpqa_diamond", "--data", "fixtures", "--out", str(tmp_path)])
     assert job.task == "gpqa"  # --task is the same option
+
+
+def test_several_methods_run_interleaved_in_rounds_of_alternating_order(tmp_path):
+    argv = [*FIXTURES, "--out", str(tmp_path), "--method", "plain,stand", "--limit", "5"]
+    jobs = parse([*argv, "--round-items", "2"])
+    ids = [i.id for i in jobs[0].items]
+    assert [(j.method, [i.id for i in items]) for j, items in schedule(jobs)] == [
+        ("plain", ids[:2]),
+        ("stand", ids[:2]),
+        ("stand", ids[2:4]),
+        ("plain", ids[2:4]),
+        ("plain", ids[4:]),
+        ("stand", ids[4:]),
+    ]
+    assert [(j.method, len(items)) for j, items in schedule(parse(argv))] == [
+        ("plain", 5),
+        ("stand", 5),
+    ]
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_NAMES))

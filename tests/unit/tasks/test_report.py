@@ -129,3 +129,18 @@ def test_plots_name_model_data_and_items_and_keep_methods_apart(tmp_path):
 
 def test_no_graded_rows_means_no_report(tmp_path):
     assert report.write(tmp_path) == []
+
+
+def test_interleaved_rounds_of_one_invocation_are_compared(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    for method, extra in (
+        ("stand", _session("inv1", 200, 20.0)),
+        ("plain", _session("inv1", 0, 1)),
+    ):
+        run_file = tmp_path / "aime24" / method / "run.json"
+        info = json.loads(run_file.read_text())
+        info["sessions"].append(extra)
+        run_file.write_text(json.dumps(info))
+    stand = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")
+    assert stand["speed"]["tokens_per_s"] == 15.0  # 600 tokens over 40 s
+    assert stand["speed_vs_plain"] == {"ratio": 1.5, "basis": "same invocation"}
