@@ -236,6 +236,9 @@ class Progress:
     the job's summary records, so the two never disagree."""
 
     def __init__(self, num_trajectories: int, num_problems: int) -> None:
+        from tts_service.runner import summarize  # torch: imported once a job runs, not per line
+
+        self.summarize = summarize
         self.start = time.perf_counter()
         self.totals = (num_trajectories, num_problems)
         self.rows: list[GenerationStats] = []
@@ -259,9 +262,7 @@ class Progress:
         self.start = time.perf_counter()
 
     def summary(self) -> dict:
-        from tts_service.runner import summarize  # torch: imported only once a job runs
-
-        return summarize(self.rows, ForwardStats(), time.perf_counter() - self.start)
+        return self.summarize(self.rows, ForwardStats(), time.perf_counter() - self.start)
 
     def trajectory(self, rec: dict) -> None:
         self.rows.append(generation_stats(rec["stats"]))
