@@ -232,14 +232,14 @@ def generation_stats(stats: dict) -> GenerationStats:
 class Progress:
     """Progress of a job's trajectories: a tqdm bar when stderr is a terminal, else one
     `[job] trajectories 12/48 problems 2/12 35.2 tok/s` line per trajectory. tok/s is
-    `runner.summarize()`'s (all new tokens over the elapsed seconds since `begin`), the figure
-    the job's summary records, so the two never disagree."""
+    `runner.summarize()`'s: all new tokens over the seconds from `begin` to the latest
+    trajectory (grading after it is not decoding), the figure the job's summary records."""
 
     def __init__(self, num_trajectories: int, num_problems: int) -> None:
         from tts_service.runner import summarize  # torch: imported once a job runs, not per line
 
         self.summarize = summarize
-        self.start = time.perf_counter()
+        self.start = self.latest = time.perf_counter()
         self.totals = (num_trajectories, num_problems)
         self.rows: list[GenerationStats] = []
         self.problems = 0
@@ -259,13 +259,14 @@ class Progress:
 
     def begin(self) -> None:
         """Start the clock (the models are loaded)."""
-        self.start = time.perf_counter()
+        self.start = self.latest = time.perf_counter()
 
     def summary(self) -> dict:
-        return self.summarize(self.rows, ForwardStats(), time.perf_counter() - self.start)
+        return self.summarize(self.rows, ForwardStats(), self.latest - self.start)
 
     def trajectory(self, rec: dict) -> None:
         self.rows.append(generation_stats(rec["stats"]))
+        self.latest = time.perf_counter()
         rate = self.summary()["tokens_per_s"]
         if self.bar is not None:
             self.bar.set_postfix_str(f"problems {self.problems}/{self.totals[1]} {rate:.1f} tok/s")
