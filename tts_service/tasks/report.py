@@ -219,14 +219,19 @@ MARKERS = "osD^vP*X"
 
 
 def _styles(report: dict) -> dict[str, tuple[str, str, float]]:
-    """One (color, marker, x offset) per method, the same in every panel: the offsets (a few
-    percent of k, on a log axis) keep equal curves of two methods from hiding each other."""
+    """One (color, marker, line width) per method, the same in every panel. Earlier methods
+    draw wider lines, so that a later method's equal curve leaves them visible."""
     methods = sorted({r["method"] for r in report["runs"]})
-    mid = (len(methods) - 1) / 2
     return {
-        m: (f"C{i}", MARKERS[i % len(MARKERS)], 2 ** (0.06 * (i - mid)))
+        m: (f"C{i}", MARKERS[i % len(MARKERS)], 1.5 + 1.5 * (len(methods) - 1 - i))
         for i, m in enumerate(methods)
     }
+
+
+def _shifts(count: int) -> list[float]:
+    """Factors on k (a few percent, on a log axis) that set `count` equal curves side by
+    side, so that their markers and intervals do not hide each other."""
+    return [2 ** (0.05 * (j - (count - 1) / 2)) for j in range(count)]
 
 
 def _pyplot():
@@ -240,7 +245,8 @@ def _pyplot():
 
 def plot_accuracy(report: dict, path: Path) -> None:
     """maj@k (solid, with its interval) and pass@k (dashed, hollow markers) against k, one
-    panel per task; each method has its own color, marker and a small horizontal offset."""
+    panel per task; each method has its own color, marker and line width, and each curve a
+    small horizontal offset."""
     plt = _pyplot()
     styles = _styles(report)
     tasks = sorted({r["task"] for r in report["runs"]})
@@ -248,29 +254,31 @@ def plot_accuracy(report: dict, path: Path) -> None:
     for ax, task in zip(axes[0], tasks, strict=True):
         runs = [x for x in report["runs"] if x["task"] == task]
         ks: set[int] = set()
-        for r in runs:
+        shifts = _shifts(2 * len(runs))
+        for i, r in enumerate(runs):
             c = r["metrics"]["curve"]
-            color, marker, shift = styles[r["method"]]
-            x = [k * shift for k in c["k"]]
+            color, marker, width = styles[r["method"]]
             ks.update(c["k"])
             maj = c["maj@k"]
             ax.errorbar(
-                x,
+                [k * shifts[2 * i] for k in c["k"]],
                 [e["value"] for e in maj],
                 yerr=[[e["value"] - e["low"] for e in maj], [e["high"] - e["value"] for e in maj]],
                 fmt="-",
                 marker=marker,
                 color=color,
+                linewidth=width,
                 capsize=3,
                 label=f"{r['method']} maj@k",
             )
             ax.plot(
-                x,
+                [k * shifts[2 * i + 1] for k in c["k"]],
                 [e["value"] for e in c["pass@k"]],
                 "--",
                 marker=marker,
                 markerfacecolor="none",
                 color=color,
+                linewidth=width,
                 label=f"{r['method']} pass@k",
             )
         ax.set_xscale("log", base=2)

@@ -123,8 +123,10 @@ def test_plots_name_model_data_and_items_and_keep_methods_apart(tmp_path):
     _two_methods(tmp_path, "inv1")
     data = report.build(tmp_path)
     assert report.caption(data["runs"]) == "model tiny; data fixtures; 4 items"
-    styles = report._styles(data)
+    styles = report._styles(data)  # markers and widths differ; every curve has its offset
     assert len({s[1] for s in styles.values()}) == len({s[2] for s in styles.values()}) == 2
+    shifts = report._shifts(4)
+    assert len(set(shifts)) == 4 and shifts == sorted(shifts) and 0.9 < shifts[0] < 1 < shifts[-1]
 
 
 def test_no_graded_rows_means_no_report(tmp_path):
