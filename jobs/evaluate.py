@@ -189,7 +189,10 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
     """Parse and validate everything, the datasets included: one job per task and method, in
     task order. Raises JobInputError."""
     args = _arguments(argv)
-    configs = dict(_config(args, m)[::-1] for m in args.method)  # method -> config
+    configs: dict[str, JobConfig] = {}  # the method as run -> its config
+    for name in args.method:
+        cfg, method = _config(args, name)
+        configs[method] = cfg
     if args.limit is not None and args.limit < 1:
         raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
     if args.round_items is not None and args.round_items < 1:
