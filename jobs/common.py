@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,8 +19,10 @@ from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
+from tqdm import tqdm
 
 from tts_service.config import JobConfig, Problem, load_yaml
+from tts_service.engine.metrics import ForwardStats, GenerationStats
 
 if TYPE_CHECKING:
     from actors.placement import PlacementPlan
@@ -196,9 +199,11 @@ def run_pool(
     job_id: str,
     on_trajectory: Callable[[dict], None] | None = None,
     on_problem: Callable | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> tuple[dict, int]:
     """Start the actors, run every missing trajectory (appended to `trajectories`, the resume
-    point), and return (problem id -> state, retries)."""
+    point), and return (problem id -> state, retries). `on_ready` is called once every model is
+    loaded, before the first trajectory starts (where a speed measurement begins)."""
     from ray.util.placement_group import remove_placement_group
 
     from actors.pool import ResultsFile, TrajectoryPool, close_actors, start_actors
@@ -207,6 +212,8 @@ def run_pool(
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
         try:
             actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
+            if on_ready is not None:
+                on_ready()
             pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
             states = pool.run(problems, on_trajectory, on_problem)
             close_actors(actors)  # while a local-redis server still runs
@@ -216,20 +223,61 @@ def run_pool(
     return states, pool.retries
 
 
+def generation_stats(stats: dict) -> GenerationStats:
+    """A trajectory record's `stats` (`GenerationStats.to_dict()`, or an endpoint's subset)."""
+    names = {f.name for f in dataclasses.fields(GenerationStats)}
+    return GenerationStats(**{k: v for k, v in stats.items() if k in names})
+
+
 class Progress:
-    """`[job] trajectories 12/48 problems 2/12 35.2 tok/s` lines, one per trajectory."""
+    """Progress of a job's trajectories: a tqdm bar when stderr is a terminal, else one
+    `[job] trajectories 12/48 problems 2/12 35.2 tok/s` line per trajectory. tok/s is
+    `runner.summarize()`'s: all new tokens over the seconds from `begin` to the latest
+    trajectory (grading after it is not decoding), the figure the job's summary records."""
 
     def __init__(self, num_trajectories: int, num_problems: int) -> None:
-        self.start = time.perf_counter()
+        from tts_service.runner import summarize  # torch: imported once a job runs, not per line
+
+        self.summarize = summarize
+        self.start = self.latest = time.perf_counter()
         self.totals = (num_trajectories, num_problems)
-        self.trajectories = self.tokens = self.problems = 0
+        self.rows: list[GenerationStats] = []
+        self.problems = 0
+        self.bar = (
+            tqdm(total=num_trajectories, unit="trajectory", file=sys.stderr)
+            if sys.stderr.isatty()
+            else None
+        )
+
+    @property
+    def trajectories(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.new_tokens for r in self.rows)
+
+    def begin(self) -> None:
+        """Start the clock (the models are loaded)."""
+        self.start = self.latest = time.perf_counter()
+
+    def summary(self) -> dict:
+        return self.summarize(self.rows, ForwardStats(), self.latest - self.start)
 
     def trajectory(self, rec: dict) -> None:
-        self.trajectories += 1
-        self.tokens += rec["stats"]["new_tokens"]
-        rate = self.tokens / (time.perf_counter() - self.start)
+        self.rows.append(generation_stats(rec["stats"]))
+        self.latest = time.perf_counter()
+        rate = self.summary()["tokens_per_s"]
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"problems {self.problems}/{self.totals[1]} {rate:.1f} tok/s")
+            self.bar.update()
+            return
         print(
             f"[job] trajectories {self.trajectories}/{self.totals[0]} problems "
             f"{self.problems}/{self.totals[1]} {rate:.1f} tok/s",
             flush=True,
         )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

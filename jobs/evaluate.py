@@ -1,17 +1,27 @@
-"""Accuracy and speed on AIME-2024, GPQA-Diamond or LiveCodeBench, as a Ray Job entrypoint (or
-a plain local run).
+"""Accuracy and speed on AIME-2024, GPQA-Diamond and LiveCodeBench, as a Ray Job entrypoint (or
+a plain local run), or of any OpenAI-compatible server.
 
-    python -m jobs.evaluate --task aime24|gpqa|lcb --n 16 --method stand --out results/eval \\
-        [--data hub|fixtures | --data-files F ...] [--release release_v5] [--limit K] \\
-        [--config configs/best_of_16.yaml] [--set key=value ...] [--test-timeout 6]
+    python -m jobs.evaluate --tasks aime24,gpqa_diamond,lcb --n 16 --method plain,stand \\
+        --out results/eval [--round-items K] [--data hub|fixtures | --data-files F ...] \\
+        [--release release_v5] [--limit K] [--log-samples] [--config configs/best_of_16.yaml] \\
+        [--set key=value ...] [--test-timeout 6] \\
+        [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
 
-`--method` is any name in `tts_service.drafters.methods.METHODS` (default stand); `auto` runs,
-and names the run after, the method it resolves to on the model's device.
+`--tasks` takes one or more names, comma-separated (lm-eval's `gpqa_diamond` is `gpqa`).
+`--method` is one or more names in `tts_service.drafters.methods.METHODS` (default stand);
+`auto` runs, and names the run after, the method it resolves to on the model's device. Several
+methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
+alternates, so that their speeds are measured under the same conditions: the report divides
+tokens/s only between runs of one invocation. With `--endpoint`,
+the trajectories come from that server's chat completions (`n` choices per item) instead of
+this service's actors, and the run is named `endpoint`.
 
-Four steps: parse; validate the config, the method and the dataset (anything wrong exits 2 with
-one line on stderr, before any actor starts); run every item's N trajectories on the generator
-actors; write `<out>/<task>/<method>/items.jsonl`, one graded row per item as it finishes, and
-then the report over every run in `<out>` (`tts_service/tasks/report.py`). A re-run skips
+Four steps: parse; validate the config, the method and the datasets (anything wrong exits 2
+with one line on stderr, before any actor starts); run every item's N trajectories; write
+`<out>/<task>/<method>/items.jsonl`, one graded row per item as it finishes (and, with
+`--log-samples`, `samples.jsonl`: prompt, full text, extracted answer and verdict per
+trajectory), then the report over every run in `<out>` (`tts_service/tasks/report.py`). Each
+invocation adds its time, host, load average and speed to the run's `run.json`. A re-run skips
 graded items and resumes half-done ones from `trajectories.jsonl` in the same directory.
 """
 
@@ -19,7 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -34,17 +49,20 @@ from jobs.common import (
     load_config,
     run_pool,
 )
+from jobs.endpoint import Endpoint, EndpointError
 from tts_service.config import JobConfig, Problem
 from tts_service.drafters.methods import METHOD_NAMES, METHODS, method_drafter, resolve_method
-from tts_service.tasks.items import TASK_NAMES, EvalItem, TaskName
+from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
 from tts_service.tasks.sandbox import Limits
 
+ENDPOINT_METHOD = "endpoint"  # the run name of `--endpoint` runs: the server's method is its own
+
 
 @dataclass(frozen=True)
 class EvalJob:
-    """Everything validated: the run writes into `out / task / method`."""
+    """One task, everything validated: the run writes into `out / task / method`."""
 
     cfg: JobConfig
     task: TaskName
@@ -53,6 +71,10 @@ class EvalJob:
     out: Path
     run_info: dict  # what run.json records; a resumed run must match it
     limits: Limits
+    log_samples: bool = False
+    endpoint: Endpoint | None = None
+    concurrent: int = 4  # requests in flight at the endpoint
+    round_items: int | None = None  # items per interleaving round (None: all in one)
 
     @property
     def run_dir(self) -> Path:
@@ -64,31 +86,62 @@ class _Parser(argparse.ArgumentParser):
         raise JobInputError(message)
 
 
+def _tasks(value: str) -> list[TaskName]:
+    names = [TASK_ALIASES.get(t.strip(), t.strip()) for t in value.split(",") if t.strip()]
+    bad = [t for t in names if t not in TASK_NAMES]
+    if bad or not names:
+        known = ", ".join([*TASK_NAMES, *TASK_ALIASES])
+        raise argparse.ArgumentTypeError(f"unknown task {', '.join(bad) or value!r} ({known})")
+    return list(dict.fromkeys(names))  # type: ignore[arg-type]
+
+
+def _methods(value: str) -> list[str]:
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHOD_NAMES]
+    if bad or not names:
+        known = ", ".join(METHOD_NAMES)
+        raise argparse.ArgumentTypeError(f"unknown method {', '.join(bad) or value!r} ({known})")
+    return list(dict.fromkeys(names))
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="jobs.evaluate", description=__doc__.splitlines()[0])
-    ap.add_argument("--task", required=True, choices=TASK_NAMES)
-    ap.add_argument("--method", choices=METHOD_NAMES, default="stand", help="default stand")
+    ap = _Parser(prog="jobs.evaluate", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument(
+        "--tasks", "--task", required=True, type=_tasks, help="comma-separated: aime24,gpqa,lcb"
+    )
+    ap.add_argument(
+        "--method", type=_methods, default=["stand"], help="comma-separated (default stand)"
+    )
+    ap.add_argument(
+        "--round-items", type=int, help="items per interleaving round of several methods"
+    )
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
     ap.add_argument("--out", required=True, help="runs and the report go here")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
     ap.add_argument("--data-files", nargs="+", type=Path, help="local copies, dataset fields")
     ap.add_argument("--release", help=f"LiveCodeBench release (default {DEFAULT_RELEASE})")
-    ap.add_argument("--limit", type=int, help="only the first K items")
+    ap.add_argument("--limit", type=int, help="only the first K items of each task")
     ap.add_argument("--config", default="configs/best_of_16.yaml")
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument("--test-timeout", type=float, default=6.0, help="seconds per code test")
+    ap.add_argument(
+        "--log-samples", action="store_true", help="write samples.jsonl (every trajectory)"
+    )
+    ap.add_argument("--endpoint", help="an OpenAI-compatible API base, http://host:port/v1")
+    ap.add_argument("--api-key", help="bearer token for --endpoint")
+    ap.add_argument("--concurrent", type=int, default=4, help="requests in flight (--endpoint)")
     return ap.parse_args(argv)
 
 
-def _flags(args: argparse.Namespace):
-    """--method and --n as changes to the preset (a --set still wins over them). The preset's
+def _flags(args: argparse.Namespace, method: str):
+    """`method` and --n as changes to the preset (a --set still wins over them). The preset's
     drafter fields are kept when the method has the same drafter kind."""
 
     def update(data: dict) -> dict:
         preset = dict(data.get("drafter") or {})
         kind = preset.pop("kind", None)
         device = (data.get("model") or {}).get("device", "auto")
-        data["drafter"] = method_drafter(args.method, {kind: preset} if kind else {}, device)
+        data["drafter"] = method_drafter(method, {kind: preset} if kind else {}, device)
         if args.n is not None:
             data["n"] = args.n
         return data
@@ -99,57 +152,103 @@ def _flags(args: argparse.Namespace):
 def _source(args: argparse.Namespace) -> DataSource:
     if args.data_files and args.data:
         raise JobInputError("--data-files: give either --data or --data-files")
+    if args.data_files and len(args.tasks) > 1:
+        raise JobInputError("--data-files: one task at a time")
     source: DataSource = "files" if args.data_files else args.data or "hub"
-    if args.release is not None and (source != "hub" or args.task != "lcb"):
-        raise JobInputError("--release: only for --task lcb with --data hub")
+    if args.release is not None and (source != "hub" or "lcb" not in args.tasks):
+        raise JobInputError("--release: only for the lcb task with --data hub")
     return source
 
 
-def parse(argv: list[str] | None) -> EvalJob:
-    """Parse and validate everything, the dataset included; raises JobInputError."""
-    args = _arguments(argv)
-    cfg = load_config(args.config, args.set, _flags(args))
+def _endpoint(args: argparse.Namespace) -> Endpoint | None:
+    if args.endpoint is None:
+        if args.api_key is not None:
+            raise JobInputError("--api-key: only with --endpoint")
+        return None
+    if not args.endpoint.startswith(("http://", "https://")):
+        raise JobInputError(f"--endpoint: expected http(s)://host:port/v1, got {args.endpoint!r}")
+    if len(args.method) > 1:
+        raise JobInputError("--method: the endpoint's server decides the method; give one")
+    if args.concurrent < 1:
+        raise JobInputError(f"--concurrent: must be >= 1, got {args.concurrent}")
+    return Endpoint(args.endpoint, args.api_key)
+
+
+def _config(args: argparse.Namespace, method: str) -> tuple[JobConfig, str]:
+    """The validated config of one method, and the method's name as run (`auto` resolved)."""
+    cfg = load_config(args.config, args.set, _flags(args, method))
     if cfg.early_stop:
         raise JobInputError("early_stop: evaluation needs all N trajectories (pass@k, maj@k)")
-    if args.limit is not None and args.limit < 1:
-        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
-    if args.test_timeout <= 0:
-        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
-    method = resolve_method(args.method, cfg.model.device)  # `auto` is named by what it runs
+    method = resolve_method(method, cfg.model.device)  # `auto` is named by what it runs
     if METHODS[method].kind != cfg.drafter.kind:
         raise JobInputError(f"drafter.kind: {cfg.drafter.kind!r} is not --method {method}'s")
+    return cfg, method
+
+
+def parse(argv: list[str] | None) -> list[EvalJob]:
+    """Parse and validate everything, the datasets included: one job per task and method, in
+    task order. Raises JobInputError."""
+    args = _arguments(argv)
+    configs: dict[str, JobConfig] = {}  # the method as run -> its config
+    for name in args.method:
+        cfg, method = _config(args, name)
+        configs[method] = cfg
+    if args.limit is not None and args.limit < 1:
+        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
+    if args.round_items is not None and args.round_items < 1:
+        raise JobInputError(f"--round-items: must be >= 1, got {args.round_items}")
+    if args.test_timeout <= 0:
+        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
     source = _source(args)
+    endpoint = _endpoint(args)
     release = args.release or DEFAULT_RELEASE
-    try:  # last: the Hub may take a while to answer
-        rows = load_rows(args.task, source, args.data_files, release)
-        items = build_items(args.task, rows, cfg.sampling.seed)
-    except DatasetUnavailable as e:
-        raise JobInputError(f"--data hub: {e}" if source == "hub" else str(e)) from e
-    except ValueError as e:
-        raise JobInputError(str(e)) from e
-    run_info = {
-        "task": args.task,
-        "method": method,
-        "drafter": cfg.drafter.model_dump(mode="json"),
-        "model": cfg.model.name,
-        "n": cfg.n,
-        "sampling": cfg.sampling.model_dump(mode="json"),
-        "chat": cfg.chat,
-        "data": source,
-        "data_files": [str(p) for p in args.data_files or []],
-        "release": release if source == "hub" and args.task == "lcb" else None,
-    }
-    job = EvalJob(
-        cfg,
-        args.task,
-        method,
-        items[: args.limit],
-        Path(args.out),
-        run_info,
-        Limits(timeout_s=args.test_timeout),
-    )
-    _check_resumable(job)
-    return job
+    model = None  # the endpoint's, when there is one
+    if endpoint is not None:
+        configs = {ENDPOINT_METHOD: next(iter(configs.values()))}
+        try:
+            model = endpoint.model()
+        except EndpointError as e:
+            raise JobInputError(f"--endpoint: {e}") from e
+    jobs = []
+    for task in args.tasks:
+        first = next(iter(configs.values()))
+        try:  # last: the Hub may take a while to answer
+            rows = load_rows(task, source, args.data_files, release)
+            items = build_items(task, rows, first.sampling.seed)
+        except DatasetUnavailable as e:
+            raise JobInputError(f"--data hub: {e}" if source == "hub" else str(e)) from e
+        except ValueError as e:
+            raise JobInputError(str(e)) from e
+        for method, cfg in configs.items():
+            run_info = {
+                "task": task,
+                "method": method,
+                "drafter": None if endpoint else cfg.drafter.model_dump(mode="json"),
+                "model": model if endpoint else cfg.model.name,
+                "endpoint": endpoint.url if endpoint else None,
+                "n": cfg.n,
+                "sampling": cfg.sampling.model_dump(mode="json"),
+                "chat": cfg.chat,
+                "data": source,
+                "data_files": [str(p) for p in args.data_files or []],
+                "release": release if source == "hub" and task == "lcb" else None,
+            }
+            job = EvalJob(
+                cfg,
+                task,
+                method,
+                items[: args.limit],
+                Path(args.out),
+                run_info,
+                Limits(timeout_s=args.test_timeout),
+                args.log_samples,
+                endpoint,
+                args.concurrent,
+                args.round_items,
+            )
+            _check_resumable(job)
+            jobs.append(job)
+    return jobs
 
 
 def _check_resumable(job: EvalJob) -> None:
@@ -166,61 +265,152 @@ def _check_resumable(job: EvalJob) -> None:
         )
 
 
-def run(job: EvalJob) -> list[Path]:
-    """Run what is missing, then write the report; returns the report's paths."""
+def _samples(item: EvalItem, records: list[dict], row: dict) -> list[dict]:
+    """`--log-samples` lines: what was asked, what came back, and how it was graded."""
+    by_index = {r["index"]: r for r in records}
+    return [
+        {
+            "id": item.id,
+            "task": item.task,
+            "index": t["index"],
+            "prompt": item.prompt,
+            "text": by_index[t["index"]]["text"],
+            "finish_reason": t["finish_reason"],
+            "answer": t["answer"],
+            "reference": item.answer,
+            "correct": t["correct"],
+            **({"tests": t["tests"]} if "tests" in t else {}),
+        }
+        for t in row["trajectories"]
+    ]
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def schedule(jobs: list[EvalJob]) -> list[tuple[EvalJob, list[EvalItem]]]:
+    """The order of the work: per task, its items in rounds of `round_items`, every method
+    running each round, the methods' order alternating from round to round (so that none is
+    always measured first, with a warmer machine or a fuller store)."""
+    order = []
+    for task in dict.fromkeys(j.task for j in jobs):
+        group = [j for j in jobs if j.task == task]
+        items = group[0].items
+        size = group[0].round_items or len(items)
+        for r, start in enumerate(range(0, len(items), size)):
+            order += [(j, items[start : start + size]) for j in group[:: -1 if r % 2 else 1]]
+    return order
+
+
+def run_one(job: EvalJob, items: list[EvalItem], invocation: str) -> None:
+    """Run what is missing of `items` (some or all of the job's); record this invocation's
+    conditions and speed as one session in run.json."""
     from actors.pool import ResultsFile
-    from tts_service.tasks import report
     from tts_service.tasks.grading import grade_item
     from tts_service.tasks.sandbox import protections
 
     job.run_dir.mkdir(parents=True, exist_ok=True)
+    run_file = job.run_dir / "run.json"
+    before = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
     info = dict(job.run_info, sandbox=protections() if job.task == "lcb" else None)
-    (job.run_dir / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+    info["sessions"] = before.get("sessions", [])
+    run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
     if info["sandbox"]:
         print(f"[eval] sandbox: {json.dumps(info['sandbox'])}", flush=True)
     graded = ResultsFile(job.run_dir / "items.jsonl", key="id", key_type=str)
     done = {row["id"] for row in graded.load()}
-    todo = {item.id: item for item in job.items if item.id not in done}
+    todo = {item.id: item for item in items if item.id not in done}
     print(
-        f"[eval] {job.task}/{job.method}: {len(job.items)} items, {len(job.items) - len(todo)} "
+        f"[eval] {job.task}/{job.method}: {len(items)} items, {len(items) - len(todo)} "
         f"already graded, {len(todo)} to run, n={job.cfg.n}",
         flush=True,
     )
-    if todo:
+    session = {
+        "invocation": invocation,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "loadavg_start": _load(),
+    }
+    progress = Progress(job.cfg.n * len(todo), len(todo))
+
+    def on_problem(item_id: str, records: list[dict]) -> None:
+        progress.problems += 1
+        item = todo[item_id]
+        row = grade_item(item, records, job.limits)
+        graded.append(row)
+        if job.log_samples:
+            with (job.run_dir / "samples.jsonl").open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(s) + "\n" for s in _samples(item, records, row))
+        print(
+            f"[eval] item {row['id']}: {sum(row['correct'])}/{len(row['correct'])} correct, "
+            f"vote {'correct' if row['maj_correct'][str(job.cfg.n)] else 'wrong'}",
+            flush=True,
+        )
+
+    if todo and job.endpoint is not None:
+        _run_endpoint(job, list(todo.values()), progress, on_problem)
+    elif todo:
         init_ray(job.cfg)
-        progress = Progress(job.cfg.n * len(todo), len(todo))
-
-        def on_problem(state) -> None:
-            progress.problems += 1
-            row = grade_item(todo[state.problem.id], list(state.records.values()), job.limits)
-            graded.append(row)
-            print(
-                f"[eval] item {row['id']}: {sum(row['correct'])}/{len(row['correct'])} correct, "
-                f"vote {'correct' if row['maj_correct'][str(job.cfg.n)] else 'wrong'}",
-                flush=True,
-            )
-
         problems = [
             Problem(id=i.id, question=i.prompt, task=i.answer_kind, answer=i.answer)
             for i in todo.values()
         ]
-        trajectories = job.run_dir / "trajectories.jsonl"
         run_pool(
             job.cfg,
             problems,
-            trajectories,
+            job.run_dir / "trajectories.jsonl",
             job_id_for(job.run_dir),
             progress.trajectory,
-            on_problem,
+            lambda state: on_problem(state.problem.id, list(state.records.values())),
+            progress.begin,
         )
-    paths = report.write(job.out)
-    for run_info in json.loads(paths[0].read_text())["runs"] if paths else []:
-        m = run_info["metrics"]
+    progress.close()
+    speed = progress.summary()
+    session |= {k: speed[k] for k in ("new_tokens", "wall_s", "tokens_per_s")}
+    session["loadavg_end"] = _load()
+    info["sessions"].append(session)
+    run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
+
+
+def _run_endpoint(job: EvalJob, items: list[EvalItem], progress: Progress, on_problem) -> None:
+    """Every item's n choices from the endpoint, `concurrent` requests at a time; graded here
+    as each answer arrives."""
+    assert job.endpoint is not None
+    model, sampling = job.run_info["model"], job.cfg.sampling
+    progress.begin()
+    with ThreadPoolExecutor(job.concurrent) as pool:
+        futures = {
+            pool.submit(job.endpoint.trajectories, model, i.prompt, job.cfg.n, sampling, i.id): i
+            for i in items
+        }
+        for future in as_completed(futures):
+            records = future.result()
+            for rec in records:
+                progress.trajectory(rec)
+            on_problem(futures[future].id, records)
+
+
+def run(jobs: list[EvalJob]) -> list[Path]:
+    """Run what is missing of every task, then write the report; returns the report's paths."""
+    from tts_service.tasks import report
+
+    invocation = uuid.uuid4().hex[:12]
+    for job, items in schedule(jobs):
+        run_one(job, items, invocation)
+    out = jobs[0].out
+    paths = report.write(out)
+    for r in json.loads(paths[0].read_text())["runs"] if paths else []:
+        m, tps, acc = r["metrics"], r["speed"]["tokens_per_s"], r["metrics"]["acceptance_length"]
+        tps_text = f"{tps:.1f}" if tps else "-"
+        acc_text = f"{acc['value']:.2f}" if acc else "-"
         print(
-            f"[eval] {run_info['task']}/{run_info['method']}: items {m['items']} "
+            f"[eval] {r['task']}/{r['method']}: items {m['items']} "
             f"pass@1 {m['pass@1']['value']:.3f} maj@{m['n']} {m['maj@n']['value']:.3f} "
-            f"pass@{m['n']} {m['pass@n']['value']:.3f} tokens/s {m['tokens_per_s']['value']:.1f} "
-            f"acceptance length {m['acceptance_length']['value']:.2f}",
+            f"pass@{m['n']} {m['pass@n']['value']:.3f} "
+            f"no answer {m['no_answer_rate']['value']:.3f} "
+            f"truncated {m['truncation_rate']['value']:.3f} "
+            f"tokens/s {tps_text} acceptance length {acc_text}",
             flush=True,
         )
     print(f"[eval] report: {', '.join(str(p) for p in paths)}", flush=True)
@@ -233,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     except (JobInputError, PlacementError) as e:
         print(f"jobs.evaluate: error: {e}", file=sys.stderr)
         return 2
+    except EndpointError as e:
+        print(f"jobs.evaluate: endpoint failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,5 +1,6 @@
 """`jobs.evaluate` end to end on the shipped fixtures with a tiny model over a local Ray: the
-report files appear, methods are compared, and a re-run resumes instead of redoing work."""
+report files appear, methods run interleaved in one invocation are compared, a re-run resumes
+instead of redoing work, and a running Serve app is evaluated through its OpenAI API."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from jobs.evaluate import main
 pytestmark = pytest.mark.slow
 
 
-def _run(out: Path, model_dir: Path, task: str, method: str, limit: int = 2) -> None:
+def _run(out: Path, model_dir: Path, task: str, method: str, limit: int = 2, *extra) -> None:
     argv = [
-        "--task",
+        *extra,
+        "--tasks",
         task,
         "--data",
         "fixtures",
@@ -51,8 +53,7 @@ def _lines(path: Path) -> list[str]:
 
 def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_dir, tmp_path):
     out = tmp_path / "eval"
-    _run(out, tiny_model_dir, "aime24", "stand")
-    _run(out, tiny_model_dir, "aime24", "plain")
+    _run(out, tiny_model_dir, "aime24", "plain,stand", 2, "--round-items", "1", "--log-samples")
     _run(out, tiny_model_dir, "lcb", "stand")
     for name in ("report.json", "report.md", "accuracy_vs_n.png", "speed.png"):
         assert (out / name).stat().st_size > 0, name
@@ -60,7 +61,21 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     runs = {(r["task"], r["method"]): r for r in report["runs"]}
     assert set(runs) == {("aime24", "stand"), ("aime24", "plain"), ("lcb", "stand")}
     assert runs[("aime24", "plain")]["metrics"]["acceptance_length"]["value"] == 1.0
-    assert runs[("aime24", "stand")]["speedup_vs_plain"] is not None
+    versus = runs[("aime24", "stand")]["speed_vs_plain"]
+    assert versus["basis"] == "same invocation" and versus["ratio"] > 0
+    sessions = runs[("aime24", "stand")]["speed"]["sessions"]
+    assert len(sessions) == 2 and len({s["invocation"] for s in sessions}) == 1  # two rounds
+    assert all(s["host"] and len(s["loadavg_start"]) == 3 for s in sessions)
+    for key in ("no_answer_rate", "truncation_rate"):
+        assert 0 <= runs[("aime24", "stand")]["metrics"][key]["value"] <= 1
+    samples = [json.loads(x) for x in _lines(out / "aime24" / "stand" / "samples.jsonl")]
+    assert sorted((s["id"], s["index"]) for s in samples) == [
+        ("1", 0),
+        ("1", 1),
+        ("2", 0),
+        ("2", 1),
+    ]
+    assert all(s["prompt"] and "text" in s and "answer" in s and "correct" in s for s in samples)
     assert report["sandbox"]["kill_on_timeout"]
     stand = out / "aime24" / "stand"
     rows = [json.loads(line) for line in _lines(stand / "items.jsonl")]
@@ -80,6 +95,10 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     after = _lines(stand / "trajectories.jsonl")
     assert after[:3] == kept and len(after) == 4  # one trajectory redone, none doubled
     assert [json.loads(r)["id"] for r in _lines(stand / "items.jsonl")] == ["1", "2"]  # 1 kept
+    report = json.loads((out / "report.json").read_text())
+    stand_run = next(r for r in report["runs"] if r["method"] == "stand" and r["task"] == "aime24")
+    assert stand_run["speed_vs_plain"] == {"ratio": None, "basis": "cross-run"}  # resumed apart
+    assert "cross-run: not compared" in (out / "report.md").read_text()
 
     # a finished run is not redone; a larger --limit runs only the new item
     _run(out, tiny_model_dir, "aime24", "stand")
@@ -88,3 +107,47 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     assert (
         len(_lines(stand / "items.jsonl")) == 3 and len(_lines(stand / "trajectories.jsonl")) == 6
     )
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_local, tiny_model_dir):
+    """A Serve app of `tts serve`'s build on the local Ray, over real HTTP."""
+    from ray import serve
+
+    from store.local_server import free_port
+    from tts_service.config import ServeConfig
+    from tts_service.serve.app import build_app
+
+    port = free_port()
+    cfg = ServeConfig(
+        model={"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"},
+        served_model_name="tiny-served",
+        cpus_per_replica=0.5,
+        max_tokens_cap=64,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="tts-eval", route_prefix="/")
+    yield f"http://127.0.0.1:{port}/v1"
+    serve.delete("tts-eval")
+    serve.shutdown()
+
+
+def test_a_running_serve_app_is_evaluated_over_its_openai_api(serve_app, tmp_path):
+    out = tmp_path / "eval"
+    argv = ["--tasks", "aime24,gpqa_diamond", "--data", "fixtures", "--n", "2", "--limit", "2"]
+    argv += ["--endpoint", serve_app, "--log-samples", "--out", str(out)]
+    assert main([*argv, "--set", "sampling.max_new_tokens=8"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    runs = {(r["task"], r["method"]): r for r in report["runs"]}
+    assert set(runs) == {("aime24", "endpoint"), ("gpqa", "endpoint")}
+    for run in runs.values():
+        assert run["model"] == "tiny-served" and run["endpoint"] == serve_app
+        assert run["metrics"]["items"] == 2 and run["metrics"]["acceptance_length"] is None
+        assert run["metrics"]["truncation_rate"]["value"] > 0.5  # 8 tokens rarely finish
+        assert run["speed"]["tokens_per_s"] > 0
+        samples = _lines(out / run["task"] / "endpoint" / "samples.jsonl")
+        assert len(samples) == 4 and all(
+            json.loads(x)["finish_reason"] == "length" for x in samples
+        )
+    md = (out / "report.md").read_text()
+    assert f"generated by endpoint {serve_app}" in md and "| endpoint | 2 | 2 |" in md

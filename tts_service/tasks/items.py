@@ -14,6 +14,8 @@ from tts_service.aggregate import Task
 
 TaskName = Literal["aime24", "gpqa", "lcb"]
 TASK_NAMES: tuple[TaskName, ...] = ("aime24", "gpqa", "lcb")
+TASK_ALIASES: dict[str, TaskName] = {"gpqa_diamond": "gpqa", "livecodebench": "lcb"}
+"""lm-eval / lighteval spellings `--tasks` also accepts."""
 
 ANSWER_KIND: dict[TaskName, Task] = {"aime24": "math", "gpqa": "choice", "lcb": "code"}
 """How `tts_service.aggregate` extracts and votes on each task's answers."""

@@ -1,4 +1,4 @@
-"""Accuracy and speed of one (task, method) run, with bootstrap confidence intervals.
+"""Accuracy of one (task, method) run, with bootstrap confidence intervals.
 
 Definitions (each item has N trajectories, in index order):
 - pass@1: the fraction of an item's trajectories that are correct, averaged over items.
@@ -6,13 +6,17 @@ Definitions (each item has N trajectories, in index order):
   trajectories; pass@N is "any trajectory correct".
 - maj@k: the majority vote of the item's first k trajectories is correct (votes by equivalence
   class, as `aggregate.majority_vote`; for code, by normalised program). maj@N uses all N.
-- tokens/s: generated tokens over decoding seconds, summed over trajectories. A trajectory's
-  seconds are its own latency in the runner's batch (join to finish), so this is the speed one
-  trajectory sees, not the run's throughput (the job's summary.json has that).
 - acceptance length: committed tokens per target forward, bonus token included (1.0 is plain).
+- no-answer rate: the fraction of an item's trajectories with no extractable answer, averaged
+  over items; truncation rate: likewise for trajectories stopped by the token limit
+  (finish_reason `length`). A score of 0 with either near 1 says the budget or the prompt is
+  wrong, not the model.
 
-Intervals are percentile bootstraps over items (resampled with replacement, seeded), so they
-reflect which questions happened to be asked, the dominant source of noise on 30-200 items.
+Speed (tokens/s) is not a per-item metric: it is the run's `runner.summarize()` figure, all new
+tokens over the real elapsed time, recorded per invocation by the job (`report.py`).
+
+Intervals are percentile bootstraps over items (`scipy.stats.bootstrap`, seeded), so they reflect
+which questions happened to be asked, the dominant source of noise on 30-200 items.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from math import comb
 
 import numpy as np
+from scipy.stats import bootstrap
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,9 @@ class ItemOutcome:
     correct: tuple[bool, ...]  # [N] per trajectory, index order
     maj_correct: dict[int, bool]  # k -> the vote of the first k trajectories is correct
     new_tokens: int
-    target_forwards: int
-    wall_s: float
+    target_forwards: int  # 0 when unknown (an OpenAI-compatible endpoint)
+    no_answer: int = 0  # trajectories with no extracted answer
+    truncated: int = 0  # trajectories stopped by the token limit (finish_reason "length")
 
 
 @dataclass(frozen=True)
@@ -64,18 +70,29 @@ def ks_for(n: int) -> list[int]:
     return [*ks, n]
 
 
-def _bootstrap(per_item: np.ndarray, weights: np.ndarray | None, idx: np.ndarray, conf: float):
-    """Point value and percentile interval of a mean (or a ratio of sums, with weights)."""
-    if weights is None:
-        point = float(per_item.mean())
-        samples = per_item[idx].mean(axis=1)
-    else:
-        point = float(per_item.sum() / weights.sum()) if weights.sum() else 0.0
-        den = weights[idx].sum(axis=1)
-        samples = np.divide(per_item[idx].sum(axis=1), den, out=np.zeros(len(den)), where=den > 0)
-    tail = (1 - conf) / 2 * 100
-    low, high = np.percentile(samples, [tail, 100 - tail])
-    return Estimate(round(point, 4), round(float(low), 4), round(float(high), 4))
+def _ratio(tokens: np.ndarray, forwards: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Sum over sum, item-paired (a ratio of totals, not a mean of per-item ratios)."""
+    den = forwards.sum(axis=axis)
+    num = tokens.sum(axis=axis)
+    return np.divide(num, den, out=np.zeros(np.shape(num)), where=den > 0)
+
+
+def _estimate(samples: tuple[np.ndarray, ...], statistic, resamples: int, conf: float, seed: int):
+    """Point value and percentile bootstrap interval over items (one item: no interval)."""
+    point = float(statistic(*samples, axis=-1))
+    if len(samples[0]) < 2:
+        return Estimate(round(point, 4), round(point, 4), round(point, 4))
+    ci = bootstrap(
+        samples,
+        statistic,
+        paired=True,
+        vectorized=True,
+        n_resamples=resamples,
+        confidence_level=conf,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    ).confidence_interval
+    return Estimate(round(point, 4), round(float(ci.low), 4), round(float(ci.high), 4))
 
 
 def summarize(
@@ -91,28 +108,38 @@ def summarize(
     n = len(outcomes[0].correct)
     if n == 0 or any(len(o.correct) != n for o in outcomes):
         raise ValueError("every item needs the same number (>= 1) of trajectories")
-    idx = np.random.default_rng(seed).integers(0, len(outcomes), size=(resamples, len(outcomes)))
     counts = np.array([sum(o.correct) for o in outcomes])
 
-    def est(values, weights=None) -> Estimate:
-        return _bootstrap(np.asarray(values, dtype=float), weights, idx, confidence)
+    def est(values) -> dict:
+        arr = np.asarray(values, dtype=float)
+        return _estimate((arr,), np.mean, resamples, confidence, seed).to_dict()
 
     curve: dict[str, list] = {"k": ks_for(n), "pass@k": [], "maj@k": []}
     for k in curve["k"]:
-        curve["pass@k"].append(est([pass_at_k(n, c, k) for c in counts]).to_dict())
-        curve["maj@k"].append(est([o.maj_correct[k] for o in outcomes]).to_dict())
+        curve["pass@k"].append(est([pass_at_k(n, c, k) for c in counts]))
+        curve["maj@k"].append(est([o.maj_correct[k] for o in outcomes]))
     tokens = np.array([o.new_tokens for o in outcomes], dtype=float)
+    forwards = np.array([o.target_forwards for o in outcomes], dtype=float)
+    acceptance = (
+        _estimate((tokens, forwards), _ratio, resamples, confidence, seed).to_dict()
+        if forwards.any()
+        else None  # unknown: the trajectories came from an endpoint
+    )
     return {
         "items": len(outcomes),
         "n": n,
-        "pass@1": est(counts / n).to_dict(),
-        "maj@n": est([o.maj_correct[n] for o in outcomes]).to_dict(),
-        "pass@n": est(counts > 0).to_dict(),
-        "tokens_per_s": est(tokens, np.array([o.wall_s for o in outcomes])).to_dict(),
-        "acceptance_length": est(
-            tokens, np.array([o.target_forwards for o in outcomes], dtype=float)
-        ).to_dict(),
+        "pass@1": est(counts / n),
+        "maj@n": est([o.maj_correct[n] for o in outcomes]),
+        "pass@n": est(counts > 0),
+        "no_answer_rate": est([o.no_answer / n for o in outcomes]),
+        "truncation_rate": est([o.truncated / n for o in outcomes]),
+        "acceptance_length": acceptance,
         "new_tokens": int(tokens.sum()),
         "curve": curve,
-        "bootstrap": {"resamples": resamples, "confidence": confidence, "seed": seed},
+        "bootstrap": {
+            "method": "percentile",
+            "resamples": resamples,
+            "confidence": confidence,
+            "seed": seed,
+        },
     }

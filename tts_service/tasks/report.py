@@ -1,10 +1,12 @@
 """The evaluation report over every run in an output directory: JSON, Markdown and PNG plots.
 
-A run is `<out>/<task>/<method>/` with `run.json` (what was asked) and `items.jsonl` (one graded
-row per item). Runs of several methods in one directory are compared: the tables put them side
-by side and give each method's tokens/s as a ratio to plain decoding's on the same task, when
-a plain run is there. Written: `report.json`, `report.md`, `accuracy_vs_n.png` (maj@k and pass@k
-against k per task) and `speed.png` (tokens/s and acceptance length per method).
+A run is `<out>/<task>/<method>/` with `run.json` (what was asked, and one `sessions` entry per
+invocation that ran it: when, on which host, under what load, and its speed) and `items.jsonl`
+(one graded row per item). Runs of several methods in one directory are compared side by side.
+A speed ratio to plain decoding is given only when both runs were measured in one invocation;
+runs measured apart (another time, host or load) are listed with those conditions and never
+divided. Written: `report.json`, `report.md`, `accuracy_vs_n.png` (maj@k and pass@k against k
+per task) and `speed.png` (tokens/s and acceptance length per method).
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ DEFINITIONS = {
     "pass@N": "at least one of the N trajectories is correct",
     "pass@k": "unbiased estimator 1 - C(N-c,k)/C(N,k) (Chen et al. 2021)",
     "maj@k": "majority vote of the first k trajectories is correct",
-    "tokens_per_s": "generated tokens / decoding seconds, summed over trajectories",
+    "no_answer_rate": "fraction of trajectories with no extractable answer, averaged over items",
+    "truncation_rate": "fraction of trajectories stopped by the token limit (finish_reason "
+    "length), averaged over items",
+    "tokens_per_s": "all new tokens over the real elapsed seconds of the run's invocations "
+    "(runner.summarize), the same figure as the progress lines",
+    "speed_vs_plain": "tokens/s over plain's on the same task, only when both were measured in "
+    "one invocation; otherwise cross-run and not computed",
     "acceptance_length": "committed tokens per target forward, bonus token included",
-    "intervals": "95% percentile bootstrap over items, 1000 resamples, seed 0",
+    "intervals": "95% percentile bootstrap over items (scipy.stats.bootstrap), 1000 "
+    "resamples, seed 0",
 }
 
 
@@ -44,14 +53,40 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def outcome(row: dict) -> ItemOutcome:
-    stats = row["stats"]
+    stats, trajectories = row["stats"], row.get("trajectories", [])
     return ItemOutcome(
         correct=tuple(row["correct"]),
         maj_correct={int(k): v for k, v in row["maj_correct"].items()},
         new_tokens=stats["new_tokens"],
         target_forwards=stats["target_forwards"],
-        wall_s=stats["wall_s"],
+        no_answer=sum(t["answer"] is None for t in trajectories),
+        truncated=sum(t["finish_reason"] == "length" for t in trajectories),
     )
+
+
+def measured(run: dict) -> list[dict]:
+    """The run's invocations that generated anything (a resume of a finished run does not)."""
+    return [s for s in run.get("sessions", []) if s["new_tokens"] > 0]
+
+
+def speed(run: dict) -> dict:
+    """tokens/s over every measuring invocation: summed new tokens over summed elapsed s."""
+    sessions = measured(run)
+    tokens = sum(s["new_tokens"] for s in sessions)
+    wall = sum(s["wall_s"] for s in sessions)
+    return {"tokens_per_s": round(tokens / wall, 3) if wall > 0 else None, "sessions": sessions}
+
+
+def versus_plain(run: dict, plain: dict | None) -> dict:
+    """The speed ratio to `plain`, computed only when every measurement of both was made in one
+    invocation (interleaved: `jobs.evaluate --method plain,...`)."""
+    if plain is None or plain is run:
+        return {"ratio": None, "basis": "no plain run" if plain is None else "plain itself"}
+    invocations = {s["invocation"] for s in (*measured(run), *measured(plain))}
+    if len(invocations) != 1:
+        return {"ratio": None, "basis": "cross-run"}
+    a, b = run["speed"]["tokens_per_s"], plain["speed"]["tokens_per_s"]
+    return {"ratio": round(a / b, 3) if a and b else None, "basis": "same invocation"}
 
 
 def build(out: Path) -> dict:
@@ -63,15 +98,18 @@ def build(out: Path) -> dict:
         if not rows:
             continue
         run["metrics"] = summarize([outcome(r) for r in rows])
+        run["speed"] = speed(run)
         runs.append(run)
     for run in runs:
         plain = next(
-            (p for p in runs if p["task"] == run["task"] and p["drafter"]["kind"] == "plain"),
+            (
+                p
+                for p in runs
+                if p["task"] == run["task"] and (p["drafter"] or {}).get("kind") == "plain"
+            ),
             None,
         )
-        base = plain["metrics"]["tokens_per_s"]["value"] if plain else 0.0
-        mine = run["metrics"]["tokens_per_s"]["value"]
-        run["speedup_vs_plain"] = round(mine / base, 3) if base else None
+        run["speed_vs_plain"] = versus_plain(run, plain)
     sandbox = next((r["sandbox"] for r in runs if r.get("sandbox")), None)
     return {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -81,8 +119,58 @@ def build(out: Path) -> dict:
     }
 
 
-def _cell(e: dict) -> str:
-    return f"{e['value']:.3f} [{e['low']:.3f}, {e['high']:.3f}]"
+def source(run: dict) -> str:
+    """Where the items came from, in words."""
+    if run.get("endpoint"):
+        where = f"endpoint {run['endpoint']}"
+    else:
+        where = "tts-service"
+    data = run["data"] + " (toy items shipped with tts-service)" * (run["data"] == "fixtures")
+    return f"data {data}, generated by {where}"
+
+
+def caption(runs: list[dict]) -> str:
+    """Model, data source and item count of the runs drawn together."""
+    models = ", ".join(sorted({r["model"] for r in runs}))
+    data = ", ".join(sorted({r["data"] for r in runs}))
+    items = "/".join(str(n) for n in sorted({r["metrics"]["items"] for r in runs}))
+    return f"model {models}; data {data}; {items} items"
+
+
+def _cell(e: dict | None) -> str:
+    return f"{e['value']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "-"
+
+
+def _speed_cell(run: dict) -> str:
+    versus = run["speed_vs_plain"]
+    if versus["ratio"] is not None:
+        return f"{versus['ratio']:.2f}x (same invocation)"
+    return "cross-run: not compared" if versus["basis"] == "cross-run" else "-"
+
+
+def _sessions(runs: list[dict]) -> list[str]:
+    """When, where and under what load each run's speed was measured."""
+    lines = [
+        "Speed measurements (tokens/s is all new tokens over the elapsed seconds; a ratio is "
+        "given only between runs of one invocation):",
+        "",
+        "| method | invocation | started (UTC) | host | load avg 1 min, start / end | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        for s in r["speed"]["sessions"]:
+            lines.append(
+                f"| {r['method']} | {s['invocation']} | {s['started']} | {s['host']} "
+                f"| {s['loadavg_start'][0]:.2f} / {s['loadavg_end'][0]:.2f} "
+                f"| {s['tokens_per_s']:.1f} |"
+            )
+    if any(r["speed_vs_plain"]["basis"] == "cross-run" for r in runs):
+        lines += [
+            "",
+            "**Cross-run:** these methods were measured in different invocations (times, "
+            "hosts and loads above), so their tokens/s are not divided into a speed-up.",
+        ]
+    return [*lines, ""]
 
 
 def markdown(report: dict) -> str:
@@ -91,25 +179,23 @@ def markdown(report: dict) -> str:
         runs = [r for r in report["runs"] if r["task"] == task]
         lines += [f"## {TITLES.get(task, task)} (`{task}`)", ""]
         for r in runs:
-            source = r["data"] + (
-                " (toy items shipped with tts-service)" * (r["data"] == "fixtures")
-            )
-            lines.append(f"- `{r['method']}`: model `{r['model']}`, data {source}")
+            lines.append(f"- `{r['method']}`: model `{r['model']}`, {source(r)}")
         lines += [
             "",
-            "| method | items | N | pass@1 | maj@N | pass@N | tokens/s | acceptance length "
-            "| speed vs plain |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| method | items | N | pass@1 | maj@N | pass@N | no answer | truncated | tokens/s "
+            "| acceptance length | speed vs plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in runs:
-            m = r["metrics"]
-            speed = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] else "-"
+            m, tps = r["metrics"], r["speed"]["tokens_per_s"]
             lines.append(
                 f"| {r['method']} | {m['items']} | {m['n']} | {_cell(m['pass@1'])} "
-                f"| {_cell(m['maj@n'])} | {_cell(m['pass@n'])} | {_cell(m['tokens_per_s'])} "
-                f"| {_cell(m['acceptance_length'])} | {speed} |"
+                f"| {_cell(m['maj@n'])} | {_cell(m['pass@n'])} | {_cell(m['no_answer_rate'])} "
+                f"| {_cell(m['truncation_rate'])} | {f'{tps:.1f}' if tps else '-'} "
+                f"| {_cell(m['acceptance_length'])} | {_speed_cell(r)} |"
             )
-        lines += ["", "Accuracy against the number of trajectories k (maj@k / pass@k):", ""]
+        lines += ["", *_sessions(runs)]
+        lines += ["Accuracy against the number of trajectories k (maj@k / pass@k):", ""]
         ks = sorted({k for r in runs for k in r["metrics"]["curve"]["k"]})
         lines += ["| method | " + " | ".join(f"k={k}" for k in ks) + " |"]
         lines += ["|---|" + "---|" * len(ks)]
@@ -129,54 +215,78 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _colors(report: dict) -> dict[str, str]:
-    """One color per method, the same in every panel."""
-    return {m: f"C{i}" for i, m in enumerate(sorted({r["method"] for r in report["runs"]}))}
+MARKERS = "osD^vP*X"
 
 
-def plot_accuracy(report: dict, path: Path) -> None:
-    """maj@k (solid, with its interval) and pass@k (dashed) against k, one panel per task."""
+def _styles(report: dict) -> dict[str, tuple[str, str, float]]:
+    """One (color, marker, line width) per method, the same in every panel. Earlier methods
+    draw wider lines, so that a later method's equal curve leaves them visible."""
+    methods = sorted({r["method"] for r in report["runs"]})
+    return {
+        m: (f"C{i}", MARKERS[i % len(MARKERS)], 1.5 + 1.5 * (len(methods) - 1 - i))
+        for i, m in enumerate(methods)
+    }
+
+
+def _shifts(count: int) -> list[float]:
+    """Factors on k (a few percent, on a log axis) that set `count` equal curves side by
+    side, so that their markers and intervals do not hide each other."""
+    return [2 ** (0.05 * (j - (count - 1) / 2)) for j in range(count)]
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = _colors(report)
+    return plt
+
+
+def plot_accuracy(report: dict, path: Path) -> None:
+    """maj@k (solid, with its interval) and pass@k (dashed, hollow markers) against k, one
+    panel per task; each method has its own color, marker and line width, and each curve a
+    small horizontal offset."""
+    plt = _pyplot()
+    styles = _styles(report)
     tasks = sorted({r["task"] for r in report["runs"]})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.6), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
+        runs = [x for x in report["runs"] if x["task"] == task]
         ks: set[int] = set()
-        for r in (x for x in report["runs"] if x["task"] == task):
-            c, color = r["metrics"]["curve"], colors[r["method"]]
+        shifts = _shifts(2 * len(runs))
+        for i, r in enumerate(runs):
+            c = r["metrics"]["curve"]
+            color, marker, width = styles[r["method"]]
             ks.update(c["k"])
-            ax.plot(
-                c["k"],
-                [e["value"] for e in c["maj@k"]],
-                "-o",
+            maj = c["maj@k"]
+            ax.errorbar(
+                [k * shifts[2 * i] for k in c["k"]],
+                [e["value"] for e in maj],
+                yerr=[[e["value"] - e["low"] for e in maj], [e["high"] - e["value"] for e in maj]],
+                fmt="-",
+                marker=marker,
                 color=color,
+                linewidth=width,
+                capsize=3,
                 label=f"{r['method']} maj@k",
             )
-            ax.fill_between(
-                c["k"],
-                [e["low"] for e in c["maj@k"]],
-                [e["high"] for e in c["maj@k"]],
-                color=color,
-                alpha=0.15,
-            )
             ax.plot(
-                c["k"],
+                [k * shifts[2 * i + 1] for k in c["k"]],
                 [e["value"] for e in c["pass@k"]],
                 "--",
-                marker=".",
+                marker=marker,
+                markerfacecolor="none",
                 color=color,
+                linewidth=width,
                 label=f"{r['method']} pass@k",
             )
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(ks), [str(k) for k in sorted(ks)])
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(TITLES.get(task, task))
+        ax.set_ylim(-0.04, 1.04)
+        ax.set_title(f"{TITLES.get(task, task)}\n{caption(runs)}", fontsize=9)
         ax.set_xlabel("trajectories k")
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel("accuracy (maj@k solid, pass@k dashed)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -184,31 +294,29 @@ def plot_accuracy(report: dict, path: Path) -> None:
 
 
 def plot_speed(report: dict, path: Path) -> None:
-    """tokens/s and acceptance length of every (task, method) run, with their intervals."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = _colors(report)
+    """tokens/s and acceptance length (with its interval) of every (task, method) run; a line
+    at 1.0 marks plain decoding's acceptance length."""
+    plt = _pyplot()
+    styles = _styles(report)
     runs = report["runs"]
     labels = [f"{r['task']}\n{r['method']}" for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(max(7, 1.6 * len(runs) + 3), 4))
-    for ax, key, title in (
-        (axes[0], "tokens_per_s", "tokens/s (per trajectory)"),
-        (axes[1], "acceptance_length", "acceptance length"),
-    ):
-        est = [r["metrics"][key] for r in runs]
-        err = [[e["value"] - e["low"] for e in est], [e["high"] - e["value"] for e in est]]
-        ax.bar(
-            labels,
-            [e["value"] for e in est],
-            yerr=err,
-            capsize=4,
-            color=[colors[r["method"]] for r in runs],
-        )
-        ax.set_title(title, fontsize=10)
+    colors = [styles[r["method"]][0] for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 4), 4.6))
+    tps = [r["speed"]["tokens_per_s"] or 0.0 for r in runs]
+    axes[0].bar(labels, tps, color=colors)
+    axes[0].set_ylabel("tokens/s (new tokens / elapsed s)")
+    cross = any(r["speed_vs_plain"]["basis"] == "cross-run" for r in runs)
+    axes[0].set_title("tokens/s" + " (cross-run: measured apart)" * cross, fontsize=10)
+    est = [r["metrics"]["acceptance_length"] or {"value": 0, "low": 0, "high": 0} for r in runs]
+    err = [[e["value"] - e["low"] for e in est], [e["high"] - e["value"] for e in est]]
+    axes[1].bar(labels, [e["value"] for e in est], yerr=err, capsize=4, color=colors)
+    axes[1].axhline(1.0, color="black", linestyle=":", linewidth=1, label="plain decoding (1.0)")
+    axes[1].set_ylabel("committed tokens per target forward")
+    axes[1].set_title("acceptance length", fontsize=10)
+    axes[1].legend(fontsize=7)
+    for ax in axes:
         ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(caption(runs), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.evaluate import main, parse
+from jobs.evaluate import main, parse, schedule
 from tts_service.drafters.methods import METHOD_NAMES, METHODS, resolve_method
 
 FIXTURES = ["--task", "gpqa", "--data", "fixtures"]
@@ -23,11 +23,13 @@ def _fails(capsys, argv: list[str], *expected: str) -> str:
 
 
 def test_flags_override_the_preset_and_items_are_limited(tmp_path):
-    job = parse([*FIXTURES, "--out", str(tmp_path), "--method", "pld", "--n", "4", "--limit", "3"])
+    (job,) = parse(
+        [*FIXTURES, "--out", str(tmp_path), "--method", "pld", "--n", "4", "--limit", "3"]
+    )
     assert job.cfg.drafter.kind == METHODS["pld"].kind and job.cfg.n == 4
     assert job.method == "pld" and len(job.items) == 3
     assert job.run_dir == tmp_path / "gpqa" / "pld"
-    job = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
+    (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
     assert (job.method, job.cfg.drafter.num_nodes) == ("stand", 8)  # default method
 
 
@@ -41,6 +43,15 @@ def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
     _fails(capsys, [*FIXTURES, "--out", out, "--set", "early_stop=true"], "early_stop")
     _fails(capsys, [*FIXTURES, "--out", out, "--release", "release_v5"], "--release")
     _fails(capsys, [*FIXTURES, "--out", out, "--data-files", "x.jsonl"], "--data-files")
+    _fails(capsys, ["--tasks", "aime24,mmlu", "--out", out], "mmlu", "gpqa_diamond")
+    _fails(capsys, ["--tasks", "aime24,lcb", "--out", out, "--data-files", "x"], "one task")
+    _fails(capsys, [*FIXTURES, "--out", out, "--api-key", "k"], "--api-key", "--endpoint")
+    _fails(capsys, [*FIXTURES, "--out", out, "--endpoint", "host:8000"], "http")
+    endpoint = ["--endpoint", "http://127.0.0.1:9/v1"]
+    _fails(capsys, [*FIXTURES, "--out", out, "--method", "plain,stand", *endpoint], "give one")
+    _fails(capsys, [*FIXTURES, "--out", out, *endpoint], "--endpoint", "127.0.0.1:9")
+    _fails(capsys, [*FIXTURES, "--out", out, "--method", "plain,medusa"], "medusa")
+    _fails(capsys, [*FIXTURES, "--out", out, "--round-items", "0"], "--round-items")
     _fails(capsys, ["--task", "lcb", "--out", out, "--data-files", "nope.jsonl"], "no such file")
     assert not (tmp_path / "out").exists()
 
@@ -63,15 +74,44 @@ def test_an_unreachable_dataset_exits_2_saying_how_to_get_it(tmp_path, capsys, m
 
 
 def test_a_run_directory_resumes_only_with_the_same_settings(tmp_path, capsys):
-    job = parse([*FIXTURES, "--out", str(tmp_path), "--n", "4"])
+    (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--n", "4"])
     job.run_dir.mkdir(parents=True)
     (job.run_dir / "run.json").write_text(json.dumps(job.run_info))
     parse([*FIXTURES, "--out", str(tmp_path), "--n", "4", "--limit", "2"])  # same run, fewer
     _fails(capsys, [*FIXTURES, "--out", str(tmp_path), "--n", "8"], "n=4", "another --out")
 
 
+def test_several_tasks_in_one_run_with_lm_eval_names(tmp_path):
+    jobs = parse(
+        ["--tasks", "aime24,gpqa_diamond,lcb", "--data", "fixtures", "--out", str(tmp_path)]
+    )
+    assert [j.task for j in jobs] == ["aime24", "gpqa", "lcb"]
+    assert [j.run_dir for j in jobs] == [tmp_path / t / "stand" for t in ("aime24", "gpqa", "lcb")]
+    assert all(j.cfg is jobs[0].cfg and len(j.items) >= 10 for j in jobs)
+    (job,) = parse(["--task", "gpqa_diamond", "--data", "fixtures", "--out", str(tmp_path)])
+    assert job.task == "gpqa"  # --task is the same option
+
+
+def test_several_methods_run_interleaved_in_rounds_of_alternating_order(tmp_path):
+    argv = [*FIXTURES, "--out", str(tmp_path), "--method", "plain,stand", "--limit", "5"]
+    jobs = parse([*argv, "--round-items", "2"])
+    ids = [i.id for i in jobs[0].items]
+    assert [(j.method, [i.id for i in items]) for j, items in schedule(jobs)] == [
+        ("plain", ids[:2]),
+        ("stand", ids[:2]),
+        ("stand", ids[2:4]),
+        ("plain", ids[2:4]),
+        ("plain", ids[4:]),
+        ("stand", ids[4:]),
+    ]
+    assert [(j.method, len(items)) for j, items in schedule(parse(argv))] == [
+        ("plain", 5),
+        ("stand", 5),
+    ]
+
+
 @pytest.mark.parametrize("method", sorted(METHOD_NAMES))
 def test_every_registered_method_is_accepted(tmp_path, method):
-    job = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
+    (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
     assert job.method == resolve_method(method, "auto")
     assert job.cfg.drafter.kind == METHODS[job.method].kind

@@ -9,7 +9,20 @@ import pytest
 from tts_service.tasks import report
 
 
-def _write_run(out, task, method, kind, rows):
+def _session(invocation, tokens, wall, host="box-a", load=0.5):
+    return {
+        "invocation": invocation,
+        "started": "2026-11-22T10:00:00Z",
+        "host": host,
+        "loadavg_start": [load, load, load],
+        "loadavg_end": [load + 1, load, load],
+        "new_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+    }
+
+
+def _write_run(out, task, method, kind, rows, sessions):
     d = out / task / method
     d.mkdir(parents=True)
     info = {
@@ -20,48 +33,116 @@ def _write_run(out, task, method, kind, rows):
         "n": 2,
         "data": "fixtures",
         "sandbox": None,
+        "sessions": sessions,
     }
     (d / "run.json").write_text(json.dumps(info))
     lines = [json.dumps(r) for r in rows]
     (d / "items.jsonl").write_text("\n".join(lines) + '\n{"id": "cut-by-a-cra')
 
 
-def _row(i, correct, tokens, forwards, wall):
+def _row(i, correct, tokens, forwards, answers=("1", "1"), finish=("stop", "stop")):
+    trajectories = [
+        {"index": j, "answer": a, "correct": c, "finish_reason": f}
+        for j, (a, c, f) in enumerate(zip(answers, correct, finish, strict=True))
+    ]
     return {
         "id": f"q{i}",
         "correct": correct,
         "maj_correct": {"1": correct[0], "2": correct[0]},
-        "stats": {"new_tokens": tokens, "target_forwards": forwards, "wall_s": wall},
+        "trajectories": trajectories,
+        "stats": {"new_tokens": tokens, "target_forwards": forwards, "wall_s": 1.0},
     }
 
 
+def _two_methods(out, stand_invocation, stand_host="box-a"):
+    _write_run(
+        out,
+        "aime24",
+        "plain",
+        "plain",
+        [_row(i, [i % 2 == 0, False], 100, 100, (None, "3"), ("length", "stop")) for i in range(4)],
+        [_session("inv1", 400, 40.0)],
+    )
+    _write_run(
+        out,
+        "aime24",
+        "stand",
+        "stand",
+        [_row(i, [True, i == 0], 100, 40) for i in range(4)],
+        [_session(stand_invocation, 400, 20.0, host=stand_host, load=3.0)],
+    )
+
+
 def test_report_compares_methods_and_writes_json_markdown_and_plots(tmp_path):
-    _write_run(
-        tmp_path,
-        "aime24",
-        "plain",
-        "plain",
-        [_row(i, [i % 2 == 0, False], 100, 100, 10.0) for i in range(4)],
-    )
-    _write_run(
-        tmp_path,
-        "aime24",
-        "stand",
-        "stand",
-        [_row(i, [True, i == 0], 100, 40, 5.0) for i in range(4)],
-    )
+    _two_methods(tmp_path, "inv1")
     paths = report.write(tmp_path)
     assert [p.name for p in paths] == ["report.json", "report.md", "accuracy_vs_n.png", "speed.png"]
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(paths[0].read_text())
     by_method = {r["method"]: r for r in data["runs"]}
-    assert by_method["stand"]["speedup_vs_plain"] == pytest.approx(2.0)
-    assert by_method["stand"]["metrics"]["items"] == 4  # the cut last line is skipped
-    assert by_method["stand"]["metrics"]["acceptance_length"]["value"] == 2.5
+    stand, plain = by_method["stand"], by_method["plain"]
+    assert stand["speed_vs_plain"] == {"ratio": pytest.approx(2.0), "basis": "same invocation"}
+    assert stand["speed"]["tokens_per_s"] == 20.0 and plain["speed"]["tokens_per_s"] == 10.0
+    assert stand["metrics"]["items"] == 4  # the cut last line is skipped
+    assert stand["metrics"]["acceptance_length"]["value"] == 2.5
+    assert plain["metrics"]["no_answer_rate"]["value"] == 0.5
+    assert plain["metrics"]["truncation_rate"]["value"] == 0.5
+    assert stand["metrics"]["no_answer_rate"]["value"] == 0.0
     md = paths[1].read_text()
-    assert "| stand | 4 | 2 |" in md and "2.00x" in md and "toy items" in md
+    assert "| stand | 4 | 2 |" in md and "2.00x (same invocation)" in md and "toy items" in md
+    assert "| no answer | truncated |" in md
+    assert "0.500 [0.500, 0.500] | 0.500 [0.500, 0.500]" in md  # plain's two rates
+
+
+def test_runs_measured_apart_are_never_divided(tmp_path):
+    _two_methods(tmp_path, "inv2", stand_host="box-b")
+    data = report.build(tmp_path)
+    stand = next(r for r in data["runs"] if r["method"] == "stand")
+    assert stand["speed_vs_plain"] == {"ratio": None, "basis": "cross-run"}
+    md = report.markdown(data)
+    assert "cross-run: not compared" in md and "x (same invocation)" not in md
+    assert "2.00x" not in md and "**Cross-run:**" in md
+    for host, load in (("box-a", "0.50 / 1.50"), ("box-b", "3.00 / 4.00")):
+        assert f"| {host} | {load} |" in md  # each run's host and load are recorded
+
+
+def test_a_resumed_run_is_cross_run_even_within_one_invocation(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    run_file = tmp_path / "aime24" / "stand" / "run.json"
+    info = json.loads(run_file.read_text())
+    info["sessions"] += [_session("inv0", 100, 5.0), _session("inv3", 0, 0.1)]  # 0: no work
+    run_file.write_text(json.dumps(info))
+    stand = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")
+    assert stand["speed_vs_plain"]["basis"] == "cross-run"
+    assert stand["speed"]["tokens_per_s"] == pytest.approx(500 / 25.0)
+    assert [s["invocation"] for s in stand["speed"]["sessions"]] == ["inv1", "inv0"]
+
+
+def test_plots_name_model_data_and_items_and_keep_methods_apart(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    data = report.build(tmp_path)
+    assert report.caption(data["runs"]) == "model tiny; data fixtures; 4 items"
+    styles = report._styles(data)  # markers and widths differ; every curve has its offset
+    assert len({s[1] for s in styles.values()}) == len({s[2] for s in styles.values()}) == 2
+    shifts = report._shifts(4)
+    assert len(set(shifts)) == 4 and shifts == sorted(shifts) and 0.9 < shifts[0] < 1 < shifts[-1]
 
 
 def test_no_graded_rows_means_no_report(tmp_path):
     assert report.write(tmp_path) == []
+
+
+def test_interleaved_rounds_of_one_invocation_are_compared(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    for method, extra in (
+        ("stand", _session("inv1", 200, 20.0)),
+        ("plain", _session("inv1", 0, 1)),
+    ):
+        run_file = tmp_path / "aime24" / method / "run.json"
+        info = json.loads(run_file.read_text())
+        info["sessions"].append(extra)
+        run_file.write_text(json.dumps(info))
+    stand = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")
+    assert stand["speed"]["tokens_per_s"] == 15.0  # 600 tokens over 40 s
+    assert stand["speed_vs_plain"] == {"ratio": 1.5, "basis": "same invocation"}

@@ -1,0 +1,45 @@
+"""What the job entrypoints share: progress lines speak `runner.summarize()`'s tokens/s."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from jobs.common import Progress, generation_stats
+from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.runner import summarize
+
+
+def _record(tokens: int, forwards: int) -> dict:
+    return {"stats": GenerationStats(new_tokens=tokens, target_forwards=forwards).to_dict()}
+
+
+def test_progress_prints_plain_lines_with_the_runners_tokens_per_s(capsys):
+    progress = Progress(num_trajectories=2, num_problems=1)  # stderr is no terminal here
+    assert progress.bar is None
+    progress.begin()
+    time.sleep(0.05)  # a measurable elapsed time
+    records = [_record(30, 10), _record(50, 25)]
+    for rec in records:
+        progress.trajectory(rec)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" tok/s")[0].rsplit(" ", 1)[0] for line in lines] == [
+        "[job] trajectories 1/2 problems 0/1",
+        "[job] trajectories 2/2 problems 0/1",
+    ]
+    printed = float(re.search(r"([\d.]+) tok/s", lines[-1]).group(1))
+    summary = progress.summary()
+    expected = summarize([generation_stats(r["stats"]) for r in records], ForwardStats(), 1.0)
+    assert summary["new_tokens"] == progress.tokens == 80
+    assert summary["acceptance_length"] == expected["acceptance_length"]
+    assert summary["tokens_per_s"] == pytest.approx(80 / summary["wall_s"], rel=0.01)
+    assert printed == round(summary["tokens_per_s"], 1)  # the same figure
+    time.sleep(0.05)  # grading after the last trajectory is not decoding time
+    assert progress.summary() == summary
+
+
+def test_generation_stats_take_an_endpoints_subset():
+    stats = generation_stats({"new_tokens": 7, "target_forwards": 0, "wall_s": 1.5, "extra": 1})
+    assert (stats.new_tokens, stats.target_forwards, stats.wall_s) == (7, 0, 1.5)
