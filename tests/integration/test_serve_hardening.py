@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from store.local_server import free_port
+from tests.integration.test_serve_metrics import scrape
 from tts_service.config import ServeConfig
 
 pytestmark = pytest.mark.slow
@@ -235,6 +236,9 @@ def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
         assert status in (429, 504), text  # still leaving, or a busy box: nothing else
         time.sleep(0.1)
     assert status == 200, text
+    counted = scrape(tight)  # the refusals and the deadline are in the app's metrics
+    assert counted[("tts_requests_total", (("route", "chat"), ("status", "504")))] == 1
+    assert counted[("tts_requests_total", (("route", "completions"), ("status", "429")))] >= 1
 
 
 def test_a_client_gone_stops_the_rest_of_an_n_gt_1_request(tiny_model_dir):

@@ -76,6 +76,12 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
         await asyncio.sleep(0.25)
 
 
+def _status(result: dict) -> int:
+    """A finished request's status in the metrics: nginx's 499 when the client went away (the
+    engine's result is then empty)."""
+    return 200 if result else 499
+
+
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         async with contextlib.aclosing(chunks):  # closing it sets the cancel flag at once
@@ -182,15 +188,15 @@ class TTSServer:
             req = parse(model_cls, await _body(request, self.cfg.max_body_bytes))
             job = self.engine.prepare(req)
             self._admit()
+            cancel = threading.Event()
+            if req.stream:  # counted when its decoding ends
+                return _sse(self._stream(job, cancel, route, started))
+            result = await self._run_watched(request, self.engine.complete, job, cancel)
         except ApiError as e:
             await self._count(route, e.status, started)
             raise
-        cancel = threading.Event()
-        if req.stream:
-            return _sse(self._stream(job, cancel, route, started))
-        result = await self._run_watched(request, self.engine.complete, job, cancel)
-        ext = result.get("tts", {})  # {} once the client has gone
-        await self._count(route, 200, started, result.get("usage"), ext.get("trajectories", []))
+        trajectories = result.get("tts", {}).get("trajectories", [])
+        await self._count(route, _status(result), started, result.get("usage"), trajectories)
         return result
 
     async def _run_watched(self, request: Request, fn, job, cancel: threading.Event):
@@ -248,12 +254,12 @@ class TTSServer:
             req = parse(SolveHttpRequest, await _body(request, self.cfg.max_body_bytes))
             job = self.engine.prepare_solve(req)
             self._admit()
+            result = await self._run_watched(request, self.engine.solve, job, threading.Event())
         except ApiError as e:
             await self._count("solve", e.status, started)
             raise
-        result = await self._run_watched(request, self.engine.solve, job, threading.Event())
-        stats = result.get("stats", {})
-        await self._count("solve", 200, started, result.get("usage"), stats.get("trajectories", []))
+        trajectories = result.get("stats", {}).get("trajectories", [])
+        await self._count("solve", _status(result), started, result.get("usage"), trajectories)
         return result
 
 
