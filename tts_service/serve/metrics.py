@@ -29,7 +29,7 @@ class Metrics:
         )
         self.seconds = Histogram(
             "tts_request_seconds",
-            "Time from a request's arrival to its last byte",
+            "From a request's arrival until its answer is ready (a stream: decoded)",
             ["route"],
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
@@ -77,7 +77,7 @@ class MetricsHub:
 
     def queue(self, delta: int) -> None:
         """Admissions (+1) and releases (-1) from every replica: their sum is the depth, in
-        whatever order they arrive."""
+        whatever order they arrive (a replica that dies holding requests leaves them in)."""
         self.metrics.queue.inc(delta)
 
     def text(self) -> bytes:
