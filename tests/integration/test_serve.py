@@ -154,6 +154,14 @@ MALFORMED = [
     ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "top_k": -2}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2.5}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "min_p": "0.1"}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"continuous": True}}, "stream_options"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
@@ -240,6 +248,17 @@ def test_the_openai_client_works_unchanged(server):
         )
     ]
     assert isinstance("".join(pieces), str)
+    *_, last = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert last.usage.completion_tokens > 0 and not last.choices
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=6)
 
@@ -266,3 +285,83 @@ def test_a_cancelled_stream_stops_decoding(tiny_model_dir):
     engine.stream(job, cancel, emit)
     assert chunks[-1] is None and chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert len(chunks) < 60  # far fewer than 400 tokens were decoded
+
+
+def test_a_model_by_id_and_an_unknown_id_is_an_openai_404(server):
+    status, body = call(server, "/v1/models/tiny", method="GET")
+    card = json.loads(body)
+    assert status == 200 and card["id"] == "tiny" and card["object"] == "model"
+    assert set(card) == {"id", "object", "created", "owned_by"}
+    status, body = call(server, "/v1/models/gpt-9", method="GET")
+    err = json.loads(body)["error"]
+    assert status == 404 and err["type"] == "not_found_error" and err["param"] == "model"
+    assert "gpt-9" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 1), ("min_p", 1.0)])
+def test_top_k_1_and_min_p_1_sample_the_greedy_text_through_the_speculative_path(
+    server, field, value
+):
+    """Both leave only the top token, so sampling at temperature 1 must give greedy's text,
+    exactly (unfiltered, it does not). On this random model few drafts are accepted;
+    tests/unit/engine/test_sampling.py checks accepted drafts under min_p."""
+    body = {**CHAT, "max_tokens": 32, "n": 2, "spec_method": "recycle"}
+    _, greedy = call(server, "/v1/chat/completions", {**body, "temperature": 0})
+    expected = [c["message"]["content"] for c in json.loads(greedy)["choices"]]
+    for seed in range(2):
+        sampled = {**body, "temperature": 1.0, "seed": seed}
+        status, out = call(server, "/v1/chat/completions", {**sampled, field: value})
+        assert status == 200, out
+        assert [c["message"]["content"] for c in json.loads(out)["choices"]] == expected
+        _, unfiltered = call(server, "/v1/chat/completions", sampled)
+        assert json.loads(unfiltered)["choices"][0]["message"]["content"] != expected[0]
+
+
+def test_top_k_minus_1_and_min_p_0_are_vllm_s_no_filter(server):
+    body = {**CHAT, "temperature": 0.8, "seed": 5}
+    _, plain = call(server, "/v1/chat/completions", body)
+    status, out = call(server, "/v1/chat/completions", {**body, "top_k": -1, "min_p": 0.0})
+    assert status == 200
+    content = [json.loads(b)["choices"][0]["message"]["content"] for b in (plain, out)]
+    assert content[0] == content[1]
+
+
+def test_include_usage_ends_the_stream_with_the_usage_chunk(server):
+    body = {**CHAT, "temperature": 0, "max_tokens": 10, "n": 2}
+    events = _sse(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    last = chunks[-1]
+    assert last["choices"] == [] and last["object"] == "chat.completion.chunk"
+    assert all(c["usage"] is None for c in chunks[:-1])  # as OpenAI: null until the last
+    _, plain = call(server, "/v1/chat/completions", body)
+    assert last["usage"] == json.loads(plain)["usage"]
+    without = [json.loads(e) for e in _sse(server, {**body, "stream": True})[:-1]]
+    assert all("usage" not in c and c["choices"] for c in without)
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    status, text = call(server, "/v1/chat/completions", body)
+    assert status == 400 and json.loads(text)["error"]["param"] == "stream_options"
+
+
+def test_n_choices_stream_interleaved_each_whole(server):
+    """n = 3 decode together: their deltas alternate as they are produced (not one choice
+    after another), and each choice's deltas add up to its non-streamed text."""
+    body = {**CHAT, "temperature": 0, "max_tokens": 12, "n": 3}
+    chunks = [json.loads(e) for e in _sse(server, {**body, "stream": True})[:-1]]
+    deltas = [
+        (c["choices"][0]["index"], c["choices"][0]["delta"]["content"])
+        for c in chunks
+        if c["choices"][0]["delta"].get("content")
+    ]
+    order = [i for i, _ in deltas]
+    last_of_0 = max(k for k, i in enumerate(order) if i == 0)
+    assert any(i != 0 for i in order[:last_of_0])  # another choice streamed before 0 ended
+    _, plain = call(server, "/v1/chat/completions", body)
+    for choice in json.loads(plain)["choices"]:
+        i = choice["index"]
+        assert "".join(t for j, t in deltas if j == i) == choice["message"]["content"]
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1, 2]

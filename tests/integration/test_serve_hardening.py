@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from store.local_server import free_port
+from tests.integration.test_serve_metrics import scrape
 from tts_service.config import ServeConfig
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,8 @@ BAD_VALUES = {
     "n": ["4", True, 0, -3, 65, 1.5, None, [], {}],
     "temperature": ["hot", "0.5", True, -1, 3, None, [], float("inf")],
     "top_p": [0, 1.5, "x", False, None],
+    "top_k": [-2, "3", 1.5, True, None],
+    "min_p": [-0.1, 2, "0", False, None],
     "max_tokens": [True, 0, -5, "8", 10**9, 2.5, []],
     "stop": [5, [1], [""], ["a"] * 5, {"a": 1}],
     "seed": [-1, 2**70, "1", True, 1.5],
@@ -92,7 +95,7 @@ BAD_VALUES = {
     "best_of": [2],
     "echo": [True],
     "suffix": ["x"],
-    "stream_options": [{"include_usage": True}],
+    "stream_options": [{"include_usage": True}, {"include_usage": "yes"}, {"x": 1}, True],
     "tools": [[{"type": "function"}]],
     "response_format": [{"type": "json_object"}],
     "foo": [1],
@@ -233,6 +236,9 @@ def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
         assert status in (429, 504), text  # still leaving, or a busy box: nothing else
         time.sleep(0.1)
     assert status == 200, text
+    counted = scrape(tight)  # the refusals and the deadline are in the app's metrics
+    assert counted[("tts_requests_total", (("route", "chat"), ("status", "504")))] == 1
+    assert counted[("tts_requests_total", (("route", "completions"), ("status", "429")))] >= 1
 
 
 def test_a_client_gone_stops_the_rest_of_an_n_gt_1_request(tiny_model_dir):

@@ -15,6 +15,9 @@ class SamplingConfig(StrictConfig):
     temperature: float = Field(0.6, ge=0.0, description="0 means greedy (argmax).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filter, (0, 1].")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top token's p; 0 disables."
+    )
     max_new_tokens: int = Field(256, ge=1, description="Generation stops after this many tokens.")
     seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
     stop: tuple[str, ...] = Field((), description="Stop strings; the output ends with the first.")

@@ -1,7 +1,8 @@
 """Target logits -> `p`, the exact distribution plain decoding samples from.
 
 Every verifier and every store update reads `p` through this one function, so speculative and
-plain decoding can never disagree on temperature, top-k or top-p (docs/design.md, "Sampling").
+plain decoding can never disagree on temperature, top-k, top-p or min-p (docs/design.md,
+"Sampling").
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
     Args:
         logits: `[n, V]` target logits, any float dtype.
-        cfg: temperature (> 0 here; greedy never samples), top-k, top-p.
+        cfg: temperature (> 0 here; greedy never samples), then top-k, top-p and min-p, in
+            transformers' order.
 
     Returns:
         `[n, V]` float64 probabilities; each row sums to 1.
@@ -34,6 +36,9 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         p = p.masked_fill(drop, 0.0)
+        p = p / p.sum(dim=-1, keepdim=True)
+    if cfg.min_p > 0.0:  # the top token always survives (its p >= min_p x itself)
+        p = p.masked_fill(p < cfg.min_p * p.amax(dim=-1, keepdim=True), 0.0)
         p = p / p.sum(dim=-1, keepdim=True)
     return p
 

@@ -5,7 +5,8 @@ body that names the field (`{"error": {"message", "type", "param", "code"}}`), n
 Validation is strict (`n: "4"`, `max_tokens: true` and `stream: "yes"` are errors, not
 coerced) and unknown fields are errors. OpenAI parameters this server does not implement
 (`logprobs`, `presence_penalty`, ...) are accepted only at their no-op value, so the OpenAI
-client works unchanged and nothing a user asks for is silently ignored.
+client works unchanged and nothing a user asks for is silently ignored. `top_k` and `min_p`
+are vLLM's extensions, with its conventions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tts_service.drafters.methods import MethodName
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = Field(False, description="End the stream with a usage chunk.")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -28,10 +35,13 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1: all.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop p < min_p x the top p.")
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     spec_method: MethodName | None = Field(None, description="Speculative method (extension).")
     aggregate: Literal["majority"] | None = Field(None, description="Vote over the n choices.")
     task: Literal["math", "choice", "code"] = Field("math", description="How to vote.")
@@ -68,6 +78,8 @@ class SolveHttpRequest(BaseModel):
     n: int = Field(16, ge=1, le=64)
     temperature: float = Field(0.6, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     method: MethodName | None = None
@@ -95,6 +107,7 @@ class ApiError(Exception):
 
 
 # OpenAI parameters without an implementation here, and the values that ask for nothing
+# (`logprobs`: the runner does not return the target's log-probabilities yet)
 NO_OP_VALUES: dict[str, tuple] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
@@ -105,7 +118,6 @@ NO_OP_VALUES: dict[str, tuple] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None,),
-    "stream_options": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -142,11 +154,14 @@ def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
                 shown = ", ".join(json.dumps(a) for a in allowed)
                 raise ApiError(400, f"{key}: not supported by this server (only {shown})", key)
     try:
-        return model_cls.model_validate(data)
+        req = model_cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(x) for x in first["loc"]) or "body"
         raise ApiError(400, f"{param}: {first['msg']}", param) from e
+    if isinstance(req, _Request) and req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+    return req
 
 
 def new_id(prefix: str) -> str:

@@ -5,24 +5,27 @@ through Serve's ingress wrapper, or it reads `request` as a query parameter.)
 
 Routes: POST /v1/chat/completions and /v1/completions (OpenAI shapes, `stream` as server-sent
 events, plus `spec_method`, `aggregate: "majority"` and `task`), POST /v1/solve (best-of-N
-with the vote), GET /v1/models, GET /healthz. Started by `serve run configs/serve.yaml` or
-`tts serve`. A replica's requests share one continuously batched runner: a short request
-joins the running batch at the next step instead of waiting for a long one to finish. A
-replica holds at most `max_queued_requests` requests (429 beyond; the `tts_queue_depth` gauge
-shows them); a request running past `request_timeout_s` gets 504; a client that disconnects
-or times out cancels its work at the next decoding step.
+with the vote), GET /v1/models and /v1/models/{id}, GET /metrics (Prometheus, the whole app's
+counts: metrics.py), GET /healthz. Started by `serve run configs/serve.yaml` or `tts serve`.
+A replica's requests share one continuously batched runner: a short request joins the running
+batch at the next step instead of waiting for a long one to finish. A replica holds at most
+`max_queued_requests` requests (429 beyond; the `tts_queue_depth` gauge shows them); a
+request running past `request_timeout_s` gets 504; a client that disconnects or times out
+cancels its work at the next decoding step.
 """
 
 import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tts_service.config import ServeConfig
@@ -34,6 +37,7 @@ from tts_service.serve.api import (
     parse,
 )
 from tts_service.serve.engine import ServeEngine
+from tts_service.serve.metrics import CONTENT_TYPE, MetricsHub
 
 fastapi_app = FastAPI(title="tts-service", docs_url=None, redoc_url=None)
 
@@ -72,6 +76,12 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
         await asyncio.sleep(0.25)
 
 
+def _status(result: dict) -> int:
+    """A finished request's status in the metrics: nginx's 499 when the client went away (the
+    engine's result is then empty)."""
+    return 200 if result else 499
+
+
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         async with contextlib.aclosing(chunks):  # closing it sets the cancel flag at once
@@ -94,37 +104,30 @@ class TTSServer:
     """Duties: validate requests, queue them for the replica's engine, run them off the event
     loop, stream or return OpenAI-shaped results, and count metrics."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, hub: DeploymentHandle) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
         self.engine = ServeEngine(self.cfg)
         # one thread per admitted request: each waits on the shared runner, none queues here
         self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")
         self.inflight = 0
-        from ray.util import metrics
-
-        self.m_requests = metrics.Counter(
-            "tts_requests", "HTTP requests", tag_keys=("route", "status")
-        )
-        self.m_tokens = metrics.Counter("tts_generated_tokens", "Generated tokens")
-        self.m_tok_s = metrics.Gauge("tts_tokens_per_s", "Tokens/s of the last request")
-        self.m_acc = metrics.Histogram(
-            "tts_acceptance_length",
-            "Tokens per target forward",
-            boundaries=[1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0],
-        )
-        self.m_queue = metrics.Gauge("tts_queue_depth", "Requests running or waiting")
+        self.hub = hub  # the app's metrics, shared by every replica
 
     def __del__(self) -> None:
         """Serve calls this when it stops the replica: the global store's final flush."""
         self.engine.close()
 
-    def _count(self, route: str, status: int, stats: list[dict] | None = None) -> None:
-        self.m_requests.inc(1, tags={"route": route, "status": str(status)})
-        for s in stats or []:
-            if s["new_tokens"] > 0:
-                self.m_tokens.inc(s["new_tokens"])
-            self.m_acc.observe(s["acceptance_length"])
-            self.m_tok_s.set(s["tokens_per_s"])
+    async def _count(
+        self,
+        route: str,
+        status: int,
+        started: float,
+        usage: dict | None = None,
+        trajectories: list[dict] = (),
+    ) -> None:
+        """Report a finished request to the hub (awaited: /metrics shows it by the time the
+        client has its answer). `trajectories`: the `stats` entries of each."""
+        acceptance = [t["stats"]["acceptance_length"] for t in trajectories]
+        await self.hub.record.remote(route, status, time.monotonic() - started, usage, acceptance)
 
     def _admit(self) -> None:
         """Count a request in, or refuse it (429) when the replica holds its maximum."""
@@ -137,11 +140,11 @@ class TTSServer:
                 "rate_limit_exceeded",
             )
         self.inflight += 1
-        self.m_queue.set(self.inflight)
+        self.hub.queue.remote(1)
 
     def _release(self) -> None:
         self.inflight -= 1
-        self.m_queue.set(self.inflight)
+        self.hub.queue.remote(-1)
 
     async def _run(self, fn, job, cancel: threading.Event, *extra):
         """Run blocking engine work (admitted by `_admit`) in its own thread.
@@ -168,29 +171,32 @@ class TTSServer:
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": self.engine.served_name, "object": "model", "owned_by": "tts-service"}],
-        }
+        return {"object": "list", "data": [self.engine.model_card()]}
+
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> dict:
+        self.engine.check_model(model_id)
+        return {**self.engine.model_card(), "id": model_id}
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(await self.hub.text.remote(), media_type=CONTENT_TYPE)
 
     async def _complete(self, request: Request, route: str, model_cls) -> object:
+        started = time.monotonic()
         try:
             req = parse(model_cls, await _body(request, self.cfg.max_body_bytes))
             job = self.engine.prepare(req)
-        except ApiError as e:
-            self._count(route, e.status)
-            raise
-        try:
             self._admit()
+            cancel = threading.Event()
+            if req.stream:  # counted when its decoding ends
+                return _sse(self._stream(job, cancel, route, started))
+            result = await self._run_watched(request, self.engine.complete, job, cancel)
         except ApiError as e:
-            self._count(route, e.status)
+            await self._count(route, e.status, started)
             raise
-        cancel = threading.Event()
-        if req.stream:
-            self._count(route, 200)
-            return _sse(self._stream(job, cancel))
-        result = await self._run_watched(request, self.engine.complete, job, cancel)
-        self._count(route, 200, [t["stats"] for t in result.get("tts", {}).get("trajectories", [])])
+        trajectories = result.get("tts", {}).get("trajectories", [])
+        await self._count(route, _status(result), started, result.get("usage"), trajectories)
         return result
 
     async def _run_watched(self, request: Request, fn, job, cancel: threading.Event):
@@ -202,7 +208,7 @@ class TTSServer:
             cancel.set()
             watcher.cancel()
 
-    def _stream(self, job, cancel: threading.Event) -> AsyncIterator[dict]:
+    def _stream(self, job, cancel: threading.Event, route: str, started: float):
         """Start decoding now (the request is admitted and counted out when it ends, even if
         the client never reads) and return its chunks."""
         loop = asyncio.get_running_loop()
@@ -211,7 +217,17 @@ class TTSServer:
         def emit(chunk: dict | None) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, chunk)
 
-        task = asyncio.ensure_future(self._run(self.engine.stream, job, cancel, emit))
+        async def decode() -> None:
+            status, usage = 200, None
+            try:
+                usage = await self._run(self.engine.stream, job, cancel, emit)
+            except ApiError as e:
+                status = e.status
+                raise
+            finally:  # before the stream's [DONE]
+                await self._count(route, status, started, usage)
+
+        task = asyncio.ensure_future(decode())
 
         async def chunks() -> AsyncIterator[dict]:
             try:
@@ -233,26 +249,29 @@ class TTSServer:
 
     @fastapi_app.post("/v1/solve")
     async def solve(self, request: Request):
+        started = time.monotonic()
         try:
             req = parse(SolveHttpRequest, await _body(request, self.cfg.max_body_bytes))
             job = self.engine.prepare_solve(req)
             self._admit()
+            result = await self._run_watched(request, self.engine.solve, job, threading.Event())
         except ApiError as e:
-            self._count("solve", e.status)
+            await self._count("solve", e.status, started)
             raise
-        result = await self._run_watched(request, self.engine.solve, job, threading.Event())
-        self._count("solve", 200)
+        trajectories = result.get("stats", {}).get("trajectories", [])
+        await self._count("solve", _status(result), started, result.get("usage"), trajectories)
         return result
 
 
 def build_app(cfg: ServeConfig):
-    """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config)."""
+    """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config), with
+    the one metrics hub they share."""
     options: dict = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica}}
     if cfg.autoscaling:
         options["autoscaling_config"] = cfg.autoscaling
     else:
         options["num_replicas"] = cfg.num_replicas
-    return TTSServer.options(**options).bind(cfg.model_dump(mode="json"))
+    return TTSServer.options(**options).bind(cfg.model_dump(mode="json"), MetricsHub.bind())
 
 
 def app_builder(args: dict):

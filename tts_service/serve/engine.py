@@ -64,6 +64,16 @@ class Job:
     aggregate: bool
     task: Task
     return_trajectories: bool = False  # /v1/solve: the texts and answers with the vote
+    include_usage: bool = False  # a stream's last chunk carries `usage`
+
+    def usage(self, completion_tokens: int) -> dict:
+        """OpenAI's `usage`: the prompt counts once, whatever n."""
+        prompt = len(self.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
 
 class ServeEngine:
@@ -72,6 +82,7 @@ class ServeEngine:
         # a long-lived service: measure the verify cost up front for the GT-sized methods
         self.generator = Generator.load(cfg.model, calibrate=True)
         self.served_name = cfg.served_model_name or cfg.model.name
+        self.created = now()
         self.store_url = cfg.store.url
         self.global_store = open_global_store(cfg.store, self.store_url)
         max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
@@ -79,8 +90,18 @@ class ServeEngine:
         # concurrent requests share the batch; a short one joins while a long one decodes
         self.runner = RunnerLoop(TrajectoryRunner(self.generator, max_rows, admission="fair"))
 
+    def model_card(self) -> dict:
+        """The served model as OpenAI's `/v1/models` lists it."""
+        return {
+            "id": self.served_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tts-service",
+        }
+
     # -- validation beyond the schema --------------------------------------------------
-    def _check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> None:
+        """404 (OpenAI's shape) unless `name` is the served name or the model's own."""
         if name is not None and name not in (self.served_name, self.cfg.model.name):
             raise ApiError(
                 404,
@@ -103,6 +124,8 @@ class ServeEngine:
         return SamplingConfig(
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=max(req.top_k, 0),  # vLLM's -1 is our 0
+            min_p=req.min_p,
             max_new_tokens=max_new,
             seed=secrets.randbelow(2**31) if req.seed is None else req.seed,
             stop=tuple(req.stop)
@@ -117,7 +140,7 @@ class ServeEngine:
             raise ApiError(400, f"{field}: {e}", field) from e
 
     def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Job:
-        self._check_model(req.model)
+        self.check_model(req.model)
         chat = isinstance(req, ChatCompletionRequest)
         field = "messages" if chat else "prompt"
         sampling = self._sampling(req)
@@ -142,11 +165,19 @@ class ServeEngine:
         self._fit(ids, sampling, field)
         method, drafter = self._drafter(req.spec_method)
         return Job(
-            chat, ids, req.n, sampling, method, drafter, req.aggregate == "majority", req.task
+            chat,
+            ids,
+            req.n,
+            sampling,
+            method,
+            drafter,
+            req.aggregate == "majority",
+            req.task,
+            include_usage=req.stream_options is not None and req.stream_options.include_usage,
         )
 
     def prepare_solve(self, req: SolveHttpRequest) -> Job:
-        self._check_model(req.model)
+        self.check_model(req.model)
         sampling = self._sampling(req)
         ids = self.generator.encode(req.question, chat=True)
         self._fit(ids, sampling, "question")
@@ -245,27 +276,37 @@ class ServeEngine:
                 }
                 for i, o in enumerate(outs)
             ]
-        completion = sum(len(o.token_ids) for o in outs)
         return {
             "id": new_id("chatcmpl" if job.chat else "cmpl"),
             "object": "chat.completion" if job.chat else "text_completion",
             "created": now(),
             "model": self.served_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(job.prompt_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(job.prompt_ids) + completion,
-            },
+            "usage": job.usage(sum(len(o.token_ids) for o in outs)),
             "tts": self._extension(job, report),
         }
 
-    def stream(self, job: Job, cancel: threading.Event, emit: Callable[[dict | None], None]):
+    def stream(
+        self, job: Job, cancel: threading.Event, emit: Callable[[dict | None], None]
+    ) -> dict:
         """The n choices decode together; each streams as text deltas tagged with its index
-        (interleaved, as OpenAI streams n > 1) and ends with its finish chunk; `emit(None)`
-        ends the stream."""
+        (interleaved, as OpenAI streams n > 1) and ends with its finish chunk; with
+        `include_usage`, a last chunk with no choices carries `usage`; `emit(None)` ends the
+        stream. Returns the usage (a cancelled stream's: the tokens it decoded)."""
         cid, created = new_id("chatcmpl" if job.chat else "cmpl"), now()
         hold = max((len(s) for s in job.sampling.stop), default=0)
+
+        def send(choices: list[dict], **usage) -> None:
+            emit(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk" if job.chat else "text_completion",
+                    "created": created,
+                    "model": self.served_name,
+                    "choices": choices,
+                    **usage,
+                }
+            )
 
         def chunk(index: int, text: str | None, finish: str | None, first: bool = False):
             if job.chat:
@@ -275,17 +316,10 @@ class ServeEngine:
                 choice = {"index": index, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish}
-            emit(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk" if job.chat else "text_completion",
-                    "created": created,
-                    "model": self.served_name,
-                    "choices": [choice],
-                }
-            )
+            send([choice], **({"usage": None} if job.include_usage else {}))
 
         ids: list[list[int]] = [[] for _ in range(job.n)]
+        final: dict[int, int] = {}  # index -> its output's tokens, once it has ended
         sent = [0] * job.n
 
         def on_commit(i: int, tokens) -> bool:
@@ -304,6 +338,7 @@ class ServeEngine:
 
         def on_result(res: TrajectoryResult) -> None:
             i, out = res.request.index, res.output
+            final[i] = len(out.token_ids)
             if len(out.text) > sent[i]:
                 chunk(i, out.text[sent[i] :], None)
             chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
@@ -314,6 +349,10 @@ class ServeEngine:
                 for i in range(job.n):
                     chunk(i, None, None, first=True)
                 self.runner.run(requests, on_result, skip=lambda _r: cancel.is_set())
+            usage = job.usage(sum(final.get(i, len(ids[i])) for i in range(job.n)))
+            if job.include_usage:
+                send([], usage=usage)
+            return usage
         finally:
             emit(None)
 
@@ -333,6 +372,7 @@ class ServeEngine:
             "n": job.n,
             "method": job.method,
             "stats": {**ext["stats"], "trajectories": ext["trajectories"]},
+            "usage": job.usage(sum(len(o.token_ids) for o in outs)),
         }
         if job.return_trajectories:
             body["trajectories"] = [
