@@ -12,7 +12,8 @@ from scipy.stats import chisquare
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
-from tts_service.engine.decode import generate, plain_generate
+from tts_service.engine.batch import generate
+from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
 P = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
