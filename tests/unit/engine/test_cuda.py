@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
-from tts_service.engine.batch import generate
+from tts_service.engine.batch import BatchDecoder, generate
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
@@ -55,3 +55,19 @@ def test_decoding_on_the_gpu(name):
     sampled = SamplingConfig(temperature=0.8, max_new_tokens=24, seed=3)
     assert len(generate(model, prompt, drafter, sampled, eos_ids=[]).token_ids) == 24
     assert len(plain_generate(model, prompt, sampled, eos_ids=[]).token_ids) == 24
+
+
+@pytest.mark.parametrize("name", ["plain", "stand", "pld", "recycle"])
+def test_graphed_batches_are_token_identical_to_plain_greedy(name):
+    """CUDA graphs of the verify forward (static cache, full view, padded buckets): every row of
+    a batch, rows leaving at different lengths, commits what plain decoding commits alone."""
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    prompts = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4], [11]]
+    cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (24, 9, 30, 17)]
+    pairs = list(zip(prompts, cfgs, strict=True))
+    refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
+    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c) for p, c in pairs]
+    results = decoder.run(rows, token_budget=24)
+    assert [r.token_ids for r in results] == refs
+    assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs
