@@ -20,6 +20,13 @@ import yaml
 from pydantic import ValidationError
 
 from tts_service.config import JobConfig, Problem, load_yaml
+from tts_service.drafters.methods import (
+    DEFAULT_METHOD,
+    METHOD_NAMES,
+    METHODS,
+    method_drafter,
+    resolve_method,
+)
 
 if TYPE_CHECKING:
     from actors.placement import PlacementPlan
@@ -45,16 +52,38 @@ def apply_overrides(data: dict, sets: list[str]) -> dict:
     return data
 
 
+def with_method(data: dict, method: str | None) -> dict:
+    """The preset with its drafter set by `method` (`--method`), else by its `method:` key, else
+    by DEFAULT_METHOD when it names no drafter either. The preset's drafter fields are kept when
+    the method's drafter has the same kind."""
+    named = data.pop("method", None)
+    method = method or named or (None if "drafter" in data else DEFAULT_METHOD)
+    if method is None:
+        return data
+    if method not in METHOD_NAMES:
+        raise JobInputError(f"--method: unknown {method!r} (choose {', '.join(METHOD_NAMES)})")
+    device = (data.get("model") or {}).get("device", "auto")
+    kind = METHODS[resolve_method(method, device)].kind
+    preset = dict(data.get("drafter") or {})
+    fields = preset if preset.pop("kind", kind) == kind else {}
+    data["drafter"] = method_drafter(method, {kind: fields}, device)
+    return data
+
+
 def load_config(
-    path: str, sets: list[str], updates: Callable[[dict], dict] | None = None
+    path: str,
+    sets: list[str],
+    updates: Callable[[dict], dict] | None = None,
+    method: str | None = None,
 ) -> JobConfig:
-    """The preset at `path`, changed by `updates` (a job's own flags), then by `--set`s.
+    """The preset at `path`, its drafter set by `method` (`with_method`), changed by `updates`
+    (a job's own flags), then by `--set`s.
 
     Raises:
         JobInputError: an unreadable preset or an invalid field (the message names it).
     """
     try:
-        data = load_yaml(path)
+        data = with_method(load_yaml(path), method)
         if updates is not None:
             data = updates(data)
         return JobConfig.model_validate(apply_overrides(data, sets))

@@ -1,12 +1,12 @@
 """Accuracy and speed on AIME-2024, GPQA-Diamond or LiveCodeBench, as a Ray Job entrypoint (or
 a plain local run).
 
-    python -m jobs.evaluate --task aime24|gpqa|lcb --n 16 --method stand --out results/eval \\
+    python -m jobs.evaluate --task aime24|gpqa|lcb --n 16 [--method auto] --out results/eval \\
         [--data hub|fixtures | --data-files F ...] [--release release_v5] [--limit K] \\
         [--config configs/best_of_16.yaml] [--set key=value ...] [--test-timeout 6]
 
-`--method` is any name in `tts_service.drafters.methods.METHODS` (default stand); `auto` runs,
-and names the run after, the method it resolves to on the model's device.
+`--method` is any name in `tts_service.drafters.methods.METHODS` or `auto` (the default), which
+runs, and names the run after, the method it resolves to on the model's device.
 
 Four steps: parse; validate the config, the method and the dataset (anything wrong exits 2 with
 one line on stderr, before any actor starts); run every item's N trajectories on the generator
@@ -35,7 +35,7 @@ from jobs.common import (
     run_pool,
 )
 from tts_service.config import JobConfig, Problem
-from tts_service.drafters.methods import METHOD_NAMES, METHODS, method_drafter, resolve_method
+from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
 from tts_service.tasks.items import TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
@@ -65,9 +65,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="jobs.evaluate", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="jobs.evaluate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--task", required=True, choices=TASK_NAMES)
-    ap.add_argument("--method", choices=METHOD_NAMES, default="stand", help="default stand")
+    ap.add_argument("--method", choices=METHOD_NAMES, default=DEFAULT_METHOD)
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
     ap.add_argument("--out", required=True, help="runs and the report go here")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
@@ -81,14 +81,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _flags(args: argparse.Namespace):
-    """--method and --n as changes to the preset (a --set still wins over them). The preset's
-    drafter fields are kept when the method has the same drafter kind."""
+    """--n as a change to the preset (a --set still wins over it)."""
 
     def update(data: dict) -> dict:
-        preset = dict(data.get("drafter") or {})
-        kind = preset.pop("kind", None)
-        device = (data.get("model") or {}).get("device", "auto")
-        data["drafter"] = method_drafter(args.method, {kind: preset} if kind else {}, device)
         if args.n is not None:
             data["n"] = args.n
         return data
@@ -108,7 +103,7 @@ def _source(args: argparse.Namespace) -> DataSource:
 def parse(argv: list[str] | None) -> EvalJob:
     """Parse and validate everything, the dataset included; raises JobInputError."""
     args = _arguments(argv)
-    cfg = load_config(args.config, args.set, _flags(args))
+    cfg = load_config(args.config, args.set, _flags(args), args.method)
     if cfg.early_stop:
         raise JobInputError("early_stop: evaluation needs all N trajectories (pass@k, maj@k)")
     if args.limit is not None and args.limit < 1:

@@ -18,7 +18,7 @@ from tts_service.config import (
     SolveRequest,
     load_yaml,
 )
-from tts_service.drafters.methods import METHOD_NAMES, method_drafter
+from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, method_drafter
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -68,7 +68,7 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
         preset = load_yaml(args.config)
     except (OSError, ValueError) as e:
         raise UsageError(f"--config: {e}") from e
-    method = args.method or preset.get("method", "pld")
+    method = args.method or preset.get("method", DEFAULT_METHOD)
     device = args.device or preset.get("model", {}).get("device", "auto")
     try:
         drafter = method_drafter(method, preset.get("drafters", {}), device)

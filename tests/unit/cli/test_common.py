@@ -60,3 +60,30 @@ def test_unknown_model_exits_2_from_a_real_process():
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "--model" in proc.stderr and "no-such-org/no-such-model" in proc.stderr
+
+
+def test_auto_is_the_one_default_method(tmp_path):
+    from pathlib import Path
+
+    from jobs.best_of_n import parse as best_of_n
+    from jobs.evaluate import parse as evaluate
+    from tts_service.cli import make_parser
+    from tts_service.cli.common import request
+    from tts_service.config import GenerateRequest, ServeConfig, load_yaml
+    from tts_service.drafters.methods import DEFAULT_METHOD, METHODS, resolve_method
+
+    assert DEFAULT_METHOD == "auto"
+    runs = METHODS[resolve_method("auto", "auto")]
+    repo = Path(__file__).resolve().parents[3]
+    assert load_yaml(repo / "configs/default.yaml")["method"] == DEFAULT_METHOD
+    assert load_yaml(repo / "configs/best_of_16.yaml")["method"] == DEFAULT_METHOD
+    serve = load_yaml(repo / "configs/serve.yaml")["applications"][0]["args"]
+    assert serve["default_method"] == ServeConfig().default_method == DEFAULT_METHOD
+    req = request(make_parser().parse_args(["generate", "hi"]), GenerateRequest, {"prompt": "hi"})
+    assert req.drafter.kind == runs.kind
+    cfg, _, _ = best_of_n(
+        ["--problems", str(repo / "jobs/demo_problems.jsonl"), "--out", str(tmp_path)]
+    )
+    assert cfg.drafter.kind == runs.kind
+    job = evaluate(["--task", "gpqa", "--data", "fixtures", "--out", str(tmp_path)])
+    assert job.method == resolve_method("auto", "auto")

@@ -28,7 +28,8 @@ def test_flags_override_the_preset_and_items_are_limited(tmp_path):
     assert job.method == "pld" and len(job.items) == 3
     assert job.run_dir == tmp_path / "gpqa" / "pld"
     job = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
-    assert (job.method, job.cfg.drafter.num_nodes) == ("stand", 8)  # default method
+    assert job.method == resolve_method("auto", "auto")  # the default method
+    assert job.cfg.drafter.num_nodes == 8  # a --set wins over the method
 
 
 def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
