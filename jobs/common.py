@@ -146,7 +146,16 @@ def init_ray(cfg: JobConfig) -> None:
 
 @contextlib.contextmanager
 def store_url(cfg: JobConfig) -> Iterator[str | None]:
+    """The store's URL, checked to answer before any actor loads a model ('local-redis': a
+    private redis-server for the run)."""
     if cfg.store.url != "local-redis":
+        from store.factory import check_store
+        from store.redis_store import StoreUnavailableError
+
+        try:
+            check_store(cfg.store, cfg.store.url)
+        except StoreUnavailableError as e:
+            raise JobInputError(f"store.url: {e}") from e
         yield cfg.store.url
         return
     from store.local_server import LocalRedisServer

@@ -369,3 +369,15 @@ def test_tts_job_submits_follows_lists_and_stops_through_a_real_job_server(
 
     rc, out, err = tts_job("status", "raysubmit_nosuchjob")
     assert rc == 2 and out == "" and "no job 'raysubmit_nosuchjob'" in err
+
+
+def test_an_unreachable_store_is_exit_2_before_any_actor(ray_local, tmp_path, capsys):
+    from store.local_server import free_port
+
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(PROBLEMS[0].model_dump_json() + "\n")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    argv = ["--problems", str(problems), "--out", str(tmp_path / "o"), "--set", f"store.url={url}"]
+    assert job_main(argv) == 2
+    assert f"store.url: cannot reach Redis at {url}" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "trajectories.jsonl").exists()

@@ -36,14 +36,14 @@ def field_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = [str(x) for x in first["loc"] if not str(x).isdigit()]
     name = loc[-1] if loc else "input"
-    return f"--{name.replace('_', '-')}: {first['msg']}"
+    return f"--{name.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(DEFAULT_PRESET), help="YAML preset (configs/)")
     p.add_argument("--model", help="alias (smollm2-135m), hub id or local path")
     p.add_argument("--method", help=f"one of {', '.join(METHOD_NAMES)}")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -100,8 +100,12 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
 def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
     from tts_service.drafters.registry import needs_cost  # heavy: only after validation
     from tts_service.generation import Generator
-    from tts_service.models import ModelNotFoundError
+    from tts_service.models import ModelNotFoundError, resolve_device
 
+    try:
+        resolve_device(req.model.device)  # cuda asked on a machine without it
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from e
     try:
         calibrate = isinstance(req, GenerateRequest | SolveRequest) and needs_cost(req.drafter)
         return Generator.load(req.model, calibrate=calibrate)

@@ -64,50 +64,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--problems: {e}") from e
     else:
         questions = [(args.prompt_id, req.question)]
-    gen = load(req)
-    from tqdm import tqdm
-
-    from store.factory import open_global_store, open_problem_store, problem_id
-    from store.redis_store import StoreUnavailableError
-    from tts_service.generation import InputTooLongError
-    from tts_service.runner import TrajectoryRunner
-    from tts_service.solve import ProblemInput, solve_problems
-
-    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
-
-    def progress(_pid, t) -> None:
-        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
-        bar.update(1)
-
-    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
-    try:
-        with store_server(req.store.url) as url:
-            try:
-                global_store = open_global_store(req.store, url)
-                problems = []
-                for pid, question in questions:
-                    ids = gen.encode(question, chat=req.chat)
-                    store = open_problem_store(req.store, url, problem_id(ids), global_store)
-                    problems.append(ProblemInput(pid, ids, store))
-            except StoreUnavailableError as e:
-                raise UsageError(f"--store: {e}") from e
-            try:  # solve_problems closes the problem stores
-                solved = solve_problems(
-                    TrajectoryRunner(gen, max_rows),
-                    problems,
-                    req.n,
-                    req.drafter,
-                    req.sampling,
-                    on_trajectory=progress,
-                    record=args.log is not None,
-                )
-            finally:  # while a local-redis server still runs
-                if global_store is not None:
-                    global_store.close()
-    except InputTooLongError as e:
-        raise UsageError(f"question: {e}") from e
-    finally:
-        bar.close()
+    with store_server(req.store) as url:  # a store that does not answer fails before the load
+        problems, solved = _solve(req, questions, url, record=args.log is not None)
     if args.log is not None:
         from tts_service.replay import LogWriter
 
@@ -125,3 +83,51 @@ def run(args: argparse.Namespace) -> int:
             print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']} ===")
         print(json.dumps(out["stats"]), file=sys.stderr)
     return 0
+
+
+def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None, record: bool):
+    """Load the model and run every question's trajectories; (problem inputs, results)."""
+    gen = load(req)
+    from tqdm import tqdm
+
+    from store.factory import open_global_store, open_problem_store, problem_id
+    from store.redis_store import StoreUnavailableError
+    from tts_service.generation import InputTooLongError
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.solve import ProblemInput, solve_problems
+
+    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
+
+    def progress(_pid, t) -> None:
+        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
+        bar.update(1)
+
+    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
+    try:
+        try:
+            global_store = open_global_store(req.store, url)
+            problems = []
+            for pid, question in questions:
+                ids = gen.encode(question, chat=req.chat)
+                store = open_problem_store(req.store, url, problem_id(ids), global_store)
+                problems.append(ProblemInput(pid, ids, store))
+        except StoreUnavailableError as e:
+            raise UsageError(f"--store: {e}") from e
+        try:  # solve_problems closes the problem stores
+            solved = solve_problems(
+                TrajectoryRunner(gen, max_rows),
+                problems,
+                req.n,
+                req.drafter,
+                req.sampling,
+                on_trajectory=progress,
+                record=record,
+            )
+        finally:  # while a local-redis server still runs
+            if global_store is not None:
+                global_store.close()
+    except InputTooLongError as e:
+        raise UsageError(f"question: {e}") from e
+    finally:
+        bar.close()
+    return problems, solved

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from store.config import StoreConfig
 from tts_service.cli.common import UsageError
 
 
@@ -26,10 +27,18 @@ def store_flags(args: argparse.Namespace) -> dict:
 
 
 @contextlib.contextmanager
-def store_server(url: str | None) -> Iterator[str | None]:
-    """Resolve 'local-redis' to a private redis-server that lives as long as the command."""
-    if url != "local-redis":
-        yield url
+def store_server(cfg: StoreConfig) -> Iterator[str | None]:
+    """The store's URL, checked to answer (before any model loads), with 'local-redis'
+    resolved to a private redis-server that lives as long as the command."""
+    if cfg.url != "local-redis":
+        from store.factory import check_store
+        from store.redis_store import StoreUnavailableError
+
+        try:
+            check_store(cfg, cfg.url)
+        except StoreUnavailableError as e:
+            raise UsageError(f"--store: {e}") from e
+        yield cfg.url
         return
     from store.local_server import LocalRedisServer, RedisServerError
 

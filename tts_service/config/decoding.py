@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -37,7 +38,9 @@ class ModelConfig(StrictConfig):
 
     name: str = Field("smollm2-135m", min_length=1, description="Alias, hub id or local path.")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda:0'.")
+    device: str = Field(
+        "auto", description="auto (cuda if present, else cpu), cpu, cuda or cuda:N."
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     max_memory: dict[str, str] | None = Field(
         None,
@@ -49,6 +52,13 @@ class ModelConfig(StrictConfig):
         description="On a CPU, time both matrix products of every linear layer shape at load "
         "and use the faster per row count (engine/matmul.py).",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
 
 
 MaxRows = Annotated[int, Field(ge=1, le=256)]

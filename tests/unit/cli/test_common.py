@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from store.local_server import free_port
 from tts_service.cli import main
 
 BAD = [
@@ -31,6 +33,8 @@ BAD = [
     (["solve", "--max-rows", "0", "q"], "--max-rows"),
     (["solve", "--task", "poetry", "q"], "--task"),
     (["frobnicate"], "frobnicate"),
+    (["generate", "--device", "tpu", "hi"], "--device"),
+    (["generate", "--device", "cuda:x", "hi"], "--device"),
 ]
 
 
@@ -40,6 +44,35 @@ def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and field in err
+
+
+@pytest.mark.parametrize(
+    "argv,allowed",
+    [
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (
+            ["--dtype", "int8"],
+            "Input should be 'auto', 'float32', 'float64', 'bfloat16' or 'float16'",
+        ),
+    ],
+)
+def test_a_bad_device_or_dtype_lists_the_allowed_values(argv, allowed, capsys):
+    assert main(["generate", *argv, "hi"]) == 2
+    assert capsys.readouterr().err == f"tts: error: {argv[0]}: {allowed}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_exit_2_before_the_load(capsys):
+    assert main(["generate", "--device", "cuda", "--model", "no-such-org/no-such-model", "hi"]) == 2
+    assert "--device: device 'cuda' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_an_unreachable_store_is_reported_before_the_model_loads(capsys):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    argv = ["solve", "--model", "no-such-org/no-such-model", "--store", url, "q"]
+    assert main(argv) == 2  # the store's error, not the missing model's: it was checked first
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"tts: error: --store: cannot reach Redis at {url}")
 
 
 def test_unknown_model_exits_2_from_a_real_process():
