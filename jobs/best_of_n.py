@@ -45,10 +45,12 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     ap = argparse.ArgumentParser(
         prog="jobs.best_of_n", description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
-    ap.add_argument("--config", default="configs/best_of_16.yaml")
-    ap.add_argument("--problems", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--method", choices=METHOD_NAMES, help="over the preset's method")
+    ap.add_argument(
+        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+    )
+    ap.add_argument("--problems", required=True, help="JSONL, one problem per line (required)")
+    ap.add_argument("--out", required=True, help="results go here; a re-run resumes (required)")
+    ap.add_argument("--method", choices=METHOD_NAMES, help="over the preset's method (there: auto)")
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument(
         "--new-run",

@@ -67,16 +67,25 @@ class _Parser(argparse.ArgumentParser):
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = _Parser(prog="jobs.evaluate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--task", required=True, choices=TASK_NAMES)
-    ap.add_argument("--method", choices=METHOD_NAMES, default=DEFAULT_METHOD)
+    ap.add_argument(
+        "--method", choices=METHOD_NAMES, default=DEFAULT_METHOD, help="default: %(default)s"
+    )
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
-    ap.add_argument("--out", required=True, help="runs and the report go here")
+    ap.add_argument("--out", required=True, help="runs and the report go here (required)")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
     ap.add_argument("--data-files", nargs="+", type=Path, help="local copies, dataset fields")
     ap.add_argument("--release", help=f"LiveCodeBench release (default {DEFAULT_RELEASE})")
     ap.add_argument("--limit", type=int, help="only the first K items")
-    ap.add_argument("--config", default="configs/best_of_16.yaml")
+    ap.add_argument(
+        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+    )
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
-    ap.add_argument("--test-timeout", type=float, default=6.0, help="seconds per code test")
+    ap.add_argument(
+        "--test-timeout",
+        type=float,
+        default=6.0,
+        help="seconds per code test (default: %(default)s)",
+    )
     return ap.parse_args(argv)
 
 

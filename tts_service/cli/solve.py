@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from tts_service.cli.common import UsageError, add_common_flags, load, request
+from tts_service.cli.common import UsageError, add_common_flags, add_field, load, request
 from tts_service.cli.store import store_flags, store_server
 from tts_service.config import SolveRequest, default_max_rows, read_problems
 
@@ -17,17 +17,13 @@ from tts_service.config import SolveRequest, default_max_rows, read_problems
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
     sol.add_argument("question", nargs="?", help="the problem text (or --problems FILE)")
-    sol.add_argument("--problems", help="JSONL of problems (the jobs' format), all in one run")
-    sol.add_argument("--task", default="math", help="how answers are voted: math, choice, code")
-    add_common_flags(sol)
-    sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
+    add_field(sol, SolveRequest, "problems")
+    add_field(sol, SolveRequest, "task")
+    add_common_flags(sol, SolveRequest)
+    add_field(sol, SolveRequest, "n")
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
-    sol.add_argument(
-        "--max-rows",
-        type=int,
-        help="rows decoded together, refilled as they finish (default: 16 on CPU, 64 on GPU)",
-    )
+    add_field(sol, SolveRequest, "max_rows", type=int)
     sol.add_argument(
         "--store",
         help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",

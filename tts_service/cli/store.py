@@ -55,11 +55,21 @@ def store_server(cfg: StoreConfig) -> Iterator[str | None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sto = sub.add_parser("store", help="look at or clean the Redis n-gram store")
-    sto.add_argument("action", choices=["stats", "clear"])
-    sto.add_argument("--scope", choices=["job", "problem", "global", "all"], default="all")
-    sto.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
-    sto.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
-    sto.set_defaults(func=run)
+    actions = sto.add_subparsers(dest="action", required=True, parser_class=type(sto))
+    for name, text in (
+        ("stats", "entries, memory and eviction policy of a scope (all: every scope)"),
+        ("clear", "delete a scope's entries (all: every tts: key)"),
+    ):
+        act = actions.add_parser(name, help=text, description=text)
+        act.add_argument(
+            "--scope",
+            choices=["job", "problem", "global", "all"],
+            default="all",
+            help="default: %(default)s",
+        )
+        act.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
+        act.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
+        act.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,7 +37,10 @@ class ModelConfig(StrictConfig):
     """Which target model to load and where it runs."""
 
     name: str = Field("smollm2-135m", min_length=1, description="Alias, hub id or local path.")
-    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto (bfloat16 on CUDA, float32 on CPU), float32, float64, bfloat16, float16.",
+    )
     device: str = Field(
         "auto", description="auto (cuda if present, else cpu), cpu, cuda or cuda:N."
     )

@@ -7,9 +7,12 @@ import sys
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from store.local_server import free_port
-from tts_service.cli import main
+from tts_service.cli import main, make_parser
+from tts_service.cli.common import request
+from tts_service.config import CalibrateTreeRequest, GenerateRequest, SolveRequest
 
 BAD = [
     (["generate", ""], "--prompt"),
@@ -100,9 +103,7 @@ def test_auto_is_the_one_default_method(tmp_path):
 
     from jobs.best_of_n import parse as best_of_n
     from jobs.evaluate import parse as evaluate
-    from tts_service.cli import make_parser
-    from tts_service.cli.common import request
-    from tts_service.config import GenerateRequest, ServeConfig, load_yaml
+    from tts_service.config import ServeConfig, load_yaml
     from tts_service.drafters.methods import DEFAULT_METHOD, METHODS, resolve_method
 
     assert DEFAULT_METHOD == "auto"
@@ -120,3 +121,48 @@ def test_auto_is_the_one_default_method(tmp_path):
     assert cfg.drafter.kind == runs.kind
     job = evaluate(["--task", "gpqa", "--data", "fixtures", "--out", str(tmp_path)])
     assert job.method == resolve_method("auto", "auto")
+
+
+def _subparser(*names: str):
+    parser = make_parser()
+    for name in names:
+        parser = next(a for a in parser._actions if a.dest in ("command", "action")).choices[name]
+    return parser
+
+
+def _effective_requests():
+    """What each command runs with when given no flags: the preset and the schema decide."""
+    gen = request(make_parser().parse_args(["generate", "hi"]), GenerateRequest, {"prompt": "hi"})
+    sol = request(make_parser().parse_args(["solve", "q"]), SolveRequest, {"question": "q"})
+    cal = CalibrateTreeRequest(prompts="configs/calibration.jsonl", out="x.json")
+    return {"generate": gen, "solve": sol, "calibrate-tree": cal}
+
+
+@pytest.mark.parametrize("command", ["generate", "solve", "calibrate-tree"])
+def test_every_flag_with_a_schema_default_shows_it_in_help(command):
+    req = _effective_requests()[command]
+    shown = set()
+    for action in _subparser(command)._actions:
+        dest = action.dest
+        if not action.option_strings:
+            continue  # the prompt or question itself
+        for owner in (req, req.sampling, req.model):
+            if dest in type(owner).model_fields and not (owner is req and dest == "model"):
+                value = getattr(owner, dest)
+                break
+        else:
+            value = req.model.name if dest == "model" else None
+        if value in (None, ()) or isinstance(value, bool | BaseModel) or action.default:
+            continue  # no scalar default to show, or argparse's own (shown by %(default)s)
+        assert f"(default: {value})" in action.help, (dest, action.help)
+        shown.add(dest)
+    assert {"temperature", "max_new_tokens", "seed", "model"} <= shown
+    if command != "calibrate-tree":
+        assert {"top_p", "top_k", "device", "dtype"} <= shown
+
+
+def test_store_actions_have_their_own_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["store", "stats", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tts store stats") and "--scope" in out

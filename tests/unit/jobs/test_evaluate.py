@@ -76,3 +76,17 @@ def test_every_registered_method_is_accepted(tmp_path, method):
     job = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
     assert job.method == resolve_method(method, "auto")
     assert job.cfg.drafter.kind == METHODS[job.method].kind
+
+
+@pytest.mark.parametrize("module", ["jobs.evaluate", "jobs.best_of_n"])
+def test_help_shows_a_whole_description_and_the_defaults(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    text = " ".join(out.split())
+    assert "as a Ray Job entrypoint (or a plain local run)." in text  # not cut mid-sentence
+    assert "--config CONFIG YAML preset (default: configs/best_of_16.yaml)" in text
+    assert "--out OUT" in text and "(required)" in text
