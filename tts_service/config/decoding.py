@@ -45,6 +45,12 @@ class ModelConfig(StrictConfig):
         "auto", description="auto (cuda if present, else cpu), cpu, cuda or cuda:N."
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt plus new tokens a request may have; none: the model's "
+        "context (vLLM's --max-model-len).",
+    )
     max_memory: dict[str, str] | None = Field(
         None,
         description="Shard over the visible GPUs (device_map='auto') within these per-device "

@@ -20,8 +20,15 @@ class ServeConfig(StrictConfig):
         default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
     )
     store: StoreConfig = StoreConfig()
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="Bind address of the HTTP server.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Every route requires `Authorization: Bearer KEY` (vLLM's --api-key); "
+        "none: no auth.",
+    )
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")
