@@ -44,14 +44,14 @@ def schema_field(model: type[BaseModel], path: str) -> tuple[FieldInfo, Any]:
     """The field at a dotted `path` of `model` and its default, read through the defaults of
     the fields above it (`CalibrateTreeRequest.sampling` defaults to max_new_tokens=128)."""
     *parents, leaf = path.split(".")
-    owner: Any = model
+    cls, above = model, None  # above: the default instance of the field above the leaf
     for part in parents:
-        cls = owner if isinstance(owner, type) else type(owner)
-        owner = cls.model_fields[part].get_default(call_default_factory=True)
-    cls = owner if isinstance(owner, type) else type(owner)
+        above = cls.model_fields[part].get_default(call_default_factory=True)
+        cls = type(above)
     field = cls.model_fields[leaf]
-    default = field.get_default(call_default_factory=True) if owner is cls else getattr(owner, leaf)
-    return field, default
+    if above is None:
+        return field, field.get_default(call_default_factory=True)
+    return field, getattr(above, leaf)
 
 
 def with_default(text: str | None, default: Any) -> str:
