@@ -24,7 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = job.add_subparsers(dest="action", required=True, parser_class=type(job))
     submit = _action(actions, "submit", "submit ENTRYPOINT (after --); prints the job id")
-    submit.add_argument("--working-dir", default=".", help="uploaded to the cluster")
+    submit.add_argument(
+        "--working-dir", default=".", help="uploaded to the cluster (default: %(default)s)"
+    )
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help=ENTRYPOINT_HINT)
     for name, text in (
         ("status", "the job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)"),
@@ -102,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
                 stopped = client.stop_job(args.job_id)
                 print("stopped" if stopped else f"not running ({status.value})")
             elif args.follow:
-                asyncio.run(_follow(client, args.job_id))
+                try:
+                    asyncio.run(_follow(client, args.job_id))
+                except KeyboardInterrupt:  # stops following; the job goes on
+                    return 130
             else:
                 print(client.get_job_logs(args.job_id), end="")
     except RuntimeError as e:
