@@ -8,6 +8,7 @@ trajectories through `run_pool`, so retries, resume and placement behave the sam
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import math
@@ -52,17 +53,16 @@ def apply_overrides(data: dict, sets: list[str]) -> dict:
     return data
 
 
-def with_method(data: dict, method: str | None) -> dict:
+def with_method(data: dict, method: str | None, device: str) -> dict:
     """The preset with its drafter set by `method` (`--method`), else by its `method:` key, else
-    by DEFAULT_METHOD when it names no drafter either. The preset's drafter fields are kept when
-    the method's drafter has the same kind."""
+    by DEFAULT_METHOD when it names no drafter either; `auto` resolves for `device`. The
+    preset's drafter fields are kept when the method's drafter has the same kind."""
     named = data.pop("method", None)
     method = method or named or (None if "drafter" in data else DEFAULT_METHOD)
     if method is None:
         return data
     if method not in METHOD_NAMES:
         raise JobInputError(f"--method: unknown {method!r} (choose {', '.join(METHOD_NAMES)})")
-    device = (data.get("model") or {}).get("device", "auto")
     kind = METHODS[resolve_method(method, device)].kind
     preset = dict(data.get("drafter") or {})
     fields = preset if preset.pop("kind", kind) == kind else {}
@@ -83,9 +83,11 @@ def load_config(
         JobInputError: an unreadable preset or an invalid field (the message names it).
     """
     try:
-        data = with_method(load_yaml(path), method)
+        data = load_yaml(path)
         if updates is not None:
             data = updates(data)
+        final = apply_overrides(copy.deepcopy(data), sets)  # the device the job will run on
+        data = with_method(data, method, (final.get("model") or {}).get("device", "auto"))
         return JobConfig.model_validate(apply_overrides(data, sets))
     except JobInputError:
         raise
