@@ -1,7 +1,7 @@
 """Best-of-N over a problems file, as a Ray Job entrypoint (or a plain local run).
 
     python -m jobs.best_of_n --config configs/best_of_16.yaml --problems problems.jsonl \\
-        --out results/ [--set sampling.temperature=0.7 --set n=8 ...]
+        --out results/ [--method auto] [--set sampling.temperature=0.7 --set n=8 ...]
 
 Four steps only: parse, validate (a bad field exits 2 before any actor starts), run the pool,
 write results. Writes `run.json` (the settings, which a resume must match), `trajectories.jsonl`
@@ -31,6 +31,7 @@ from jobs.common import (
     run_settings,
 )
 from tts_service.config import JobConfig, Problem, read_problems
+from tts_service.drafters.methods import METHOD_NAMES
 
 
 def load_problems(path: Path) -> list[Problem]:
@@ -41,10 +42,15 @@ def load_problems(path: Path) -> list[Problem]:
 
 
 def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
-    ap = argparse.ArgumentParser(prog="jobs.best_of_n", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/best_of_16.yaml")
-    ap.add_argument("--problems", required=True)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(
+        prog="jobs.best_of_n", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
+    ap.add_argument(
+        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+    )
+    ap.add_argument("--problems", required=True, help="JSONL, one problem per line (required)")
+    ap.add_argument("--out", required=True, help="results go here; a re-run resumes (required)")
+    ap.add_argument("--method", choices=METHOD_NAMES, help="over the preset's method (there: auto)")
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument(
         "--new-run",
@@ -53,7 +59,7 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
         "that is new or holds a run with these settings",
     )
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, method=args.method)
     problems = load_problems(Path(args.problems))
     out = Path(args.out)
     if args.new_run:

@@ -8,6 +8,7 @@ trajectories through `run_pool`, so retries, resume and placement behave the sam
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import math
@@ -22,6 +23,13 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from tts_service.config import JobConfig, Problem, load_yaml
+from tts_service.drafters.methods import (
+    DEFAULT_METHOD,
+    METHOD_NAMES,
+    METHODS,
+    method_drafter,
+    resolve_method,
+)
 from tts_service.engine.metrics import ForwardStats, GenerationStats
 
 if TYPE_CHECKING:
@@ -48,10 +56,31 @@ def apply_overrides(data: dict, sets: list[str]) -> dict:
     return data
 
 
+def with_method(data: dict, method: str | None, device: str) -> dict:
+    """The preset with its drafter set by `method` (`--method`), else by its `method:` key, else
+    by DEFAULT_METHOD when it names no drafter either; `auto` resolves for `device`. The
+    preset's drafter fields are kept when the method's drafter has the same kind."""
+    named = data.pop("method", None)
+    method = method or named or (None if "drafter" in data else DEFAULT_METHOD)
+    if method is None:
+        return data
+    if method not in METHOD_NAMES:
+        raise JobInputError(f"--method: unknown {method!r} (choose {', '.join(METHOD_NAMES)})")
+    kind = METHODS[resolve_method(method, device)].kind
+    preset = dict(data.get("drafter") or {})
+    fields = preset if preset.pop("kind", kind) == kind else {}
+    data["drafter"] = method_drafter(method, {kind: fields}, device)
+    return data
+
+
 def load_config(
-    path: str, sets: list[str], updates: Callable[[dict], dict] | None = None
+    path: str,
+    sets: list[str],
+    updates: Callable[[dict], dict] | None = None,
+    method: str | None = None,
 ) -> JobConfig:
-    """The preset at `path`, changed by `updates` (a job's own flags), then by `--set`s.
+    """The preset at `path`, its drafter set by `method` (`with_method`), changed by `updates`
+    (a job's own flags), then by `--set`s.
 
     Raises:
         JobInputError: an unreadable preset or an invalid field (the message names it).
@@ -60,6 +89,8 @@ def load_config(
         data = load_yaml(path)
         if updates is not None:
             data = updates(data)
+        final = apply_overrides(copy.deepcopy(data), sets)  # the device the job will run on
+        data = with_method(data, method, (final.get("model") or {}).get("device", "auto"))
         return JobConfig.model_validate(apply_overrides(data, sets))
     except JobInputError:
         raise
@@ -120,7 +151,16 @@ def init_ray(cfg: JobConfig) -> None:
 
 @contextlib.contextmanager
 def store_url(cfg: JobConfig) -> Iterator[str | None]:
+    """The store's URL, checked to answer before any actor loads a model ('local-redis': a
+    private redis-server for the run)."""
     if cfg.store.url != "local-redis":
+        from store.factory import check_store
+        from store.redis_store import StoreUnavailableError
+
+        try:
+            check_store(cfg.store, cfg.store.url)
+        except StoreUnavailableError as e:
+            raise JobInputError(f"store.url: {e}") from e
         yield cfg.store.url
         return
     from store.local_server import LocalRedisServer

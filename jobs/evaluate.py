@@ -8,7 +8,7 @@ a plain local run), or of any OpenAI-compatible server.
         [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
 
 `--tasks` takes one or more names, comma-separated (lm-eval's `gpqa_diamond` is `gpqa`).
-`--method` is one or more names in `tts_service.drafters.methods.METHODS` (default stand);
+`--method` is one or more names in `tts_service.drafters.methods.METHODS` (default auto);
 `auto` runs, and names the run after, the method it resolves to on the model's device. Several
 methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
 alternates, so that their speeds are measured under the same conditions: the report divides
@@ -51,7 +51,7 @@ from jobs.common import (
 )
 from jobs.endpoint import Endpoint, EndpointError
 from tts_service.config import JobConfig, Problem
-from tts_service.drafters.methods import METHOD_NAMES, METHODS, method_drafter, resolve_method
+from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
 from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
@@ -110,20 +110,30 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         "--tasks", "--task", required=True, type=_tasks, help="comma-separated: aime24,gpqa,lcb"
     )
     ap.add_argument(
-        "--method", type=_methods, default=["stand"], help="comma-separated (default stand)"
+        "--method",
+        type=_methods,
+        default=[DEFAULT_METHOD],
+        help=f"comma-separated (default: {DEFAULT_METHOD})",
     )
     ap.add_argument(
         "--round-items", type=int, help="items per interleaving round of several methods"
     )
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
-    ap.add_argument("--out", required=True, help="runs and the report go here")
+    ap.add_argument("--out", required=True, help="runs and the report go here (required)")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
     ap.add_argument("--data-files", nargs="+", type=Path, help="local copies, dataset fields")
     ap.add_argument("--release", help=f"LiveCodeBench release (default {DEFAULT_RELEASE})")
     ap.add_argument("--limit", type=int, help="only the first K items of each task")
-    ap.add_argument("--config", default="configs/best_of_16.yaml")
+    ap.add_argument(
+        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+    )
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
-    ap.add_argument("--test-timeout", type=float, default=6.0, help="seconds per code test")
+    ap.add_argument(
+        "--test-timeout",
+        type=float,
+        default=6.0,
+        help="seconds per code test (default: %(default)s)",
+    )
     ap.add_argument(
         "--log-samples", action="store_true", help="write samples.jsonl (every trajectory)"
     )
@@ -133,15 +143,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _flags(args: argparse.Namespace, method: str):
-    """`method` and --n as changes to the preset (a --set still wins over them). The preset's
-    drafter fields are kept when the method has the same drafter kind."""
+def _flags(args: argparse.Namespace):
+    """--n as a change to the preset (a --set still wins over it)."""
 
     def update(data: dict) -> dict:
-        preset = dict(data.get("drafter") or {})
-        kind = preset.pop("kind", None)
-        device = (data.get("model") or {}).get("device", "auto")
-        data["drafter"] = method_drafter(method, {kind: preset} if kind else {}, device)
         if args.n is not None:
             data["n"] = args.n
         return data
@@ -176,7 +181,7 @@ def _endpoint(args: argparse.Namespace) -> Endpoint | None:
 
 def _config(args: argparse.Namespace, method: str) -> tuple[JobConfig, str]:
     """The validated config of one method, and the method's name as run (`auto` resolved)."""
-    cfg = load_config(args.config, args.set, _flags(args, method))
+    cfg = load_config(args.config, args.set, _flags(args), method)
     if cfg.early_stop:
         raise JobInputError("early_stop: evaluation needs all N trajectories (pass@k, maj@k)")
     method = resolve_method(method, cfg.model.device)  # `auto` is named by what it runs

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from store.base import NgramStore
 from store.config import StoreConfig
 from store.memory import InMemoryNgramStore, TieredStore
-from store.redis_store import RedisLogitNgramStore, RedisScope
+from store.redis_store import RedisLogitNgramStore, RedisScope, ping
 
 
 def problem_id(prompt_ids: Sequence[int]) -> str:
@@ -59,6 +59,13 @@ def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> 
         known = ", ".join(f"{s}://" for s in BACKENDS if s is not None)
         raise ValueError(f"store URL {url!r}: unknown scheme (known: {known}; None: in-process)")
     return opener(cfg, url, scope, scope_id)
+
+
+def check_store(cfg: StoreConfig, url: str | None) -> None:
+    """Fail fast (StoreUnavailableError) if `url` names a Redis that does not answer and no
+    fallback was asked for; the in-process store always answers."""
+    if url is not None and not cfg.fallback:
+        ping(url)
 
 
 def open_global_store(cfg: StoreConfig, url: str | None) -> NgramStore | None:

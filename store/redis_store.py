@@ -102,6 +102,18 @@ class StoreUnavailableError(RuntimeError):
     """Redis cannot be reached and no local fallback was asked for."""
 
 
+def ping(url: str) -> None:
+    """Raise StoreUnavailableError unless the Redis at `url` answers: the edges call it before
+    a model loads, so that a wrong URL fails in seconds, not after the load."""
+    client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        client.ping()
+    except _ERRORS as e:
+        raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
+    finally:
+        client.close()
+
+
 @dataclass(frozen=True)
 class RedisScope:
     """Where entries live and how long: `scope` is job, problem or global."""

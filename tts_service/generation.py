@@ -49,8 +49,10 @@ class Generator:
         loaded: LoadedModel,
         cost: CostModel | None = None,
         batch_cost: BatchCost | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.loaded = loaded
+        self.max_model_len = max_model_len  # below the model's context, if set
         self._drafters: dict[str, Drafter] = {}
         self._shared: dict = {}  # what every drafter of this model shares (successor tables)
         # per problem store: what its trajectories share beside the store itself
@@ -68,7 +70,7 @@ class Generator:
     ) -> Generator:
         """Load the model; with `calibrate`, measure the verify cost now (a few seconds) rather
         than at the first step of a GT-sized drafter."""
-        gen = cls(load_model(cfg, cache_dir))
+        gen = cls(load_model(cfg, cache_dir), max_model_len=cfg.max_model_len)
         if calibrate:
             gen.cost.at(0)
         return gen
@@ -149,10 +151,12 @@ class Generator:
 
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
+        if self.max_model_len is not None:
+            limit = min(limit or self.max_model_len, self.max_model_len)
         if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
             raise InputTooLongError(
                 f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} new tokens "
-                f"exceed the model's context of {limit}"
+                f"exceed the context of {limit} (max_model_len, else the model's)"
             )
 
     def output(self, res: GenerationResult) -> GenerationOutput:

@@ -331,3 +331,53 @@ def test_early_stop_decides_once_the_leader_cannot_be_overtaken(tiny_model_dir, 
         state.records[i] = {"index": i, "text": "so \\boxed{2}"}
     pool._maybe_stop_early(state)
     assert state.stopped_early  # 5 vs 1 with 2 to go: decided
+
+
+def test_tts_job_submits_follows_lists_and_stops_through_a_real_job_server(
+    ray_head, tmp_path, capsys
+):
+    from tts_service.cli import main
+
+    _, address = ray_head
+
+    def tts_job(action: str, *args: str) -> tuple[int, str, str]:
+        rc = main(["job", action, "--address", address, *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    def submit(*entry: str) -> str:
+        for _ in range(60):  # the dashboard answers before its job agent is ready
+            rc, out, err = tts_job("submit", "--working-dir", str(tmp_path), "--", *entry)
+            if rc == 0:
+                return out.strip()
+            assert "No available agent" in err, err
+            time.sleep(2)
+        raise AssertionError("the Ray job agent never became ready")
+
+    job_id = submit(sys.executable, "-c", "print('hello from the job')")
+    rc, out, _ = tts_job("logs", job_id, "--follow")  # returns when the job ends
+    assert rc == 0 and "hello from the job" in out
+    assert tts_job("status", job_id)[1].strip() == "SUCCEEDED"
+    assert any(line.startswith(f"{job_id}\tSUCCEEDED") for line in tts_job("list")[1].splitlines())
+
+    sleeper = submit("sleep", "300")
+    assert tts_job("stop", sleeper)[:2] == (0, "stopped\n")
+    deadline = time.monotonic() + 60
+    while tts_job("status", sleeper)[1].strip() != "STOPPED":
+        assert time.monotonic() < deadline
+        time.sleep(1)
+
+    rc, out, err = tts_job("status", "raysubmit_nosuchjob")
+    assert rc == 2 and out == "" and "no job 'raysubmit_nosuchjob'" in err
+
+
+def test_an_unreachable_store_is_exit_2_before_any_actor(ray_local, tmp_path, capsys):
+    from store.local_server import free_port
+
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(PROBLEMS[0].model_dump_json() + "\n")
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    argv = ["--problems", str(problems), "--out", str(tmp_path / "o"), "--set", f"store.url={url}"]
+    assert job_main(argv) == 2
+    assert f"store.url: cannot reach Redis at {url}" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "trajectories.jsonl").exists()

@@ -33,3 +33,15 @@ def test_solve_runs_a_problems_file_and_votes(tiny_model_dir, tmp_path, capsys):
     assert stats["target_forwards"] < stats["row_forwards"]  # rows shared forwards
     assert 1 < stats["mean_rows_per_forward"] <= 4
     assert stats["tokens_per_s"] > 0 and stats["wall_s"] > 0
+
+
+def test_solve_one_question_votes_by_task_with_the_default_method(tiny_model_dir, capsys):
+    argv = [
+        "solve", "--model", str(tiny_model_dir), "--device", "cpu", "--task", "choice",
+        "--n", "3", "--max-new-tokens", "8", "--json", "Which is larger, A) 3 or B) 5?",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    (p,) = json.loads(capsys.readouterr().out)["problems"]
+    assert {"answer", "votes", "share", "no_answer", "winner_indices"} <= set(p)
+    assert p["no_answer"] + sum(p["votes"].values()) == 3
+    assert p["answer"] is None or p["answer"] in "ABCDEFGHIJ"

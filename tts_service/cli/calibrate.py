@@ -7,22 +7,28 @@ import json
 
 from pydantic import ValidationError
 
-from tts_service.cli.common import UsageError, field_error, load
+from tts_service.cli.common import UsageError, add_field, field_error, load, with_default
 from tts_service.config import CalibrateTreeRequest
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate-tree", help="data-driven STAND tree (625 nodes -> best K)")
-    cal.add_argument("--prompts", default="configs/calibration.jsonl", help="live calibration")
-    cal.add_argument("--trajectories", help="replay this trajectory log instead (no model)")
-    cal.add_argument("--n", type=int, default=4, help="trajectories per prompt")
-    cal.add_argument("--init-tree", default="stand-625")
-    cal.add_argument("--nodes", type=int, default=80)
-    cal.add_argument("--out", default="configs/trees/stand-80.json")
-    cal.add_argument("--model")
-    cal.add_argument("--temperature", type=float)
-    cal.add_argument("--max-new-tokens", type=int)
-    cal.add_argument("--seed", type=int)
+    cal.add_argument(
+        "--prompts",
+        default="configs/calibration.jsonl",
+        help=with_default(CalibrateTreeRequest.model_fields["prompts"].description, "%(default)s"),
+    )
+    add_field(cal, CalibrateTreeRequest, "trajectories")
+    for path in ("n", "init_tree", "nodes"):
+        add_field(cal, CalibrateTreeRequest, path)
+    cal.add_argument(
+        "--out",
+        default="configs/trees/stand-80.json",
+        help=with_default(CalibrateTreeRequest.model_fields["out"].description, "%(default)s"),
+    )
+    add_field(cal, CalibrateTreeRequest, "model.name", flag="--model")
+    for path in ("sampling.temperature", "sampling.max_new_tokens", "sampling.seed"):
+        add_field(cal, CalibrateTreeRequest, path)
     cal.set_defaults(func=run)
 
 
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "sampling": sampling,
         "model": {"name": args.model} if args.model else {},
     }
+    raw = {k: v for k, v in raw.items() if v is not None}  # the rest: the schema's defaults
     try:
         req = CalibrateTreeRequest.model_validate(raw)
     except ValidationError as e:

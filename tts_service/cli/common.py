@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from tts_service.config import (
     DRAFTER_CONFIGS,
@@ -18,7 +19,7 @@ from tts_service.config import (
     SolveRequest,
     load_yaml,
 )
-from tts_service.drafters.methods import METHOD_NAMES, method_drafter
+from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, method_drafter
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -36,21 +37,69 @@ def field_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = [str(x) for x in first["loc"] if not str(x).isdigit()]
     name = loc[-1] if loc else "input"
-    return f"--{name.replace('_', '-')}: {first['msg']}"
+    return f"--{name.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}"
 
 
-def add_common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=str(DEFAULT_PRESET), help="YAML preset (configs/)")
-    p.add_argument("--model", help="alias (smollm2-135m), hub id or local path")
-    p.add_argument("--method", help=f"one of {', '.join(METHOD_NAMES)}")
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", help="auto, float32, bfloat16, float16, float64")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+def schema_field(model: type[BaseModel], path: str) -> tuple[FieldInfo, Any]:
+    """The field at a dotted `path` of `model` and its default, read through the defaults of
+    the fields above it (`CalibrateTreeRequest.sampling` defaults to max_new_tokens=128)."""
+    *parents, leaf = path.split(".")
+    cls, above = model, None  # above: the default instance of the field above the leaf
+    for part in parents:
+        above = cls.model_fields[part].get_default(call_default_factory=True)
+        cls = type(above)
+    field = cls.model_fields[leaf]
+    if above is None:
+        return field, field.get_default(call_default_factory=True)
+    return field, getattr(above, leaf)
+
+
+def with_default(text: str | None, default: Any) -> str:
+    """Help text ending in the default, when there is one to show."""
+    text = (text or "").rstrip(".")
+    if default is None or default == () or isinstance(default, bool):
+        return text
+    return f"{text} (default: {', '.join(default) if isinstance(default, tuple) else default})"
+
+
+def add_field(
+    p: argparse.ArgumentParser,
+    model: type[BaseModel],
+    path: str,
+    preset: dict | None = None,
+    flag: str | None = None,
+    **kw: Any,
+) -> None:
+    """`--name` for the schema field at `path`: its help is the field's description and default
+    (the preset's value, if it has one), so neither can drift from the schema. The flag itself
+    defaults to None: what is not given is left to the preset and the schema."""
+    field, default = schema_field(model, path)
+    leaf = path.rsplit(".", 1)[-1]
+    if preset is not None:
+        default = preset.get(leaf, default)
+    if "type" not in kw and "action" not in kw and field.annotation in (int, float, str):
+        kw["type"] = field.annotation
+    flag = flag or f"--{leaf.replace('_', '-')}"
+    p.add_argument(flag, help=with_default(field.description, default), **kw)
+
+
+def add_common_flags(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """The flags of `tts generate` and `tts solve` over `model`'s fields; the defaults shown are
+    configs/default.yaml's."""
+    preset = load_yaml(DEFAULT_PRESET)
+    p.add_argument(
+        "--config",
+        default=str(DEFAULT_PRESET),
+        help="YAML preset; the defaults shown are configs/default.yaml's",
+    )
+    add_field(p, model, "model.name", preset.get("model", {}), flag="--model")
+    method = preset.get("method", DEFAULT_METHOD)
+    p.add_argument("--method", help=with_default(f"one of {', '.join(METHOD_NAMES)}", method))
+    add_field(p, model, "model.device", preset.get("model", {}))
+    add_field(p, model, "model.dtype", preset.get("model", {}))
+    for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
+        add_field(p, model, f"sampling.{name}", preset.get("sampling", {}))
+    add_field(p, model, "sampling.stop", preset.get("sampling", {}), action="append")  # repeatable
     p.add_argument("--num-nodes", type=int, help="draft tree size (recycle, stand, goose)")
     p.add_argument("--tree", help="tree shape name or JSON path (recycle, stand)")
     p.add_argument("--deterministic", action="store_true", help="stand: top-k, not Gumbel")
@@ -68,7 +117,7 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
         preset = load_yaml(args.config)
     except (OSError, ValueError) as e:
         raise UsageError(f"--config: {e}") from e
-    method = args.method or preset.get("method", "pld")
+    method = args.method or preset.get("method", DEFAULT_METHOD)
     device = args.device or preset.get("model", {}).get("device", "auto")
     try:
         drafter = method_drafter(method, preset.get("drafters", {}), device)
@@ -90,7 +139,8 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
     for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop"):
         if getattr(args, key) is not None:
             sampling[key] = tuple(args.stop) if key == "stop" else getattr(args, key)
-    raw = {"model": model, "drafter": drafter, "sampling": sampling, **extra}
+    given = {k: v for k, v in extra.items() if v is not None}  # the rest: the schema's defaults
+    raw = {"model": model, "drafter": drafter, "sampling": sampling, **given}
     try:
         return model_cls.model_validate(raw)
     except ValidationError as e:
@@ -100,8 +150,12 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
 def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
     from tts_service.drafters.registry import needs_cost  # heavy: only after validation
     from tts_service.generation import Generator
-    from tts_service.models import ModelNotFoundError
+    from tts_service.models import ModelNotFoundError, resolve_device
 
+    try:
+        resolve_device(req.model.device)  # cuda asked on a machine without it
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from e
     try:
         calibrate = isinstance(req, GenerateRequest | SolveRequest) and needs_cost(req.drafter)
         return Generator.load(req.model, calibrate=calibrate)

@@ -13,7 +13,7 @@ from tts_service.config import GenerateRequest
 def add_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="one generation with a speculative method")
     gen.add_argument("prompt", help="the prompt text")
-    add_common_flags(gen)
+    add_common_flags(gen, GenerateRequest)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=run)
 

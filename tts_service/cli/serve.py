@@ -1,63 +1,120 @@
 """`tts serve`: the OpenAI-compatible endpoint on Ray Serve, on the cluster at RAY_ADDRESS or a
-private Ray bound to 127.0.0.1; the Serve config is validated before Ray starts.
+private Ray bound to 127.0.0.1; the Serve config is validated, and its store checked, before Ray
+starts. vLLM's flags for the common cases override the config file; SIGTERM or Ctrl-C stops
+the application.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
-from tts_service.cli.common import UsageError
-from tts_service.config import load_yaml
+from pydantic import ValidationError
+
+from tts_service.cli.common import DEFAULT_PRESET, UsageError, add_field, field_error, with_default
+from tts_service.config import ServeConfig, load_yaml
+
+SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP endpoint on Ray Serve")
-    srv.add_argument("--config", default="configs/serve.yaml", help="a Serve config file")
-    srv.add_argument("--host", help="bind address (default from the config: 127.0.0.1)")
-    srv.add_argument("--port", type=int)
+    srv = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible HTTP endpoint on Ray Serve",
+        description="The OpenAI-compatible HTTP endpoint on Ray Serve. Flags override the "
+        "config file; the defaults shown are configs/serve.yaml's.",
+    )
+    preset = load_yaml(SERVE_PRESET)
+    args = (preset.get("applications") or [{}])[0].get("args", {})
+    http = preset.get("http_options", {})
+    srv.add_argument(
+        "--config", default=str(SERVE_PRESET), help="a Serve config file (configs/serve.yaml)"
+    )
+    add_field(srv, ServeConfig, "model.name", args.get("model", {}), flag="--model")
+    add_field(srv, ServeConfig, "host", http)
+    add_field(srv, ServeConfig, "port", http)
+    add_field(srv, ServeConfig, "served_model_name", args)
+    add_field(srv, ServeConfig, "model.max_model_len", args.get("model", {}))
+    srv.add_argument(
+        "--api-key",
+        help=with_default(ServeConfig.model_fields["api_key"].description, None)
+        + " (or $TTS_API_KEY, which keeps it out of the process list)",
+    )
     srv.set_defaults(func=run)
+
+
+def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
+    """(the config file, its application's ServeConfig with the flags over it); raises
+    UsageError naming the bad field."""
+    try:
+        data = load_yaml(args.config)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config: {e}") from e
+    app = (data.get("applications") or [{}])[0]
+    raw = dict(app.get("args", {}))
+    http = data.get("http_options", {})
+    model = dict(raw.get("model", {}))
+    flags = {
+        "host": http.get("host") if args.host is None else args.host,
+        "port": http.get("port") if args.port is None else args.port,
+        "served_model_name": args.served_model_name,
+        "api_key": os.environ.get("TTS_API_KEY") if args.api_key is None else args.api_key,
+    }
+    raw.update({k: v for k, v in flags.items() if v is not None})
+    if args.model is not None:
+        model["name"] = args.model
+    if args.max_model_len is not None:
+        model["max_model_len"] = args.max_model_len
+    raw["model"] = model
+    try:
+        return data, ServeConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UsageError(field_error(e)) from e
 
 
 def run(args: argparse.Namespace) -> int:
     """Attach to RAY_ADDRESS or start a private loopback Ray, deploy the app, serve until
-    interrupted."""
-    try:
-        data = load_yaml(args.config)
-        app = (data.get("applications") or [{}])[0]
-        from tts_service.config import ServeConfig
+    SIGTERM or Ctrl-C, then stop the application (and the private Ray)."""
+    data, cfg = serve_config(args)
+    app = (data.get("applications") or [{}])[0]
+    name = app.get("name", "tts")
+    from store.factory import check_store
+    from store.redis_store import StoreUnavailableError
 
-        cfg = ServeConfig.model_validate(app.get("args", {}))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--config: {e}") from e
-    http = {
-        **data.get("http_options", {}),
-        **({"host": args.host} if args.host else {}),
-        **({"port": args.port} if args.port else {}),
-    }
-    import time
-
+    try:  # before any replica loads the model
+        check_store(cfg.store, cfg.store.url)
+    except StoreUnavailableError as e:
+        raise UsageError(f"--config: store.url: {e}") from e
     from ray import serve
 
-    from actors.cluster import connect
+    from actors.cluster import cluster_address, connect
     from tts_service.serve.app import build_app
 
+    private = cluster_address() is None
     print(f"tts: Ray: {connect()}", file=sys.stderr, flush=True)
-    serve.start(
-        http_options={"host": http.get("host", "127.0.0.1"), "port": int(http.get("port", 8000))}
-    )
-    serve.run(
-        build_app(cfg), name=app.get("name", "tts"), route_prefix=app.get("route_prefix", "/")
-    )
-    print(
-        f"tts: serving {cfg.model.name} at http://{http.get('host', '127.0.0.1')}:"
-        f"{http.get('port', 8000)}/v1 (Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
-    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_app(cfg), name=name, route_prefix=app.get("route_prefix", "/"))
+        print(
+            f"tts: serving {cfg.model.name} at http://{cfg.host}:{cfg.port}/v1 "
+            "(SIGTERM or Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        print("tts: stopping", file=sys.stderr, flush=True)
+        if private:  # the Serve instance and the Ray are this command's own
+            import ray
+
+            serve.shutdown()
+            ray.shutdown()
+        else:  # a shared cluster: only this application
+            serve.delete(name)
     return 0

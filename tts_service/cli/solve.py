@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from tts_service.cli.common import UsageError, add_common_flags, load, request
+from tts_service.cli.common import UsageError, add_common_flags, add_field, load, request
 from tts_service.cli.store import store_flags, store_server
 from tts_service.config import SolveRequest, default_max_rows, read_problems
 
@@ -17,17 +17,13 @@ from tts_service.config import SolveRequest, default_max_rows, read_problems
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
     sol.add_argument("question", nargs="?", help="the problem text (or --problems FILE)")
-    sol.add_argument("--problems", help="JSONL of problems (the jobs' format), all in one run")
-    sol.add_argument("--task", default="math", help="how answers are voted: math, choice, code")
-    add_common_flags(sol)
-    sol.add_argument("--n", type=int, default=16, help="trajectories (1..64)")
+    add_field(sol, SolveRequest, "problems")
+    add_field(sol, SolveRequest, "task")
+    add_common_flags(sol, SolveRequest)
+    add_field(sol, SolveRequest, "n")
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
-    sol.add_argument(
-        "--max-rows",
-        type=int,
-        help="rows decoded together, refilled as they finish (default: 16 on CPU, 64 on GPU)",
-    )
+    add_field(sol, SolveRequest, "max_rows", type=int)
     sol.add_argument(
         "--store",
         help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",
@@ -64,50 +60,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--problems: {e}") from e
     else:
         questions = [(args.prompt_id, req.question)]
-    gen = load(req)
-    from tqdm import tqdm
-
-    from store.factory import open_global_store, open_problem_store, problem_id
-    from store.redis_store import StoreUnavailableError
-    from tts_service.generation import InputTooLongError
-    from tts_service.runner import TrajectoryRunner
-    from tts_service.solve import ProblemInput, solve_problems
-
-    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
-
-    def progress(_pid, t) -> None:
-        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
-        bar.update(1)
-
-    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
-    try:
-        with store_server(req.store.url) as url:
-            try:
-                global_store = open_global_store(req.store, url)
-                problems = []
-                for pid, question in questions:
-                    ids = gen.encode(question, chat=req.chat)
-                    store = open_problem_store(req.store, url, problem_id(ids), global_store)
-                    problems.append(ProblemInput(pid, ids, store))
-            except StoreUnavailableError as e:
-                raise UsageError(f"--store: {e}") from e
-            try:  # solve_problems closes the problem stores
-                solved = solve_problems(
-                    TrajectoryRunner(gen, max_rows),
-                    problems,
-                    req.n,
-                    req.drafter,
-                    req.sampling,
-                    on_trajectory=progress,
-                    record=args.log is not None,
-                )
-            finally:  # while a local-redis server still runs
-                if global_store is not None:
-                    global_store.close()
-    except InputTooLongError as e:
-        raise UsageError(f"question: {e}") from e
-    finally:
-        bar.close()
+    with store_server(req.store) as url:  # a store that does not answer fails before the load
+        problems, solved = _solve(req, questions, url, record=args.log is not None)
     if args.log is not None:
         from tts_service.replay import LogWriter
 
@@ -125,3 +79,51 @@ def run(args: argparse.Namespace) -> int:
             print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']} ===")
         print(json.dumps(out["stats"]), file=sys.stderr)
     return 0
+
+
+def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None, record: bool):
+    """Load the model and run every question's trajectories; (problem inputs, results)."""
+    gen = load(req)
+    from tqdm import tqdm
+
+    from store.factory import open_global_store, open_problem_store, problem_id
+    from store.redis_store import StoreUnavailableError
+    from tts_service.generation import InputTooLongError
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.solve import ProblemInput, solve_problems
+
+    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
+
+    def progress(_pid, t) -> None:
+        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
+        bar.update(1)
+
+    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
+    try:
+        try:
+            global_store = open_global_store(req.store, url)
+            problems = []
+            for pid, question in questions:
+                ids = gen.encode(question, chat=req.chat)
+                store = open_problem_store(req.store, url, problem_id(ids), global_store)
+                problems.append(ProblemInput(pid, ids, store))
+        except StoreUnavailableError as e:
+            raise UsageError(f"--store: {e}") from e
+        try:  # solve_problems closes the problem stores
+            solved = solve_problems(
+                TrajectoryRunner(gen, max_rows),
+                problems,
+                req.n,
+                req.drafter,
+                req.sampling,
+                on_trajectory=progress,
+                record=record,
+            )
+        finally:  # while a local-redis server still runs
+            if global_store is not None:
+                global_store.close()
+    except InputTooLongError as e:
+        raise UsageError(f"question: {e}") from e
+    finally:
+        bar.close()
+    return problems, solved

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from store.config import StoreConfig
 from tts_service.cli.common import UsageError
 
 
@@ -26,10 +27,18 @@ def store_flags(args: argparse.Namespace) -> dict:
 
 
 @contextlib.contextmanager
-def store_server(url: str | None) -> Iterator[str | None]:
-    """Resolve 'local-redis' to a private redis-server that lives as long as the command."""
-    if url != "local-redis":
-        yield url
+def store_server(cfg: StoreConfig) -> Iterator[str | None]:
+    """The store's URL, checked to answer (before any model loads), with 'local-redis'
+    resolved to a private redis-server that lives as long as the command."""
+    if cfg.url != "local-redis":
+        from store.factory import check_store
+        from store.redis_store import StoreUnavailableError
+
+        try:
+            check_store(cfg, cfg.url)
+        except StoreUnavailableError as e:
+            raise UsageError(f"--store: {e}") from e
+        yield cfg.url
         return
     from store.local_server import LocalRedisServer, RedisServerError
 
@@ -46,11 +55,21 @@ def store_server(url: str | None) -> Iterator[str | None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sto = sub.add_parser("store", help="look at or clean the Redis n-gram store")
-    sto.add_argument("action", choices=["stats", "clear"])
-    sto.add_argument("--scope", choices=["job", "problem", "global", "all"], default="all")
-    sto.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
-    sto.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
-    sto.set_defaults(func=run)
+    actions = sto.add_subparsers(dest="action", required=True, parser_class=type(sto))
+    for name, text in (
+        ("stats", "entries, memory and eviction policy of a scope (all: every scope)"),
+        ("clear", "delete a scope's entries (all: every tts: key)"),
+    ):
+        act = actions.add_parser(name, help=text, description=text)
+        act.add_argument(
+            "--scope",
+            choices=["job", "problem", "global", "all"],
+            default="all",
+            help="default: %(default)s",
+        )
+        act.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
+        act.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
+        act.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -39,9 +40,20 @@ class ModelConfig(StrictConfig):
     """Which target model to load and where it runs."""
 
     name: str = Field("smollm2-135m", min_length=1, description="Alias, hub id or local path.")
-    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda:0'.")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto (bfloat16 on CUDA, float32 on CPU), float32, float64, bfloat16, float16.",
+    )
+    device: str = Field(
+        "auto", description="auto (cuda if present, else cpu), cpu, cuda or cuda:N."
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt plus new tokens a request may have; none: the model's "
+        "context (vLLM's --max-model-len).",
+    )
     max_memory: dict[str, str] | None = Field(
         None,
         description="Shard over the visible GPUs (device_map='auto') within these per-device "
@@ -57,6 +69,13 @@ class ModelConfig(StrictConfig):
         description="On a CPU, time both matrix products of every linear layer shape at load "
         "and use the faster per row count (engine/matmul.py).",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
 
 
 MaxRows = Annotated[int, Field(ge=1, le=256)]

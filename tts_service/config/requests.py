@@ -34,7 +34,9 @@ class SolveRequest(StrictConfig):
 
     question: Text | None = None
     problems: ExistingFile | None = Field(None, description="JSONL of problems (jobs' format).")
-    task: Literal["math", "choice", "code"] = Field("math", description="How answers are voted.")
+    task: Literal["math", "choice", "code"] = Field(
+        "math", description="How answers are voted: math, choice or code."
+    )
     n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
@@ -42,7 +44,7 @@ class SolveRequest(StrictConfig):
     store: StoreConfig = StoreConfig()
     chat: bool = True
     max_rows: MaxRows | None = Field(
-        None, description="Rows decoded together (1: sequential); None: from the device."
+        None, description="Rows decoded together (1: sequential); unset: 16 on a CPU, 64 on a GPU."
     )
 
     @model_validator(mode="after")
@@ -58,9 +60,9 @@ class CalibrateTreeRequest(StrictConfig):
     prompts: ExistingFile | None = Field(None, description="JSONL, a 'prompt' field per line.")
     trajectories: ExistingFile | None = Field(None, description="Replay this log instead.")
     n: int = Field(4, ge=1, le=64, description="Trajectories per prompt (they share a store).")
-    init_tree: TreeName = "stand-625"
+    init_tree: TreeName = Field("stand-625", description="The large tree grown on the prompts.")
     nodes: int = Field(80, ge=1, le=1024, description="Nodes kept in the calibrated tree.")
-    out: Path
+    out: Path = Field(description="Where the calibrated tree's JSON is written.")
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig(max_new_tokens=128)
     chat: bool = True

@@ -7,7 +7,7 @@ from pydantic import Field, field_validator
 from store.config import StoreConfig
 from tts_service.config.base import StrictConfig
 from tts_service.config.decoding import MaxRows, ModelConfig
-from tts_service.drafters.methods import METHOD_NAMES
+from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES
 
 
 class ServeConfig(StrictConfig):
@@ -15,13 +15,20 @@ class ServeConfig(StrictConfig):
 
     model: ModelConfig = ModelConfig()
     served_model_name: str | None = Field(None, description="Name in /v1/models (default: model).")
-    default_method: str = Field("stand", description="A method name (drafters/methods.py).")
+    default_method: str = Field(DEFAULT_METHOD, description="A method name (drafters/methods.py).")
     drafters: dict[str, dict] = Field(
         default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
     )
     store: StoreConfig = StoreConfig()
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="Bind address of the HTTP server.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="Every route requires `Authorization: Bearer KEY` (vLLM's --api-key); "
+        "none: no auth.",
+    )
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")

@@ -39,6 +39,8 @@ METHODS: dict[str, Method] = {
 AUTO_METHOD = {"cpu": "stand", "cuda": "stand-gt"}
 """What `auto` runs per device type (docs/benchmarks.md, "Every method")."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
+DEFAULT_METHOD = "auto"
+"""What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 
 

@@ -16,6 +16,7 @@ cancels its work at the next decoding step.
 
 import asyncio
 import contextlib
+import hmac
 import json
 import threading
 import time
@@ -53,6 +54,30 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(
         ApiError(err.status_code, str(err.detail), None, kind).body(), status_code=err.status_code
     )
+
+
+class BearerAuth:
+    """ASGI middleware: with `api_key` in the config (vLLM's --api-key), every route requires
+    `Authorization: Bearer KEY`, else 401. Pure ASGI, so streaming and disconnects pass as is."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = getattr(scope["app"].state, "api_key", None) if scope["type"] == "http" else None
+        if key is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                err = ApiError(401, "missing or wrong API key", "authorization", "auth_error")
+                response = JSONResponse(
+                    err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+fastapi_app.add_middleware(BearerAuth)
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -106,6 +131,7 @@ class TTSServer:
 
     def __init__(self, cfg: dict, hub: DeploymentHandle) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
+        fastapi_app.state.api_key = self.cfg.api_key  # BearerAuth checks it on every route
         self.engine = ServeEngine(self.cfg)
         # one thread per admitted request: each waits on the shared runner, none queues here
         self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")

@@ -6,8 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from pydantic import BaseModel
 
-from tts_service.cli import main
+from store.local_server import free_port
+from tts_service.cli import main, make_parser
+from tts_service.cli.common import request
+from tts_service.config import CalibrateTreeRequest, GenerateRequest, SolveRequest
 
 BAD = [
     (["generate", ""], "--prompt"),
@@ -31,6 +36,8 @@ BAD = [
     (["solve", "--max-rows", "0", "q"], "--max-rows"),
     (["solve", "--task", "poetry", "q"], "--task"),
     (["frobnicate"], "frobnicate"),
+    (["generate", "--device", "tpu", "hi"], "--device"),
+    (["generate", "--device", "cuda:x", "hi"], "--device"),
 ]
 
 
@@ -40,6 +47,35 @@ def test_bad_input_exits_2_naming_the_field(argv, field, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and field in err
+
+
+@pytest.mark.parametrize(
+    "argv,allowed",
+    [
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (
+            ["--dtype", "int8"],
+            "Input should be 'auto', 'float32', 'float64', 'bfloat16' or 'float16'",
+        ),
+    ],
+)
+def test_a_bad_device_or_dtype_lists_the_allowed_values(argv, allowed, capsys):
+    assert main(["generate", *argv, "hi"]) == 2
+    assert capsys.readouterr().err == f"tts: error: {argv[0]}: {allowed}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_exit_2_before_the_load(capsys):
+    assert main(["generate", "--device", "cuda", "--model", "no-such-org/no-such-model", "hi"]) == 2
+    assert "--device: device 'cuda' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_an_unreachable_store_is_reported_before_the_model_loads(capsys):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    argv = ["solve", "--model", "no-such-org/no-such-model", "--store", url, "q"]
+    assert main(argv) == 2  # the store's error, not the missing model's: it was checked first
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"tts: error: --store: cannot reach Redis at {url}")
 
 
 def test_unknown_model_exits_2_from_a_real_process():
@@ -60,3 +96,73 @@ def test_unknown_model_exits_2_from_a_real_process():
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "--model" in proc.stderr and "no-such-org/no-such-model" in proc.stderr
+
+
+def test_auto_is_the_one_default_method(tmp_path):
+    from pathlib import Path
+
+    from jobs.best_of_n import parse as best_of_n
+    from jobs.evaluate import parse as evaluate
+    from tts_service.config import ServeConfig, load_yaml
+    from tts_service.drafters.methods import DEFAULT_METHOD, METHODS, resolve_method
+
+    assert DEFAULT_METHOD == "auto"
+    runs = METHODS[resolve_method("auto", "auto")]
+    repo = Path(__file__).resolve().parents[3]
+    assert load_yaml(repo / "configs/default.yaml")["method"] == DEFAULT_METHOD
+    assert load_yaml(repo / "configs/best_of_16.yaml")["method"] == DEFAULT_METHOD
+    serve = load_yaml(repo / "configs/serve.yaml")["applications"][0]["args"]
+    assert serve["default_method"] == ServeConfig().default_method == DEFAULT_METHOD
+    req = request(make_parser().parse_args(["generate", "hi"]), GenerateRequest, {"prompt": "hi"})
+    assert req.drafter.kind == runs.kind
+    cfg, _, _ = best_of_n(
+        ["--problems", str(repo / "jobs/demo_problems.jsonl"), "--out", str(tmp_path)]
+    )
+    assert cfg.drafter.kind == runs.kind
+    job = evaluate(["--task", "gpqa", "--data", "fixtures", "--out", str(tmp_path)])
+    assert job.method == resolve_method("auto", "auto")
+
+
+def _subparser(*names: str):
+    parser = make_parser()
+    for name in names:
+        parser = next(a for a in parser._actions if a.dest in ("command", "action")).choices[name]
+    return parser
+
+
+def _effective_requests():
+    """What each command runs with when given no flags: the preset and the schema decide."""
+    gen = request(make_parser().parse_args(["generate", "hi"]), GenerateRequest, {"prompt": "hi"})
+    sol = request(make_parser().parse_args(["solve", "q"]), SolveRequest, {"question": "q"})
+    cal = CalibrateTreeRequest(prompts="configs/calibration.jsonl", out="x.json")
+    return {"generate": gen, "solve": sol, "calibrate-tree": cal}
+
+
+@pytest.mark.parametrize("command", ["generate", "solve", "calibrate-tree"])
+def test_every_flag_with_a_schema_default_shows_it_in_help(command):
+    req = _effective_requests()[command]
+    shown = set()
+    for action in _subparser(command)._actions:
+        dest = action.dest
+        if not action.option_strings:
+            continue  # the prompt or question itself
+        for owner in (req, req.sampling, req.model):
+            if dest in type(owner).model_fields and not (owner is req and dest == "model"):
+                value = getattr(owner, dest)
+                break
+        else:
+            value = req.model.name if dest == "model" else None
+        if value in (None, ()) or isinstance(value, bool | BaseModel) or action.default:
+            continue  # no scalar default to show, or argparse's own (shown by %(default)s)
+        assert f"(default: {value})" in action.help, (dest, action.help)
+        shown.add(dest)
+    assert {"temperature", "max_new_tokens", "seed", "model"} <= shown
+    if command != "calibrate-tree":
+        assert {"top_p", "top_k", "device", "dtype"} <= shown
+
+
+def test_store_actions_have_their_own_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["store", "stats", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tts store stats") and "--scope" in out

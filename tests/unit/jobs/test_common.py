@@ -1,15 +1,20 @@
-"""What the job entrypoints share: progress lines speak `runner.summarize()`'s tokens/s."""
+"""What the job entrypoints share: progress lines speak `runner.summarize()`'s tokens/s, and
+`load_config` sets the drafter from the method over the preset (`auto` resolves for the device
+the job runs on; a --set still wins)."""
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
-from jobs.common import Progress, generation_stats
+from jobs.common import JobInputError, Progress, generation_stats, load_config
 from tts_service.engine.metrics import ForwardStats, GenerationStats
 from tts_service.runner import summarize
+
+PRESET = str(Path(__file__).resolve().parents[3] / "configs" / "best_of_16.yaml")
 
 
 def _record(tokens: int, forwards: int) -> dict:
@@ -43,3 +48,26 @@ def test_progress_prints_plain_lines_with_the_runners_tokens_per_s(capsys):
 def test_generation_stats_take_an_endpoints_subset():
     stats = generation_stats({"new_tokens": 7, "target_forwards": 0, "wall_s": 1.5, "extra": 1})
     assert (stats.new_tokens, stats.target_forwards, stats.wall_s) == (7, 0, 1.5)
+
+
+def test_the_method_sets_the_drafter_over_the_preset():
+    assert load_config(PRESET, [], method="pld").drafter.kind == "pld"
+    stand = load_config(PRESET, ["model.device=cpu"]).drafter  # the preset's auto, on a CPU
+    assert (stand.kind, stand.tree, stand.num_nodes, stand.sizing) == (
+        "stand",
+        "stand-80",
+        16,
+        "fixed",
+    )
+
+
+def test_auto_resolves_for_the_device_a_set_asks_and_a_set_still_wins():
+    gt = load_config(PRESET, ["model.device=cuda"]).drafter  # no CUDA needed to resolve it
+    assert (gt.kind, gt.sizing, gt.num_nodes) == ("stand", "gt", 80)
+    capped = load_config(PRESET, ["model.device=cuda", "drafter.num_nodes=32"]).drafter
+    assert (capped.sizing, capped.num_nodes) == ("gt", 32)
+
+
+def test_an_unknown_method_names_the_flag():
+    with pytest.raises(JobInputError, match="--method: unknown 'medusa'"):
+        load_config(PRESET, [], method="medusa")

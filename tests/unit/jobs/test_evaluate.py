@@ -30,7 +30,8 @@ def test_flags_override_the_preset_and_items_are_limited(tmp_path):
     assert job.method == "pld" and len(job.items) == 3
     assert job.run_dir == tmp_path / "gpqa" / "pld"
     (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
-    assert (job.method, job.cfg.drafter.num_nodes) == ("stand", 8)  # default method
+    assert job.method == resolve_method("auto", "auto")  # the default method
+    assert job.cfg.drafter.num_nodes == 8  # a --set wins over the method
 
 
 def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
@@ -115,3 +116,17 @@ def test_every_registered_method_is_accepted(tmp_path, method):
     (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
     assert job.method == resolve_method(method, "auto")
     assert job.cfg.drafter.kind == METHODS[job.method].kind
+
+
+@pytest.mark.parametrize("module", ["jobs.evaluate", "jobs.best_of_n"])
+def test_help_shows_a_whole_description_and_the_defaults(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    text = " ".join(out.split())
+    assert "as a Ray Job entrypoint (or a plain local run)." in text  # not cut mid-sentence
+    assert "--config CONFIG YAML preset (default: configs/best_of_16.yaml)" in text
+    assert "--out OUT" in text and "(required)" in text

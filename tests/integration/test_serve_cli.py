@@ -1,0 +1,78 @@
+"""`tts serve` as a user runs it: vLLM's flags, bearer auth with --api-key, and SIGTERM stops
+the application (the process exits and the port closes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from store.local_server import free_port
+
+pytestmark = pytest.mark.slow
+KEY = "s3cret"
+
+
+def call(base: str, path: str, key: str | None, body: dict | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_tts_serve_takes_vllm_flags_checks_the_key_and_stops_on_sigterm(tiny_model_dir, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    argv = [
+        sys.executable, "-m", "tts_service", "serve", "--model", str(tiny_model_dir),
+        "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "24",
+        "--api-key", KEY,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while "tts: serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        base = f"http://127.0.0.1:{port}"
+        for path in ("/v1/models", "/healthz"):  # every route
+            for key in (None, "wrong"):
+                status, body = call(base, path, key)
+                assert status == 401 and body["error"]["param"] == "authorization"
+        status, body = call(base, "/v1/models", KEY)
+        assert status == 200 and body["data"][0]["id"] == "tiny"
+        short = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+        status, body = call(base, "/v1/completions", KEY, short)
+        assert status == 200, body
+        status, body = call(base, "/v1/completions", KEY, {**short, "prompt": "Hi " * 30})
+        assert status == 400 and "24" in body["error"]["message"]  # --max-model-len
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert not _port_open(port)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
