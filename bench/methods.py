@@ -27,13 +27,11 @@ from tqdm import tqdm
 from store.memory import InMemoryNgramStore
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.methods import METHODS, method_drafter, resolve_method
-from tts_service.engine.cost import CostModel, VerifyCost
+from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.generation import Generator
 from tts_service.solve import solve
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
-# a hypothetical GPU-like curve: tree tokens nearly free up to 64, then slowly dearer
-FLAT = VerifyCost((1, 2, 64, 128, 256), (1.0, 1.0, 1.02, 1.1, 1.5), 256)
 DEFAULT = list(METHODS)
 NS = (1, 4, 16)
 
@@ -75,7 +73,7 @@ def main() -> None:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     base.run(encoded[0], None, sampling.model_copy(update={"max_new_tokens": 8}))  # warm-up
     if args.assume_flat_cost:
-        base.cost = CostModel.fixed(FLAT)
+        base.cost = CostModel.fixed(GPU_LIKE_COST)
     for ctx in {len(ids) + args.max_new_tokens for ids in encoded}:
         base.cost.at(ctx)  # measured now, outside every timing
     adapter = TypeAdapter(DrafterConfig)

@@ -142,7 +142,7 @@ def calibrate_from_log(req, problems) -> CalibratedTree:
     counters = [
         OnPathCounter(StandDrafter(cfg, InMemoryNgramStore(), seed=i)) for i in range(len(problems))
     ]
-    report = replay(problems, lambda i: counters[i])
+    report = replay(problems, lambda i, _: counters[i])
     facts = {
         "mode": "replay",
         "trajectories": str(req.trajectories),

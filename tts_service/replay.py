@@ -17,6 +17,7 @@ token t of response r was drawn.
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
 MAX_NODES = 1024
+TRAJECTORY_INDICES = (1, 2, 4, 8, 16)  # the per-index breakdown: does the store help later ones?
 
 
 class LogFormatError(ValueError):
@@ -103,13 +105,16 @@ def parse_line(line: str, vocab_size: int | None = None) -> LoggedProblem:
 def read_log(
     path: Path, vocab_size: int | None = None, strict: bool = False
 ) -> tuple[list[LoggedProblem], list[str]]:
-    """All valid problems of a log plus one message per skipped line.
+    """All valid problems of a log (`.gz`: gzip-compressed) plus one message per skipped line.
 
     Raises:
         LogFormatError: on the first bad line when `strict`.
     """
     problems, errors = [], []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -188,6 +193,12 @@ class ReplayReport:
             "acceptance_length_by_index": [
                 round(t / s, 4) for _, (t, s) in sorted(self.by_index.items())
             ],
+            "acceptance_length_at_trajectory": {  # 1-based index within a problem
+                str(i): round(t / s, 4)
+                for i in TRAJECTORY_INDICES
+                if i - 1 in self.by_index
+                for t, s in [self.by_index[i - 1]]
+            },
             "accepted_at_depth": self.accepted_at_depth,
             "seconds": round(self.seconds, 3),
         }
@@ -236,13 +247,15 @@ class LoggedOracle:
         return acc, NodeTopK(ids, probs, known)
 
 
-def _walk(drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport) -> None:
+def _walk(
+    drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport, max_nodes: int
+) -> None:
     prompt, resp = problem.prompt_ids, problem.responses[r]
     oracle = LoggedOracle(problem, r)
     drafter.start(list(prompt))
     tokens, pos = list(prompt), 0
     while pos < len(resp):
-        tree = drafter.draft(DraftContext(tokens, len(prompt), MAX_NODES, greedy=True))
+        tree = drafter.draft(DraftContext(tokens, len(prompt), max_nodes, greedy=True))
         acc, top = oracle(tree, pos)
         committed = list(acc.committed[: len(resp) - pos])
         drafter.observe(tree, acc, top)
@@ -251,15 +264,19 @@ def _walk(drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport
         pos += len(committed)
 
 
-def replay(problems: list[LoggedProblem], drafter_for: Callable[[int], Drafter]) -> ReplayReport:
-    """Replay every response of every problem in order. `drafter_for(problem_index)` returns the
-    drafter to use (a new STAND drafter per problem, the same Token Recycling drafter for all)."""
+def replay(
+    problems: list[LoggedProblem],
+    drafter_for: Callable[[int, int], Drafter],
+    max_nodes: int = MAX_NODES,
+) -> ReplayReport:
+    """Replay every response of every problem in order. `drafter_for(problem_index, response)`
+    returns the drafter of that trajectory (`replay_drafters`: one per trajectory over shared
+    state, as the runner builds them); `max_nodes` caps every step's tree, as the engine does."""
     report = ReplayReport()
     start = time.perf_counter()
     for p_idx, problem in enumerate(problems):
-        drafter = drafter_for(p_idx)
         for r in range(len(problem.responses)):
-            _walk(drafter, problem, r, report)
+            _walk(drafter_for(p_idx, r), problem, r, report, max_nodes)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -271,23 +288,50 @@ def _max_id(problem: LoggedProblem) -> int:
     return max(ids)
 
 
-def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int], Drafter]:
-    """Drafters as the live service keeps them: PLD and Token Recycling once for the whole log
-    (the recycling table's hot start), STAND over a fresh store per problem."""
-    from store.memory import InMemoryNgramStore
-    from tts_service.config import PldDrafterConfig, RecyclingDrafterConfig, StandDrafterConfig
-    from tts_service.drafters.registry import DraftEnv, build_drafter
+def _sized(fields: dict, nodes: int) -> dict:
+    """A method's drafter fields with its size field set to `nodes` (within the field's bound:
+    PLD's chain is at most 64 tokens)."""
+    from tts_service.config import DRAFTER_CONFIGS
 
-    size = {"num_nodes": req.nodes} if req.nodes else {}
-    tree = {"tree": req.tree} if req.tree else {}
-    if req.method == "pld":
-        cfg = PldDrafterConfig(**({"num_draft_tokens": req.nodes} if req.nodes else {}))
-    elif req.method == "recycle":
-        cfg = RecyclingDrafterConfig(**size, **tree)
-    else:
-        cfg = StandDrafterConfig(**size, **tree)
+    name = {"pld": "num_draft_tokens", "gtcp": "max_nodes"}.get(fields["kind"], "num_nodes")
+    bound = DRAFTER_CONFIGS[fields["kind"]].model_fields[name].metadata
+    return {**fields, name: min([nodes, *(m.le for m in bound if hasattr(m, "le"))])}
+
+
+def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int, int], Drafter]:
+    """Drafters as the live service builds them (`Generator.row_drafter`): one per trajectory,
+    seeded by its index, over the method's preset-free fields; successor tables shared by the
+    whole log (the hot start), the store and the `problem` dict (spine index, GT statistics)
+    by one problem's trajectories. GT sizing prices nodes with `GPU_LIKE_COST`
+    (fixed, so replay stays model- and machine-free; on it GT keeps nearly every node that has
+    paid, so the cap decides).
+
+    Raises:
+        ValidationError: a field the method does not take (`--tree` for PLD, say).
+    """
+    from pydantic import TypeAdapter
+
+    from store.memory import InMemoryNgramStore
+    from tts_service.config import DrafterConfig
+    from tts_service.drafters.methods import method_drafter
+    from tts_service.drafters.registry import DraftEnv, build_drafter
+    from tts_service.engine.cost import GPU_LIKE_COST, CostModel
+
+    fields = method_drafter(req.method, {})
+    if req.nodes:
+        fields = _sized(fields, req.nodes)
+    if req.tree:
+        fields["tree"] = req.tree
+    cfg = TypeAdapter(DrafterConfig).validate_python(fields)
     vocab = req.vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
-    if req.method != "stand":
-        shared = build_drafter(cfg, DraftEnv(vocab))
-        return lambda _: shared
-    return lambda i: build_drafter(cfg, DraftEnv(vocab, InMemoryNgramStore(), seed=i))
+    cost, generator = CostModel.fixed(GPU_LIKE_COST), {}
+    per_problem: dict[int, tuple] = {}
+
+    def drafter_for(p_idx: int, r: int) -> Drafter:
+        if p_idx not in per_problem:
+            per_problem.clear()  # the previous problem is done
+            per_problem[p_idx] = (InMemoryNgramStore(), {})
+        store, problem = per_problem[p_idx]
+        return build_drafter(cfg, DraftEnv(vocab, store, r, cost, generator, problem))
+
+    return drafter_for

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import random
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
 from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
-from tts_service.config import PldDrafterConfig, SamplingConfig, StandDrafterConfig
-from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.config import (
+    DrafterConfig,
+    PldDrafterConfig,
+    ReplayRequest,
+    SamplingConfig,
+    StandDrafterConfig,
+)
+from tts_service.drafters.methods import REPLAY_METHODS, method_drafter
+from tts_service.drafters.registry import DraftEnv, build_drafter, needs_cost
 from tts_service.engine.batch import generate
-from tts_service.replay import LoggedProblem, TrajectoryRecorder, parse_line, read_log, replay
+from tts_service.replay import (
+    LoggedProblem,
+    TrajectoryRecorder,
+    parse_line,
+    read_log,
+    replay,
+    replay_drafters,
+)
 
 
 def _write(path, problems) -> None:
@@ -41,7 +58,8 @@ def test_replay_of_a_logged_greedy_run_equals_the_live_acceptance(cfg):
             live.append((res.stats.new_tokens, res.stats.target_forwards))
         problems.append(LoggedProblem(f"p{p}", prompt, responses, ids, probs))
     problems = [parse_line(p.to_json()) for p in problems]  # through the JSON format
-    report = replay(problems, lambda i: make_drafter(cfg, 128))
+    drafters = [make_drafter(cfg, 128) for _ in problems]  # one per problem, as logged
+    report = replay(problems, lambda i, _: drafters[i])
     assert report.tokens == sum(t for t, _ in live)
     assert report.steps == sum(f for _, f in live)  # exactly, step for step
     assert report.tokens / report.steps > 1.2
@@ -52,7 +70,7 @@ def test_pld_replay_on_a_hand_made_repeat():
     # step 2: suffix [5] matched at 0 -> draft 6 7 8 5; the response ends after 6 7 8
     problem = LoggedProblem("h", [5, 6, 7, 8], [[5, 6, 7, 8]])
     shared = build_drafter(PldDrafterConfig(), DraftEnv(16))
-    report = replay([problem], lambda _: shared)
+    report = replay([problem], lambda *_: shared)
     assert (report.tokens, report.steps) == (4, 2)
     assert report.accepted_at_depth == [1, 1, 1]
 
@@ -61,7 +79,8 @@ def test_stand_replay_on_a_hand_made_repeat():
     one_hot = [[[3], [4], [5]], [[1.0], [1.0], [1.0]]]
     problem = LoggedProblem("h", [1, 2], [[3, 4, 5], [3, 4, 5]], [one_hot[0]] * 2, [one_hot[1]] * 2)
     cfg = StandDrafterConfig(tree="stand-625", num_nodes=8)
-    report = replay([problem], lambda _: build_drafter(cfg, DraftEnv(8, InMemoryNgramStore())))
+    store = InMemoryNgramStore()  # one problem's trajectories share it
+    report = replay([problem], lambda *_: build_drafter(cfg, DraftEnv(8, store)))
     # response 0: empty store, 3 steps of 1 token; response 1: the chain 3 4 5 in one step
     assert report.to_dict()["acceptance_length_by_index"] == [1.0, 3.0]
     assert (report.tokens, report.steps) == (6, 4)
@@ -83,3 +102,82 @@ def test_malformed_lines_are_reported_with_their_line_number(tmp_path):
     assert len(problems) == 1
     assert [e.split(":")[1] for e in errors] == ["2", "3", "4", "5", "6"]
     assert "prompt_ids" in errors[0] and "999" in errors[2] and "ragged" in errors[4]
+
+
+def _synthetic_log(path, problems: int = 2, responses: int = 4, length: int = 40) -> None:
+    """Repetitive responses over a small vocabulary, each token with a top-3 row around it."""
+    rng = random.Random(0)
+    lines = []
+    for p in range(problems):
+        phrase = [rng.randrange(1, 30) for _ in range(8)]
+        resps = [[rng.choice([*phrase, rng.randrange(1, 30)]) for _ in range(length)]]
+        resps += [phrase * (length // 8) for _ in range(responses - 1)]
+        ids = [[[t, (t + 1) % 32, (t + 2) % 32] for t in r] for r in resps]
+        probs = [[[0.6, 0.3, 0.1] for _ in r] for r in resps]
+        lines.append(LoggedProblem(f"p{p}", phrase[:4], resps, ids, probs).to_json())
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _run(path, method: str, nodes: int | None = None, sizes: list | None = None) -> dict:
+    req = ReplayRequest(method=method, trajectories=path, nodes=nodes, vocab_size=32)
+    problems, errors = read_log(req.trajectories, req.vocab_size, strict=True)
+    drafter_for = replay_drafters(req, problems)
+
+    def recorded(p: int, r: int):
+        drafter = drafter_for(p, r)
+        if sizes is not None:
+            inner = drafter.draft
+            drafter.draft = lambda ctx: sizes.append(inner(ctx).size - 1) or inner(ctx)
+        return drafter
+
+    report = replay(problems, recorded, nodes or 1024).to_dict()
+    return {k: v for k, v in report.items() if k != "seconds"}
+
+
+def test_replay_covers_the_model_free_methods():
+    assert "ptd" not in REPLAY_METHODS
+    assert {"gtcp", "stand+spine", "goose", "recycle-gt", "stand-gt"} <= set(REPLAY_METHODS)
+
+
+@pytest.mark.parametrize("method", REPLAY_METHODS)
+def test_every_method_replays_a_gzipped_log_deterministically(tmp_path, method):
+    path = tmp_path / "log.jsonl.gz"
+    _synthetic_log(path)
+    first, second = _run(path, method), _run(path, method)
+    assert first == second
+    assert first["tokens"] == 2 * 4 * 40  # every logged token, committed exactly once
+    if method != "plain":
+        assert first["acceptance_length"] > 1.2  # the repeated phrase is drafted
+
+
+@pytest.mark.parametrize("method", [m for m in REPLAY_METHODS if m != "plain"])
+def test_nodes_caps_every_step_of_every_method(tmp_path, method):
+    path = tmp_path / "log.jsonl.gz"
+    _synthetic_log(path)
+    sizes: list[int] = []
+    _run(path, method, nodes=3, sizes=sizes)
+    assert sizes and max(sizes) <= 3
+    if method in {"gtcp", "recycle-gt", "stand-gt"}:  # GT-sized: the cap is what binds
+        assert needs_cost(TypeAdapter(DrafterConfig).validate_python(method_drafter(method, {})))
+        assert max(sizes) == 3
+
+
+def test_per_trajectory_index_breakdown_on_a_hand_made_log(tmp_path):
+    # 16 identical responses [3, 4, 5] with one-hot targets: the first meets an empty store (3
+    # steps of 1 token), every later one drafts the chain from it (1 step of 3 tokens)
+    rows = [[[3], [4], [5]], [[1.0], [1.0], [1.0]]]
+    problem = LoggedProblem("h", [1, 2], [[3, 4, 5]] * 16, [rows[0]] * 16, [rows[1]] * 16)
+    short = LoggedProblem("s", [1, 2], [[6, 7]] * 3, [[[6], [7]]] * 3, [[[1.0], [1.0]]] * 3)
+    path = tmp_path / "log.jsonl"
+    _write(path, [problem, short])
+    report = _run(path, "stand", nodes=8)
+    # index 1: (3 + 2 tokens) / (3 + 2 steps); 2: (3 + 2) / (1 + 1); 4..16: problem "h" alone
+    assert report["acceptance_length_at_trajectory"] == {
+        "1": 1.0,
+        "2": 2.5,
+        "4": 3.0,
+        "8": 3.0,
+        "16": 3.0,
+    }
+    assert len(report["acceptance_length_by_index"]) == 16

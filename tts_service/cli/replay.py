@@ -10,14 +10,15 @@ from pydantic import ValidationError
 
 from tts_service.cli.common import UsageError, field_error
 from tts_service.config import ReplayRequest
+from tts_service.drafters.methods import REPLAY_METHODS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     rep = sub.add_parser("replay", help="acceptance length of a drafter on a trajectory log")
-    rep.add_argument("--method", required=True, help="pld, recycle or stand")
-    rep.add_argument("--trajectories", required=True, help="JSONL trajectory log")
-    rep.add_argument("--tree", help="tree shape name or JSON path (recycle, stand)")
-    rep.add_argument("--nodes", type=int, help="draft tree size (pld: chain length)")
+    rep.add_argument("--method", required=True, help=", ".join(REPLAY_METHODS))
+    rep.add_argument("--trajectories", required=True, help="JSONL trajectory log (.gz too)")
+    rep.add_argument("--tree", help="tree shape name or JSON path (static-tree methods)")
+    rep.add_argument("--nodes", type=int, help="draft node cap per step (pld: chain length)")
     rep.add_argument("--vocab-size", type=int, help="reject token ids >= this")
     rep.add_argument("--strict", action="store_true", help="reject the file at a bad line")
     rep.add_argument("--json", action="store_true")
@@ -37,7 +38,13 @@ def run(args: argparse.Namespace) -> int:
         req = ReplayRequest.model_validate({k: v for k, v in raw.items() if v is not None})
     except ValidationError as e:
         raise UsageError(field_error(e)) from e
-    from tts_service.replay import LogFormatError, read_log, replay, replay_drafters
+    from tts_service.replay import (
+        MAX_NODES,
+        LogFormatError,
+        read_log,
+        replay,
+        replay_drafters,
+    )
 
     try:
         problems, errors = read_log(req.trajectories, req.vocab_size, req.strict)
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         drafters = replay_drafters(req, problems)
     except ValidationError as e:
         raise UsageError(field_error(e)) from e
-    report = replay(problems, drafters)
+    report = replay(problems, drafters, req.nodes or MAX_NODES)
     out = {
         "method": req.method,
         "problems": len(problems),

@@ -17,6 +17,9 @@ from tts_service.config.drafters import (
     StandDrafterConfig,
     TreeName,
 )
+from tts_service.drafters.methods import REPLAY_METHODS
+
+ReplayMethod = Literal[REPLAY_METHODS]  # type: ignore[valid-type]
 
 
 class GenerateRequest(StrictConfig):
@@ -77,9 +80,11 @@ class CalibrateTreeRequest(StrictConfig):
 class ReplayRequest(StrictConfig):
     """`tts replay`: a drafter's acceptance length on logged trajectories, without the model."""
 
-    method: Literal["pld", "recycle", "stand"]
+    method: ReplayMethod
     trajectories: ExistingFile
     tree: TreeName | None = None
-    nodes: int | None = Field(None, ge=1, le=1024, description="Tree size (PLD: chain length).")
+    nodes: int | None = Field(
+        None, ge=1, le=1024, description="Draft node cap (PLD: chain length, at most 64)."
+    )
     vocab_size: int | None = Field(None, ge=1)
     strict: bool = False

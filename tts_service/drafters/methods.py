@@ -20,6 +20,7 @@ class Method:
     kind: str
     help: str
     fields: Mapping[str, Any] = field(default_factory=dict)
+    drafts_with_target: bool = False  # needs the model to draft: `tts replay` cannot run it
 
 
 _GT_CAP = MappingProxyType({"sizing": "gt", "num_nodes": 80})  # the whole 80-node tree is the cap
@@ -33,9 +34,11 @@ METHODS: dict[str, Method] = {
     "stand-gt": Method("stand", "STAND, GT-sized by the measured verify cost", _GT_CAP),
     "stand+spine": Method("stand_spine", "STAND branches off an exact-match spine"),
     "goose": Method("goose", "Goose: context-match spine with successor branches"),
-    "ptd": Method("ptd", "PTD: the target drafts for itself by input perturbation"),
+    "ptd": Method("ptd", "PTD: the target drafts for itself by input perturbation", {}, True),
     "gtcp": Method("gtcp", "GTCP: dynamic best-first trees over the store, GT-sized"),
 }
+REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.drafts_with_target)
+"""The methods `tts replay` measures: they draft without the model, deterministically."""
 AUTO_METHOD = {"cpu": "stand", "cuda": "stand-gt"}
 """What `auto` runs per device type (docs/benchmarks.md, "Every method")."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")

@@ -76,6 +76,11 @@ class VerifyCost:
         }
 
 
+GPU_LIKE_COST = VerifyCost((1, 2, 64, 128, 256), (1.0, 1.0, 1.02, 1.1, 1.5), 256)
+"""A hypothetical GPU-like curve: tree tokens nearly free up to 64, then slowly dearer. GT
+sizing where no model is timed (`tts replay`, `bench/methods.py --assume-flat-cost`)."""
+
+
 def gt_count(alphas: Sequence[float], cost: VerifyCost, max_nodes: int) -> int:
     """How many nodes of a best-first list (α̂ non-increasing) to keep: the size with the best
     expected tokens per second, (1 + Σ α̂) / T(k + 1).
