@@ -119,6 +119,17 @@ def _synthetic_log(path, problems: int = 2, responses: int = 4, length: int = 40
         f.write("\n".join(lines) + "\n")
 
 
+def _recording(draft, sizes: list):
+    """`draft`, keeping every tree's draft node count."""
+
+    def wrapped(ctx):
+        tree = draft(ctx)
+        sizes.append(tree.size - 1)
+        return tree
+
+    return wrapped
+
+
 def _run(path, method: str, nodes: int | None = None, sizes: list | None = None) -> dict:
     req = ReplayRequest(method=method, trajectories=path, nodes=nodes, vocab_size=32)
     problems, errors = read_log(req.trajectories, req.vocab_size, strict=True)
@@ -127,8 +138,7 @@ def _run(path, method: str, nodes: int | None = None, sizes: list | None = None)
     def recorded(p: int, r: int):
         drafter = drafter_for(p, r)
         if sizes is not None:
-            inner = drafter.draft
-            drafter.draft = lambda ctx: sizes.append(inner(ctx).size - 1) or inner(ctx)
+            drafter.draft = _recording(drafter.draft, sizes)
         return drafter
 
     report = replay(problems, recorded, nodes or 1024).to_dict()
