@@ -119,7 +119,7 @@ def test_auto_is_the_one_default_method(tmp_path):
         ["--problems", str(repo / "jobs/demo_problems.jsonl"), "--out", str(tmp_path)]
     )
     assert cfg.drafter.kind == runs.kind
-    job = evaluate(["--task", "gpqa", "--data", "fixtures", "--out", str(tmp_path)])
+    (job,) = evaluate(["--task", "gpqa", "--data", "fixtures", "--out", str(tmp_path)])
     assert job.method == resolve_method("auto", "auto")
 
 

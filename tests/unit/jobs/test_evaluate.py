@@ -127,6 +127,7 @@ def test_help_shows_a_whole_description_and_the_defaults(module):
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True
     ).stdout
     text = " ".join(out.split())
-    assert "as a Ray Job entrypoint (or a plain local run)." in text  # not cut mid-sentence
+    assert "as a Ray Job entrypoint (or a plain local run)" in text  # not cut mid-sentence
+    assert text.split("options:")[0].rstrip().endswith(".")
     assert "--config CONFIG YAML preset (default: configs/best_of_16.yaml)" in text
     assert "--out OUT" in text and "(required)" in text
