@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from actors.placement import PlacementError
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 
 
@@ -71,9 +72,11 @@ class TensorParallelRank:
 class TensorParallelReplica:
     """G rank actors in one STRICT_PACK placement group; `generate` runs on rank 0."""
 
-    def __init__(self, cfg: ModelConfig, ranks: int, cpus_per_rank: float = 1.0) -> None:
+    def __init__(
+        self, cfg: ModelConfig, ranks: int, cpus_per_rank: float = 1.0, timeout_s: float = 60
+    ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from tts_service.models import resolve_device
@@ -81,7 +84,12 @@ class TensorParallelReplica:
         gpus = 1 if resolve_device(cfg.device).type == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self.group = placement_group([dict(bundle)] * ranks, strategy="STRICT_PACK")
-        ray.get(self.group.ready())
+        if not self.group.wait(timeout_s):
+            remove_placement_group(self.group)
+            raise PlacementError(
+                f"{ranks} ranks of {bundle} on one node (STRICT_PACK) were not placed within "
+                f"{timeout_s:g}s; the cluster has {ray.cluster_resources()}"
+            )
         remote = ray.remote(TensorParallelRank)
         self.ranks = [
             remote.options(
