@@ -5,7 +5,8 @@ Sharding is transformers' own (`from_pretrained(..., tp_plan="auto")`, the model
 down_proj followed by an all-reduce, the LM head vocabulary-parallel with its logits gathered,
 so every rank sees the full logits. It runs on CPU with gloo as on GPUs with NCCL, over the
 default process group. Attention heads and KV heads split across ranks, so each rank's
-`StaticKV` holds its own heads (`shards`: the config's KV heads over the ranks).
+`StaticKV` holds its own heads (`shards`: the config's KV heads over the ranks); the rank count
+must divide both head counts.
 
 Rank 0, the leader, runs the drafters, the store and verification in an ordinary
 `BatchDecoder`; the other ranks, the followers, only mirror it. The step protocol: before the
