@@ -205,6 +205,27 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     )
 
 
+def load_model_shard(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
+    """This rank's tensor-parallel shard of the configured model (`engine.tp`; every rank of
+    the initialised default process group calls it), with the tokenizer."""
+    from tts_service.engine.tp import load_sharded
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source = model_source(cfg, cache_dir)
+    model = load_sharded(source, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        device=model.device,
+        dtype=dtype,
+        name=cfg.name,
+        cuda_graphs=False,  # a graph replay would skip the leader's broadcast
+    )
+
+
 def _as_int_list(ids: Any) -> list[int]:
     """Flatten whatever a tokenizer returned (list, tensor, batch of one) into plain ints."""
     if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):

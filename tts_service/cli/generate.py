@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tts_service.cli.common import UsageError, add_common_flags, load, request
+from tts_service.cli.common import UsageError, add_common_flags, add_field, load, request
 from tts_service.config import GenerateRequest
 
 
@@ -15,21 +15,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("prompt", help="the prompt text")
     add_common_flags(gen, GenerateRequest)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_field(gen, GenerateRequest, "tensor_parallel")
     gen.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    req = request(args, GenerateRequest, {"prompt": args.prompt, "chat": args.chat})
-    gen = load(req)
+    req = request(
+        args,
+        GenerateRequest,
+        {"prompt": args.prompt, "chat": args.chat, "tensor_parallel": args.tensor_parallel},
+    )
     from tts_service.generation import InputTooLongError
 
     try:
-        result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat)
+        if req.tensor_parallel > 1:
+            result = _generate_tensor_parallel(req)
+        else:
+            gen = load(req)
+            result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat).to_dict()
     except InputTooLongError as e:
         raise UsageError(f"prompt: {e}") from e
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        print(json.dumps(result, ensure_ascii=False))
     else:
-        print(result.text)
-        print(json.dumps(result.stats.to_dict()), file=sys.stderr)
+        print(result["text"])
+        print(json.dumps(result["stats"]), file=sys.stderr)
     return 0
+
+
+def _generate_tensor_parallel(req: GenerateRequest) -> dict:
+    """One generation on a replica of `req.tensor_parallel` Ray rank actors (the Ray of
+    `actors.cluster.connect`)."""
+    import os
+
+    from tts_service.drafters.registry import needs_cost
+
+    if needs_cost(req.drafter):
+        raise UsageError(
+            "--method: GT-sized methods measure the verify cost in one process; "
+            "not with --tensor-parallel yet"
+        )
+    from actors.cluster import connect
+    from actors.tp import TensorParallelReplica
+
+    connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
+    replica = TensorParallelReplica(req.model, req.tensor_parallel)
+    try:
+        return replica.generate(req.prompt, req.drafter, req.sampling, req.chat)
+    finally:
+        replica.close()

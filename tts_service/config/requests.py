@@ -30,6 +30,13 @@ class GenerateRequest(StrictConfig):
     drafter: DrafterConfig = PldDrafterConfig()
     sampling: SamplingConfig = SamplingConfig()
     chat: bool = False
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks of one tensor-parallel replica: Ray actors, gloo on CPU, NCCL on "
+        "GPUs (1: this process).",
+    )
 
 
 class SolveRequest(StrictConfig):

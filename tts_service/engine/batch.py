@@ -105,7 +105,8 @@ class BatchDecoder:
     `cuda_graphs`: capture the verify forward per (rows, tokens) bucket on a CUDA device
     (ignored elsewhere); `full_view` makes attention span the whole preallocated cache, the
     static shapes graphs need (on by itself with graphs; tests turn it on to check the masks
-    graphs use on a CPU)."""
+    graphs use on a CPU). `cache`: one of the caller's (a tensor-parallel leader's mirrors its
+    rewrites to the other ranks, `engine.tp`)."""
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class BatchDecoder:
         compact_slack: int = 64,
         cuda_graphs: bool = True,
         full_view: bool = False,
+        cache: StaticKV | None = None,
     ) -> None:
         self.model = model
         self.compact_slack = compact_slack
@@ -122,7 +124,7 @@ class BatchDecoder:
         self.decode = decode
         self.min = torch.finfo(model.dtype).min
         self.active: list[Row] = []
-        self.cache = StaticKV(model)
+        self.cache = cache if cache is not None else StaticKV(model)
         graphs = cuda_graphs and model.device.type == "cuda"
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs

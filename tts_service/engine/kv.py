@@ -62,9 +62,13 @@ class SlotLayer(CacheLayerMixin):
 class StaticKV(Cache):
     """The preallocated cache of a batch of rows (see the module docstring)."""
 
-    def __init__(self, model: PreTrainedModel, rows: int = 1, capacity: int = 256) -> None:
+    def __init__(
+        self, model: PreTrainedModel, rows: int = 1, capacity: int = 256, shards: int = 1
+    ) -> None:
+        """`shards`: the tensor-parallel ranks the KV heads are split over; each holds its
+        share (`engine.tp`)."""
         cfg = model.config.get_text_config()
-        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.kv_heads = (cfg.num_key_value_heads or cfg.num_attention_heads) // shards
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype, self.device = model.dtype, model.device
         super().__init__(layers=[SlotLayer(self) for _ in range(cfg.num_hidden_layers)])
