@@ -49,6 +49,7 @@ from tts_service.engine.allocate import SlotStats, measure_batch_cost, nodes_for
 from tts_service.engine.batch import BatchDecoder, generate
 from tts_service.engine.cost import CostModel, sync_device
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.matmul import tune_linear_products
 from tts_service.replay import LoggedOracle, LoggedProblem, parse_line
 
 LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
     torch.set_grad_enabled(False)
     model, model_name = build_model(args.model_config, args.model, str(device), dtype)
+    if device.type == "cpu":  # as the service loads a model on a CPU (model.tune_matmul)
+        tune_linear_products(model)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (64,), generator=gen).tolist()
