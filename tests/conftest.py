@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from pydantic import TypeAdapter
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
@@ -47,14 +47,24 @@ DRAFTER_CONFIGS = {
 FLAT_COST = VerifyCost((1, 2, 128), (1.0, 1.01, 1.2), 256)
 
 
-def tiny_llama(vocab_size: int = 64, seed: int = 0, dtype=torch.float64, scale: float = 1.0):
-    """A seeded random Llama; float64 keeps greedy ties out of the way
-    (docs/design.md, "Testing exactness").
+def tiny_llama(
+    vocab_size: int = 64,
+    seed: int = 0,
+    dtype=torch.float64,
+    scale: float = 1.0,
+    family: str = "llama",
+):
+    """A seeded random Llama (or Qwen2, `family="qwen2"`); float64 keeps greedy ties out of the
+    way (docs/design.md, "Testing exactness").
 
     `scale` multiplies the lm_head so the distributions are peaked enough to be interesting.
     """
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
+    cfg = config_cls(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -64,7 +74,7 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, dtype=torch.float64, scale: 
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = model_cls(cfg).to(dtype).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
     return model

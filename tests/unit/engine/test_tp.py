@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tts_service.config import SamplingConfig
@@ -26,27 +26,11 @@ PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [3, 30, 31, 3, 30], [7], [40, 41, 42, 43,
 MAX_NEW = (24, 10, 20, 16)  # rows leave at different steps
 
 
-def _tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
-
-
 FAMILIES = {
     "llama": lambda: tiny_llama(vocab_size=VOCAB, seed=0, dtype=torch.float32, scale=8.0),
-    "qwen2": _tiny_qwen2,
+    "qwen2": lambda: tiny_llama(
+        vocab_size=VOCAB, seed=0, dtype=torch.float32, scale=8.0, family="qwen2"
+    ),
 }
 
 
