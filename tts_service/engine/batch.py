@@ -169,6 +169,7 @@ class BatchDecoder:
         self.active.extend(rows)
         self.forwards.prefill_s += time.perf_counter() - t0
 
+    @torch.inference_mode()
     def drop(self, rows: list[Row]) -> None:
         """Take active rows out of the batch (cancelled from outside: early stop, disconnect)."""
         gone = {id(r) for r in rows}
@@ -350,6 +351,7 @@ class BatchDecoder:
         return out.logits
 
     # -- cost measurement --------------------------------------------------------------------
+    @torch.inference_mode()
     def fill_random(self, rows: int, context_len: int, seed: int = 0) -> None:
         """`rows` rows of `context_len` random cache entries and no real rows: attention costs
         as much as over real ones, without prefilling (16 × 4096 tokens take minutes on a CPU).

@@ -11,7 +11,9 @@ stay valid after the rewrite.
 Attention sees either the slots in use (`[0, length + n)`, the default: least work) or, with
 `full_view`, the whole buffer (`[0, capacity)`, static shapes for CUDA graphs; slots past the
 ones in use are masked). Capacity grows by doubling when a join or a step needs more, which
-invalidates captured graphs (`epoch` counts reallocations).
+invalidates captured graphs (`epoch` counts reallocations). The buffers are inference tensors,
+allocated and rewritten under `torch.inference_mode` whoever calls (a row dropped from outside
+a step included).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class StaticKV(Cache):
     def capacity(self) -> int:
         return self.valid.shape[1]
 
+    @torch.inference_mode()
     def _allocate(self, rows: int, capacity: int) -> None:
         shape = (rows, self.kv_heads, capacity, self.head_dim)
         for layer in self.layers:
@@ -103,6 +106,7 @@ class StaticKV(Cache):
         self.valid = valid
         self.epoch += 1
 
+    @torch.inference_mode()
     def reserve(self, rows: int, capacity: int) -> None:
         """Make room for `rows` rows and `capacity` slots (doubling what is short)."""
         if rows > self.row_capacity or capacity > self.capacity:
@@ -119,6 +123,7 @@ class StaticKV(Cache):
         return self.length
 
     # -- rewrites, all in place -------------------------------------------------------------
+    @torch.inference_mode()
     def keep_region(self, start: int, idx: torch.Tensor) -> None:
         """After a forward wrote slots from `start`: row b keeps slots `start + idx[b]`
         (`[rows, m]`, in order) at `[start, start + m)`, and the cache ends there. Only the
@@ -132,10 +137,12 @@ class StaticKV(Cache):
             layer.values[rows, :, start : start + m] = layer.values[rows].gather(2, sel)
         self.length = start + m
 
+    @torch.inference_mode()
     def set_region_valid(self, start: int, valid: torch.Tensor) -> None:
         """Which of the slots from `start` (`[rows, m]`) each row may attend to."""
         self.valid[: self.rows, start : start + valid.shape[1]] = valid.to(self.device)
 
+    @torch.inference_mode()
     def gather_slots(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
         """Row b keeps its slots `idx[b]` (`[rows, m]`) at `[0, m)`, valid where `valid` says;
         the cache becomes m long (compaction)."""
@@ -148,6 +155,7 @@ class StaticKV(Cache):
         self.valid[: self.rows, m:] = False
         self.length = m
 
+    @torch.inference_mode()
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[k]`, ascending), moved to the top (rows leave the batch)."""
         k, used = keep.shape[0], slice(0, self.length)
@@ -158,11 +166,13 @@ class StaticKV(Cache):
         self.valid[k:] = False
         self.rows = k
 
+    @torch.inference_mode()
     def clear(self) -> None:
         """No rows, nothing in use (the buffers stay allocated)."""
         self.valid.fill_(False)
         self.rows = self.length = 0
 
+    @torch.inference_mode()
     def append_rows(self, new: DynamicCache, new_valid: torch.Tensor) -> None:
         """Add a prefilled batch below the rows here (rows joining a running batch). The
         shorter side is left padded with invalid slots, which no row attends to."""

@@ -103,3 +103,22 @@ def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards(full_vi
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-4, rtol=0)
                 checked += 1
     assert len(spy.steps) > 20 and checked > 300
+
+
+def test_rows_dropped_from_outside_a_step_after_the_cache_grew_keep_the_rest_exact(tiny_model):
+    """The runner drops cancelled rows between steps (outside inference mode); the cache has
+    reallocated its buffers inside a step by then. The rows left decode as they would alone."""
+    prompts = _prompts()[:3]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=300)
+    refs = [plain_generate(tiny_model, p, cfg, eos_ids=[]).token_ids for p in prompts]
+    decoder = BatchDecoder(tiny_model, eos_ids=[])
+    rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS["pld"], VOCAB), cfg) for p in prompts]
+    decoder.join(rows)
+    epoch = decoder.cache.epoch
+    while decoder.cache.epoch == epoch:  # 256 slots at first: it grows within 300 tokens
+        decoder.step(4)
+    decoder.drop([rows[1]])
+    while decoder.active:
+        decoder.step(4)
+    assert rows[0].result().token_ids == refs[0] and rows[2].result().token_ids == refs[2]
+    assert len(rows[1].result().token_ids) < 300
