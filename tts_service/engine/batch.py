@@ -32,7 +32,7 @@ from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
-from tts_service.engine.graphs import GraphedForward
+from tts_service.engine.graphs import GraphedForward, forward_at
 from tts_service.engine.kv import StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats
 from tts_service.engine.sampling import store_probs, target_probs
@@ -342,13 +342,10 @@ class BatchDecoder:
     def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
         if self.graphs is not None:
             return self.graphs(ids, pos, mask, start)
+        slots = None
         if self.cache.full_view:  # the write slots a graph would take from a device tensor
-            self.cache.write_slots = torch.arange(start, start + ids.shape[1], device=ids.device)
-        try:
-            out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache)
-        finally:
-            self.cache.write_slots = None
-        return out.logits
+            slots = torch.arange(start, start + ids.shape[1], device=ids.device)
+        return forward_at(self.model, self.cache, ids, pos, mask, slots)
 
     # -- cost measurement --------------------------------------------------------------------
     @torch.inference_mode()

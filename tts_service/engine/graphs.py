@@ -31,6 +31,24 @@ def bucket_of(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def forward_at(
+    model: PreTrainedModel,
+    cache: StaticKV,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """One eager forward whose KV goes to `slots` (a device tensor, the static shapes graphs
+    need) or, with None, to the cache's next slots. Returns the logits."""
+    cache.write_slots = slots
+    try:
+        out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    finally:
+        cache.write_slots = None
+    return out.logits
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -81,12 +99,7 @@ class GraphedForward:
         return g.logits
 
     def _eager(self, ids, pos, mask, slots) -> torch.Tensor:
-        self.cache.write_slots = slots
-        try:
-            out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache)
-        finally:
-            self.cache.write_slots = None
-        return out.logits
+        return forward_at(self.model, self.cache, ids, pos, mask, slots)
 
     def _capture(self, ids, pos, mask, slots) -> _Graph | None:
         """Warm up on a side stream, then capture; the writes land in free slots."""
