@@ -45,7 +45,13 @@ pytestmark = pytest.mark.statistical  # chi-square tests over thousands of gener
 VOCAB = 8
 QUESTION = "w3 w5 w1 w3 w5"
 SAMPLES = 1200
-STOCHASTIC = ("stand", "stand-gt", "stand+spine", "gtcp")
+CHECKED_METHODS = (  # the store-fed methods, stochastic and not
+    "stand",
+    "stand-gt",
+    "stand+spine",
+    "gtcp",
+    "stand-dyn",
+)
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=2)  # what Serve can ask
 
 
@@ -122,7 +128,7 @@ def exact(generator, prompt) -> dict:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("method", STOCHASTIC)
+@pytest.mark.parametrize("method", CHECKED_METHODS)
 def test_solve_samples_exactly(generator, prompt, exact, method, batch):
     drafter, samples, accepted = _drafter(method), [], 0
     for first in range(0, SAMPLES, batch):
@@ -148,7 +154,7 @@ def skewed_problem_stores(monkeypatch, prompt, exact):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("method", STOCHASTIC)
+@pytest.mark.parametrize("method", CHECKED_METHODS)
 def test_the_actor_samples_exactly(model_dir, exact, skewed_problem_stores, method, batch):
     cfg = JobConfig(
         model=_model_cfg(model_dir),
@@ -172,7 +178,7 @@ def serve_engine(model_dir) -> ServeEngine:
 
 
 @pytest.mark.parametrize("n", [1, 4])
-@pytest.mark.parametrize("method", STOCHASTIC)
+@pytest.mark.parametrize("method", CHECKED_METHODS)
 def test_the_serve_engine_samples_exactly(serve_engine, exact, skewed_problem_stores, method, n):
     samples = []
     for first in range(0, SAMPLES, n):

@@ -168,7 +168,7 @@ def test_nodes_caps_every_step_of_every_method(tmp_path, method):
     sizes: list[int] = []
     _run(path, method, nodes=3, sizes=sizes)
     assert sizes and max(sizes) <= 3
-    if method in {"gtcp", "recycle-gt", "stand-gt"}:  # GT-sized: the cap is what binds
+    if method in {"gtcp", "recycle-gt", "stand-gt", "stand-dyn"}:  # GT-sized: the cap is what binds
         assert needs_cost(TypeAdapter(DrafterConfig).validate_python(method_drafter(method, {})))
         assert max(sizes) == 3
 

@@ -150,6 +150,18 @@ class GtcpDrafterConfig(StrictConfig):
     noise_buffer: int = Field(4096, ge=16)
 
 
+class StandDynDrafterConfig(StrictConfig):
+    """STAND, dynamic: best-first trees over the store, candidates ranked by an acceptance
+    rate learned online; the whole budget, or what the measured verify cost pays for."""
+
+    kind: Literal["stand_dyn"] = "stand_dyn"
+    max_nodes: int = Field(80, ge=1, le=1024, description="Draft nodes per step (the cap).")
+    sizing: Sizing = "gt"
+    harvest_rejected: bool = Field(
+        False, description="Also store the target's distributions at rejected nodes."
+    )
+
+
 DrafterConfig = Annotated[
     PlainDrafterConfig
     | PldDrafterConfig
@@ -158,7 +170,8 @@ DrafterConfig = Annotated[
     | StandSpineDrafterConfig
     | GooseDrafterConfig
     | PtdDrafterConfig
-    | GtcpDrafterConfig,
+    | GtcpDrafterConfig
+    | StandDynDrafterConfig,
     Field(discriminator="kind"),
 ]
 DRAFTER_CONFIGS: dict[str, type[BaseModel]] = {

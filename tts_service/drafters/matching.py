@@ -80,3 +80,56 @@ class ExactMatchIndex:
                 if cont:
                     out.append(Match(n, cont))
         return out
+
+
+class SuffixCounts:
+    """Next-token counts after every n-gram (n in `orders`) of a problem's documents: the
+    trajectories of one problem (each with its prompt), like SuffixDecoding's suffix tree cut
+    at fixed depths. A lookup gives the longest stored suffix and how often each token followed
+    it, so a continuation shared by many trajectories outweighs one seen once.
+
+    `max_tokens` bounds memory as in `ExactMatchIndex`: past it, finished documents are
+    dropped and the counts rebuilt from the open one."""
+
+    def __init__(self, orders: Sequence[int], max_tokens: int = 1 << 17) -> None:
+        if not orders or min(orders) < 1:
+            raise ValueError("orders: at least one n-gram length >= 1")
+        self.orders = sorted(set(orders), reverse=True)
+        self.max_tokens = max_tokens
+        self.size = 0
+        self.docs: list[list[int]] = []
+        self._indexed: list[int] = []  # per doc: n-grams ending before this are counted
+        self._next: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> token -> count
+
+    def new_doc(self) -> int:
+        self.docs.append([])
+        self._indexed.append(0)
+        return len(self.docs) - 1
+
+    def sync(self, doc: int, tokens: Sequence[int]) -> None:
+        """`tokens` is the document so far (it only ever grows); count what is new."""
+        d = self.docs[doc]
+        if self.size + len(tokens) - len(d) > self.max_tokens and self.size > len(d):
+            self._next.clear()
+            for i in range(len(self.docs)):
+                self.docs[i] = d if i == doc else []
+                self._indexed[i] = 0
+            self.size = len(d)
+        self.size += len(tokens) - len(d)
+        d.extend(tokens[len(d) :])
+        for end in range(self._indexed[doc], len(d) - 1):
+            token = d[end + 1]
+            for n in self.orders:
+                if end + 1 >= n:
+                    counts = self._next.setdefault(tuple(d[end + 1 - n : end + 1]), {})
+                    counts[token] = counts.get(token, 0) + 1
+        self._indexed[doc] = max(self._indexed[doc], len(d) - 1)
+
+    def lookup(self, context: Sequence[int]) -> tuple[int, dict[int, int]]:
+        """(n, token -> count) for the longest counted suffix of `context`; (0, {}) if none."""
+        for n in self.orders:
+            if len(context) >= n:
+                counts = self._next.get(tuple(context[-n:]))
+                if counts:
+                    return n, counts
+        return 0, {}

@@ -36,6 +36,9 @@ METHODS: dict[str, Method] = {
     "goose": Method("goose", "Goose: context-match spine with successor branches"),
     "ptd": Method("ptd", "PTD: the target drafts for itself by input perturbation", {}, True),
     "gtcp": Method("gtcp", "GTCP: dynamic best-first trees over the store, GT-sized"),
+    "stand-dyn": Method(
+        "stand_dyn", "STAND, dynamic: best-first over the store, calibrated acceptance, GT-sized"
+    ),
 }
 REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.drafts_with_target)
 """The methods `tts replay` measures: they draft without the model, deterministically."""

@@ -24,17 +24,23 @@ from tts_service.config import (
     PtdDrafterConfig,
     RecyclingDrafterConfig,
     StandDrafterConfig,
+    StandDynDrafterConfig,
     StandSpineDrafterConfig,
     resolve_tree_path,
 )
 from tts_service.drafters.base import Drafter, NoDrafter
 from tts_service.drafters.goose import AdjacencyTable, GooseDrafter
 from tts_service.drafters.gt import GtSizedDrafter, GtTreeDrafter, OnPathStats
-from tts_service.drafters.matching import ExactMatchIndex
+from tts_service.drafters.matching import ExactMatchIndex, SuffixCounts
 from tts_service.drafters.pld import PromptLookupDrafter
 from tts_service.drafters.ptd import PtdDrafter
 from tts_service.drafters.recycling import TokenRecyclingDrafter
 from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand_dyn import (
+    SUFFIX_ORDERS,
+    AcceptanceCalibration,
+    StandDynDrafter,
+)
 from tts_service.drafters.stand_spine import StandSpineDrafter
 from tts_service.engine.cost import CostModel
 
@@ -122,6 +128,19 @@ def _gtcp(cfg: GtcpDrafterConfig, env: DraftEnv) -> Drafter:
     return GtTreeDrafter(cfg, env.need_store(cfg.kind), env.need_cost(cfg.kind), env.seed)
 
 
+def _stand_dyn(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
+    """Suffix counts per problem; the successor table and the calibration per loaded model
+    (what a candidate's acceptance rate is depends on the model, not the problem)."""
+    if "suffix_counts" not in env.problem:
+        env.problem["suffix_counts"] = SuffixCounts(SUFFIX_ORDERS)
+    if "stand_dyn" not in env.generator:
+        env.generator["stand_dyn"] = (AdjacencyTable(env.vocab_size, 10), AcceptanceCalibration())
+    successors, calibration = env.generator["stand_dyn"]
+    cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
+    store = env.need_store(cfg.kind)
+    return StandDynDrafter(cfg, store, env.problem["suffix_counts"], successors, calibration, cost)
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     """One drafter family: its config model and its factory."""
@@ -142,6 +161,7 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind(GooseDrafterConfig, _goose),
         DrafterKind(PtdDrafterConfig, lambda cfg, env: PtdDrafter(cfg, env.seed)),
         DrafterKind(GtcpDrafterConfig, _gtcp, uses_store=True),
+        DrafterKind(StandDynDrafterConfig, _stand_dyn, uses_store=True),
     )
 }
 

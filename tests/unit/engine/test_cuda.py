@@ -44,7 +44,7 @@ def test_recursive_rejection_on_the_gpu_is_exact():
     assert chisquare(counts, [1200, 1200, 800, 800]).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("name", ["stand", "gtcp", "pld"])
+@pytest.mark.parametrize("name", ["stand", "gtcp", "stand-dyn", "pld"])
 def test_decoding_on_the_gpu(name):
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
     prompt = [5, 9, 12, 5, 9, 12, 5, 9]

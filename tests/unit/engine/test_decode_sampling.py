@@ -89,6 +89,7 @@ MIN_ACCEPTED = {
     "goose": 0.08,  # spine first, then successor branches (sample-and-match)
     "ptd": 0.03,  # self-drafted candidates and perturbation nodes
     "gtcp": 0.08,  # dynamic best-first tree, children counts fixed before they are drawn
+    "stand-dyn": 0.08,  # best first on calibrated acceptance, deterministic children
 }
 
 

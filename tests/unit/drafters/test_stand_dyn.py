@@ -1,0 +1,146 @@
+"""STAND, dynamic, on hand-made stores: what it drafts, what calibration learns, the successor
+fallback and GT sizing. Losslessness is in the shared harnesses (tests/unit/engine/:
+test_decode, test_decode_sampling, test_batch) and the replay tests."""
+
+from __future__ import annotations
+
+import torch
+
+from store.base import NgramRow
+from store.memory import InMemoryNgramStore
+from tts_service.config import StandDynDrafterConfig
+from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.goose import AdjacencyTable
+from tts_service.drafters.matching import SuffixCounts
+from tts_service.drafters.stand_dyn import (
+    STORE,
+    SUFFIX_ORDERS,
+    AcceptanceCalibration,
+    StandDynDrafter,
+    suffix_flag,
+)
+from tts_service.engine.cost import CostModel, VerifyCost
+from tts_service.engine.verify import Acceptance
+
+VOCAB = 32
+
+
+def _drafter(store, cfg=None, calibration=None, cost=None, successors=None) -> StandDynDrafter:
+    d = StandDynDrafter(
+        cfg or StandDynDrafterConfig(sizing="fixed"),
+        store,
+        SuffixCounts(SUFFIX_ORDERS),
+        successors or AdjacencyTable(VOCAB, 10),
+        calibration or AcceptanceCalibration(),
+        cost,
+    )
+    d.start([1])
+    return d
+
+
+def _ctx(tokens, max_nodes=80) -> DraftContext:
+    return DraftContext(list(tokens), 1, max_nodes)
+
+
+def test_calibration_starts_below_the_stored_probability_and_learns_the_real_rate():
+    cal = AcceptanceCalibration(prior_weight=4.0, prior_scale=0.8)
+    kind = (STORE, 1, 1, 0, 0)
+    assert cal.rate(kind, 0.95) == 0.8 * 0.95  # the prior: stores are overconfident
+    for i in range(96):
+        cal.record(kind, 0.95, accepted=i % 2 == 0)  # really accepted half the time
+    assert abs(cal.rate(kind, 0.95) - (48 + 4 * 0.76) / 100) < 1e-12
+    assert cal.rate((STORE, 4, 4, 1, 0), 0.95) == 0.8 * 0.95  # other kinds are untouched
+    assert cal.rate(kind, 0.55) == 0.8 * 0.55  # and other deciles
+
+
+def test_suffix_flag_says_whether_and_how_long_the_suffix_counts_name_a_token():
+    assert suffix_flag(5, 3, {5: 1}) == 0  # shorter than MIN_SUFFIX: not a suffix match
+    assert suffix_flag(5, 6, {6: 2}) == 1
+    assert suffix_flag(5, 6, {5: 2}) == 2
+    assert suffix_flag(5, 12, {5: 2}) == 3
+
+
+def test_the_tree_is_best_first_on_path_acceptance_and_fills_the_budget():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((3,), (4, 5), (0.9, 0.1)), NgramRow((4,), (6, 7), (0.6, 0.4))])
+    tree = _drafter(store).draft(_ctx([1, 3], max_nodes=3))
+    # α̂: 4 -> 0.72, 4/6 -> 0.72 * 0.48, 4/7 -> 0.72 * 0.32 = 0.23 > 5 -> 0.08
+    assert tree.tokens == (3, 4, 6, 7)
+    assert tree.parents == (-1, 0, 1, 1)
+    assert not any(tree.sampled)  # deterministic drafts: sample-and-match verifies them
+    big = _drafter(store).draft(_ctx([1, 3], max_nodes=80))
+    assert big.size - 1 > 3  # every candidate the store has, down its chains
+
+
+def test_backoff_adds_the_shorter_orders_ids_and_calibration_reorders_them():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((2, 3), (4,), (1.0,)), NgramRow((9, 3), (5,), (1.0,))])
+    # the 2-gram (2, 3) says 4; the 1-gram (3,) merged both rows: 4 and 5 at 0.5 each
+    d = _drafter(store)
+    first = d.candidates([2, 3])
+    assert [c.token for c in first] == [4, 5]
+    assert first[0].kind[:2] == (STORE, 2) and first[1].kind[:2] == (1, 1)  # 5 is a back-off
+    for _ in range(50):  # the 2-gram's choice is never accepted, the back-off always
+        d.calibration.record(first[0].kind, first[0].q, False)
+        d.calibration.record(first[1].kind, first[1].q, True)
+    assert [c.token for c in d.candidates([2, 3])] == [5, 4]
+
+
+def test_suffix_counts_put_a_long_shared_continuation_first():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((7,), (8, 9), (0.6, 0.4))])
+    cal, suffix = AcceptanceCalibration(), SuffixCounts(SUFFIX_ORDERS)
+    earlier = StandDynDrafter(
+        StandDynDrafterConfig(sizing="fixed"), store, suffix, AdjacencyTable(VOCAB, 10), cal
+    )
+    earlier.start([1])
+    earlier.draft(_ctx([1, 2, 3, 4, 5, 6, 7, 9, 10]))  # an earlier trajectory said 7 -> 9
+    now = StandDynDrafter(
+        StandDynDrafterConfig(sizing="fixed"), store, suffix, AdjacencyTable(VOCAB, 10), cal
+    )
+    now.start([1])
+    cands = now.candidates([1, 2, 3, 4, 5, 6, 7])
+    assert [(c.token, c.kind[-1]) for c in cands] == [(8, 1), (9, 2)]  # 9 is named by a match
+    for _ in range(30):
+        cal.record(cands[1].kind, cands[1].q, True)
+        cal.record(cands[0].kind, cands[0].q, False)
+    now.draft(_ctx([1, 2, 3, 4, 5, 6, 7]))
+    assert [c.token for c in now.candidates([1, 2, 3, 4, 5, 6, 7])] == [9, 8]
+
+
+def test_an_unknown_context_falls_back_to_the_successor_table():
+    successors = AdjacencyTable(VOCAB, 10)
+    d = _drafter(InMemoryNgramStore(), successors=successors)
+    assert d.draft(_ctx([1, 3])).size == 1  # nothing known: the root alone
+    tree = d.draft(_ctx([1, 3]))
+    ids = torch.tensor([[11, 12] + [0] * 8, [13, 14] + [0] * 8])
+    probs = torch.tensor([[0.7, 0.3] + [0.0] * 8, [0.5, 0.5] + [0.0] * 8], dtype=torch.float64)
+    d.observe(tree, Acceptance((), (), 11), NodeTopK(ids[:1], probs[:1]))
+    # the store now knows (3,) too; a fresh problem's store does not, the successor table does
+    fresh = _drafter(InMemoryNgramStore(), successors=successors)
+    tree = fresh.draft(_ctx([5, 3], max_nodes=2))
+    assert tree.tokens == (3, 11, 12)
+
+
+def test_gt_sizing_stops_where_more_nodes_cost_more_than_they_add():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((3,), tuple(range(4, 14)), (0.1,) * 10)])
+    steep = CostModel.fixed(VerifyCost((1, 2, 128), (0.05, 0.06, 1.32), 256))
+    flat = CostModel.fixed(VerifyCost((1, 2, 128), (1.0, 1.0, 1.0), 256))
+    gt = StandDynDrafterConfig(sizing="gt")
+    # ten candidates at α̂ 0.08: worth 8% of a token each; a steep curve's 10 ms/token is not
+    assert _drafter(store, gt, cost=steep).draft(_ctx([1, 3])).size == 1
+    assert _drafter(store, gt, cost=flat).draft(_ctx([1, 3])).size == 11
+
+
+def test_observe_records_only_nodes_whose_parent_was_reached():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((3,), (4, 5), (0.9, 0.1)), NgramRow((5,), (6,), (1.0,))])
+    d = _drafter(store)
+    tree = d.draft(_ctx([1, 3], max_nodes=3))
+    assert tree.tokens == (3, 4, 5, 6)  # 6 hangs under 5, which was not reached
+    top = NodeTopK(torch.zeros(4, 10, dtype=torch.long), torch.zeros(4, 10, dtype=torch.float64))
+    d.observe(tree, Acceptance((1,), (4,), 7), top)
+    drawn = d.calibration.drawn
+    assert sum(drawn.values()) == 2  # 4 (accepted) and 5 (tried, rejected); not 6
+    assert sum(d.calibration.hits.values()) == 1

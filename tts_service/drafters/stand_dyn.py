@@ -1,0 +1,200 @@
+"""STAND, dynamic: best-first trees over STAND's store that spend the whole node budget on the
+candidates most likely to be accepted (docs/design.md, "STAND, dynamic").
+
+Every node's candidates come from four sources, best first by calibrated acceptance:
+
+* the store's longest stored n-gram of the node's context (STAND's lookup);
+* back-off: the next shorter stored n-gram's ids the longest one lacks;
+* suffix counts over this problem's trajectories and prompt (`SuffixCounts`, contexts of up to
+  12 tokens): how often each token followed the node's longest counted suffix;
+* when the store knows nothing of the context, the last target distribution seen after the
+  node's token in any earlier problem (Token Recycling's successor table, the hot start).
+
+A stored probability is not an acceptance rate: a 1-gram context's distribution is a guess
+about a different context, and one seen once is noisy. `AcceptanceCalibration` learns, online
+and per loaded model, how often a candidate of each kind (source, order, count, whether the next
+shorter order's top choice agrees, whether the suffix counts name it) and stored probability was
+accepted when its parent was reached. α̂ of a node is the product of its path's calibrated
+rates; the tree grows best first on α̂ until the budget is spent or, with `sizing: gt`, until
+no larger tree can raise the expected tokens per second under the measured verify cost.
+
+All drafts are deterministic: greedy verification takes the argmax, and under sampling the
+sample-and-match rule (siblings tried in order, shared residual) keeps the output distribution
+exact, on the device's one-sync path.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from store.base import NgramStore
+from tts_service.config import StandDynDrafterConfig
+from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.goose import AdjacencyTable
+from tts_service.drafters.matching import SuffixCounts
+from tts_service.drafters.stand import feed_store
+from tts_service.engine.cost import CostModel, worth_growing
+from tts_service.engine.tree import DraftTree, TreeBuilder
+from tts_service.engine.verify import Acceptance
+
+SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2)
+MIN_SUFFIX = 4  # shorter suffix matches are the store's job
+TAIL = max(SUFFIX_ORDERS)
+STORE, BACKOFF, SUFFIX, SUCCESSOR = range(4)  # a candidate's source
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token: int
+    kind: tuple[int, ...]  # (source, order, count, agree, suffix): what calibration keys on
+    q: float  # the source's own probability of the token
+    alpha: float  # calibrated acceptance rate given the parent was reached
+
+
+class AcceptanceCalibration:
+    """How often a candidate of a given kind and stored probability was accepted once its
+    parent was reached: per (kind, probability decile), a count and a hit count, with
+    `prior_weight` pseudo-draws at `prior_scale` × q (stores are overconfident)."""
+
+    def __init__(self, prior_weight: float = 4.0, prior_scale: float = 0.8, bins: int = 10):
+        self.prior_weight, self.prior_scale, self.bins = prior_weight, prior_scale, bins
+        self.drawn: dict[tuple[int, ...], float] = {}
+        self.hits: dict[tuple[int, ...], float] = {}
+
+    def _key(self, kind: tuple[int, ...], q: float) -> tuple[int, ...]:
+        return (*kind, min(int(q * self.bins), self.bins - 1))
+
+    def rate(self, kind: tuple[int, ...], q: float) -> float:
+        key = self._key(kind, q)
+        prior = self.prior_weight * self.prior_scale * q
+        return (self.hits.get(key, 0.0) + prior) / (self.drawn.get(key, 0.0) + self.prior_weight)
+
+    def record(self, kind: tuple[int, ...], q: float, accepted: bool) -> None:
+        key = self._key(kind, q)
+        self.drawn[key] = self.drawn.get(key, 0.0) + 1.0
+        self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
+
+
+def suffix_flag(token: int, order: int, counts: dict[int, int]) -> int:
+    """0: no suffix match of >= MIN_SUFFIX tokens; 1: a match that does not name `token`;
+    2: a short match (< 8 tokens) that does; 3: a long one that does."""
+    if order < MIN_SUFFIX:
+        return 0
+    if token not in counts:
+        return 1
+    return 3 if order >= 8 else 2
+
+
+class StandDynDrafter:
+    def __init__(
+        self,
+        cfg: StandDynDrafterConfig,
+        store: NgramStore,
+        suffix: SuffixCounts,
+        successors: AdjacencyTable,
+        calibration: AcceptanceCalibration,
+        cost: CostModel | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.suffix = suffix  # shared by the problem's trajectories
+        self.successors = successors  # shared by the loaded model's problems
+        self.calibration = calibration  # likewise
+        self.cost = cost  # None: fill the budget (sizing: fixed)
+        self.doc = -1
+        self._tails: list[tuple[int, ...]] = []
+        self._kinds: list[Candidate | None] = []  # tree node -> what it was drafted as
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.doc = self.suffix.new_doc()
+
+    def candidates(self, tail: Sequence[int]) -> list[Candidate]:
+        """The candidates after `tail`, best first by calibrated acceptance."""
+        order = self.store.max_order
+        found: dict[int, tuple[tuple[int, ...], float]] = {}
+        longest = self.store.lookup(tail[-order:])
+        if longest is not None:
+            shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
+            agree_with = shorter.ids[0] if shorter is not None and shorter.ids else -1
+            count = min(longest.count, 4)
+            scale = sum(longest.probs) or 1.0
+            for token, p in zip(longest.ids, longest.probs, strict=True):
+                if p > 0:
+                    kind = (STORE, longest.order, count, int(token == agree_with))
+                    found[token] = (kind, p / scale)
+            if shorter is not None:
+                scale = sum(shorter.probs) or 1.0
+                for token, p in zip(shorter.ids, shorter.probs, strict=True):
+                    if p > 0 and token not in found:
+                        kind = (BACKOFF, shorter.order, min(shorter.count, 4), 0)
+                        found[token] = (kind, p / scale)
+        n, counts = self.suffix.lookup(tail)
+        if n >= MIN_SUFFIX:
+            total = sum(counts.values())
+            for token, k in counts.items():
+                if token not in found:
+                    found[token] = ((SUFFIX, 0, 0, 0), k / total)
+        if not found and tail:
+            for token, p in self.successors.successors(-1, tail[-1]):
+                if p > 0:
+                    found[token] = ((SUCCESSOR, 0, 0, 0), p)
+        rate = self.calibration.rate
+        out = [
+            Candidate(t, kind := (*k, suffix_flag(t, n, counts)), q, rate(kind, q))
+            for t, (k, q) in found.items()
+        ]
+        out.sort(key=lambda c: (-c.alpha, c.token))
+        return out
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        self.suffix.sync(self.doc, ctx.tokens)
+        limit = min(self.cfg.max_nodes, ctx.max_nodes)
+        cost = self.cost.at(len(ctx.tokens)) if self.cost is not None else None
+        builder = TreeBuilder(ctx.tokens[-1])
+        self._tails, self._kinds = [tuple(ctx.tokens[-TAIL:])], [None]
+        alpha = [1.0]
+        plans: dict[int, list[Candidate]] = {}
+        heap: list[tuple[float, int, int]] = []  # (-α̂ of the slot, node, candidate rank)
+
+        def open_node(node: int) -> None:
+            plan = self.candidates(self._tails[node])
+            if plan:
+                plans[node] = plan
+                heapq.heappush(heap, (-alpha[node] * plan[0].alpha, node, 0))
+
+        open_node(0)
+        expected = 1.0
+        while heap and len(builder) - 1 < limit:
+            neg, node, rank = heapq.heappop(heap)
+            if cost is not None and not worth_growing(
+                cost, len(builder), expected, -neg, limit + 1
+            ):
+                break
+            cand = plans[node][rank]
+            builder.add(node, cand.token)
+            self._tails.append((*self._tails[node], cand.token)[-TAIL:])
+            self._kinds.append(cand)
+            alpha.append(-neg)
+            expected -= neg
+            if rank + 1 < len(plans[node]):
+                nxt = plans[node][rank + 1]
+                heapq.heappush(heap, (-alpha[node] * nxt.alpha, node, rank + 1))
+            open_node(len(builder) - 1)
+        return builder.build()
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        reached = {0, *acc.path}
+        for v in range(1, tree.size):
+            cand = self._kinds[v]
+            if cand is not None and tree.parents[v] in reached:
+                self.calibration.record(cand.kind, cand.q, v in acc.path)
+        order = self.store.max_order
+        tails = [t[-order:] for t in self._tails]
+        feed_store(self.store, tails, tree, acc, topk, self.cfg.harvest_rejected)
+        rows = [v for v in range(tree.size) if topk.has(v)]
+        if rows:
+            self.successors.update(
+                [-1] * len(rows), [tree.tokens[v] for v in rows], topk.ids[rows], topk.probs[rows]
+            )
