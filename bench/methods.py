@@ -1,8 +1,9 @@
 """Every speculative method side by side on SmolLM2-135M: best-of-N sequential trajectories,
 acceptance length, tree size used and speed against plain decoding measured in the same run.
 
-    python bench/methods.py [--prompts 1] [--n 16] [--max-new-tokens 128] [--temperature 0.6]
-        [--methods plain pld recycle ...] [--out runs/methods-t0.6.jsonl]
+    python bench/methods.py [--prompts 1] [--prompts-file bench/prompts.jsonl] [--n 16]
+        [--max-new-tokens 128] [--temperature 0.6] [--methods plain pld recycle ...]
+        [--out runs/methods-t0.6.jsonl] [--assume-flat-cost]
 
 Each method runs the same prompts with the same seeds. Trajectory i drafts from what
 trajectories < i left behind (the store, the successor tables, the spine index), exactly as in
@@ -50,7 +51,8 @@ def pooled(trajs, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=1, help="how many of the file's prompts")
+    ap.add_argument("--prompts-file", type=Path, default=PROMPTS, help="JSONL with a 'prompt'")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.6)
@@ -68,7 +70,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     base = Generator.load(ModelConfig(name="smollm2-135m"))
-    rows = [json.loads(x) for x in PROMPTS.read_text().splitlines() if x.strip()][: args.prompts]
+    lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(x) for x in lines if x.strip()][: args.prompts]
     encoded = [base.encode(r["prompt"], chat=True) for r in rows]
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     base.run(encoded[0], None, sampling.model_copy(update={"max_new_tokens": 8}))  # warm-up

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from store.base import NgramStore
 from tts_service.config import StandDynDrafterConfig
@@ -45,10 +45,9 @@ TAIL = max(SUFFIX_ORDERS)
 STORE, BACKOFF, SUFFIX, SUCCESSOR = range(4)  # a candidate's source
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     token: int
-    kind: tuple[int, ...]  # (source, order, count, agree, suffix): what calibration keys on
+    kind: int  # `candidate_kind(source, order, count, agree, suffix)`: what calibration keys on
     q: float  # the source's own probability of the token
     alpha: float  # calibrated acceptance rate given the parent was reached
 
@@ -60,21 +59,23 @@ class AcceptanceCalibration:
 
     def __init__(self, prior_weight: float = 4.0, prior_scale: float = 0.8, bins: int = 10):
         self.prior_weight, self.prior_scale, self.bins = prior_weight, prior_scale, bins
-        self.drawn: dict[tuple[int, ...], float] = {}
-        self.hits: dict[tuple[int, ...], float] = {}
+        self.drawn: dict[int, float] = {}  # key: kind * bins + the probability's decile
+        self.hits: dict[int, float] = {}
 
-    def _key(self, kind: tuple[int, ...], q: float) -> tuple[int, ...]:
-        return (*kind, min(int(q * self.bins), self.bins - 1))
-
-    def rate(self, kind: tuple[int, ...], q: float) -> float:
-        key = self._key(kind, q)
+    def rate(self, kind: int, q: float) -> float:
+        key = kind * self.bins + min(int(q * self.bins), self.bins - 1)
         prior = self.prior_weight * self.prior_scale * q
         return (self.hits.get(key, 0.0) + prior) / (self.drawn.get(key, 0.0) + self.prior_weight)
 
-    def record(self, kind: tuple[int, ...], q: float, accepted: bool) -> None:
-        key = self._key(kind, q)
+    def record(self, kind: int, q: float, accepted: bool) -> None:
+        key = kind * self.bins + min(int(q * self.bins), self.bins - 1)
         self.drawn[key] = self.drawn.get(key, 0.0) + 1.0
         self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
+
+
+def candidate_kind(source: int, order: int, count: int, agree: int, suffix: int) -> int:
+    """One int for (source 0-3, order 0-8, count 0-4, agree 0-1, suffix flag 0-3)."""
+    return (((source * 10 + order) * 5 + count) * 2 + agree) * 4 + suffix
 
 
 def suffix_flag(token: int, order: int, counts: dict[int, int]) -> int:
@@ -113,7 +114,7 @@ class StandDynDrafter:
     def candidates(self, tail: Sequence[int]) -> list[Candidate]:
         """The candidates after `tail`, best first by calibrated acceptance."""
         order = self.store.max_order
-        found: dict[int, tuple[tuple[int, ...], float]] = {}
+        found: dict[int, tuple[tuple[int, int, int, int], float]] = {}
         longest = self.store.lookup(tail[-order:])
         if longest is not None:
             shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
@@ -142,7 +143,7 @@ class StandDynDrafter:
                     found[token] = ((SUCCESSOR, 0, 0, 0), p)
         rate = self.calibration.rate
         out = [
-            Candidate(t, kind := (*k, suffix_flag(t, n, counts)), q, rate(kind, q))
+            Candidate(t, kind := candidate_kind(*k, suffix_flag(t, n, counts)), q, rate(kind, q))
             for t, (k, q) in found.items()
         ]
         out.sort(key=lambda c: (-c.alpha, c.token))
@@ -156,24 +157,25 @@ class StandDynDrafter:
         self._tails, self._kinds = [tuple(ctx.tokens[-TAIL:])], [None]
         alpha = [1.0]
         plans: dict[int, list[Candidate]] = {}
-        heap: list[tuple[float, int, int]] = []  # (-α̂ of the slot, node, candidate rank)
-
-        def open_node(node: int) -> None:
-            plan = self.candidates(self._tails[node])
-            if plan:
-                plans[node] = plan
-                heapq.heappush(heap, (-alpha[node] * plan[0].alpha, node, 0))
-
-        open_node(0)
+        # (-α̂ of the slot, node, candidate rank); rank -1: the node's candidates are not
+        # looked up yet, and α̂ of the node bounds every child's, so it is opened only when
+        # that bound is the best slot left (most leaves never are)
+        heap: list[tuple[float, int, int]] = [(-1.0, 0, -1)]
         expected = 1.0
         while heap and len(builder) - 1 < limit:
             neg, node, rank = heapq.heappop(heap)
+            if rank < 0:
+                plan = self.candidates(self._tails[node])
+                if plan:
+                    plans[node] = plan
+                    heapq.heappush(heap, (-alpha[node] * plan[0].alpha, node, 0))
+                continue
             if cost is not None and not worth_growing(
                 cost, len(builder), expected, -neg, limit + 1
             ):
                 break
             cand = plans[node][rank]
-            builder.add(node, cand.token)
+            child = builder.add(node, cand.token)
             self._tails.append((*self._tails[node], cand.token)[-TAIL:])
             self._kinds.append(cand)
             alpha.append(-neg)
@@ -181,7 +183,7 @@ class StandDynDrafter:
             if rank + 1 < len(plans[node]):
                 nxt = plans[node][rank + 1]
                 heapq.heappush(heap, (-alpha[node] * nxt.alpha, node, rank + 1))
-            open_node(len(builder) - 1)
+            heapq.heappush(heap, (neg, child, -1))
         return builder.build()
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:

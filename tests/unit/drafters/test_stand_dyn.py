@@ -13,10 +13,12 @@ from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
+    BACKOFF,
     STORE,
     SUFFIX_ORDERS,
     AcceptanceCalibration,
     StandDynDrafter,
+    candidate_kind,
     suffix_flag,
 )
 from tts_service.engine.cost import CostModel, VerifyCost
@@ -44,12 +46,12 @@ def _ctx(tokens, max_nodes=80) -> DraftContext:
 
 def test_calibration_starts_below_the_stored_probability_and_learns_the_real_rate():
     cal = AcceptanceCalibration(prior_weight=4.0, prior_scale=0.8)
-    kind = (STORE, 1, 1, 0, 0)
+    kind = candidate_kind(STORE, 1, 1, 0, 0)
     assert cal.rate(kind, 0.95) == 0.8 * 0.95  # the prior: stores are overconfident
     for i in range(96):
         cal.record(kind, 0.95, accepted=i % 2 == 0)  # really accepted half the time
     assert abs(cal.rate(kind, 0.95) - (48 + 4 * 0.76) / 100) < 1e-12
-    assert cal.rate((STORE, 4, 4, 1, 0), 0.95) == 0.8 * 0.95  # other kinds are untouched
+    assert cal.rate(candidate_kind(STORE, 4, 4, 1, 0), 0.95) == 0.8 * 0.95  # other kinds
     assert cal.rate(kind, 0.55) == 0.8 * 0.55  # and other deciles
 
 
@@ -79,7 +81,8 @@ def test_backoff_adds_the_shorter_orders_ids_and_calibration_reorders_them():
     d = _drafter(store)
     first = d.candidates([2, 3])
     assert [c.token for c in first] == [4, 5]
-    assert first[0].kind[:2] == (STORE, 2) and first[1].kind[:2] == (1, 1)  # 5 is a back-off
+    assert first[0].kind == candidate_kind(STORE, 2, 1, 1, 0)  # the 1-gram also ranks 4 first
+    assert first[1].kind == candidate_kind(BACKOFF, 1, 2, 0, 0)  # 5 is the 1-gram's back-off
     for _ in range(50):  # the 2-gram's choice is never accepted, the back-off always
         d.calibration.record(first[0].kind, first[0].q, False)
         d.calibration.record(first[1].kind, first[1].q, True)
@@ -100,7 +103,7 @@ def test_suffix_counts_put_a_long_shared_continuation_first():
     )
     now.start([1])
     cands = now.candidates([1, 2, 3, 4, 5, 6, 7])
-    assert [(c.token, c.kind[-1]) for c in cands] == [(8, 1), (9, 2)]  # 9 is named by a match
+    assert [(c.token, c.kind % 4) for c in cands] == [(8, 1), (9, 2)]  # 9 is named by a match
     for _ in range(30):
         cal.record(cands[1].kind, cands[1].q, True)
         cal.record(cands[0].kind, cands[0].q, False)
