@@ -72,7 +72,8 @@ def main() -> None:
     base = Generator.load(ModelConfig(name="smollm2-135m"))
     lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
     rows = [json.loads(x) for x in lines if x.strip()][: args.prompts]
-    encoded = [base.encode(r["prompt"], chat=True) for r in rows]
+    questions = [r.get("prompt", r.get("question")) for r in rows]  # bench or job problems
+    encoded = [base.encode(q, chat=True) for q in questions]
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     base.run(encoded[0], None, sampling.model_copy(update={"max_new_tokens": 8}))  # warm-up
     if args.assume_flat_cost:

@@ -62,13 +62,16 @@ class AcceptanceCalibration:
         self.drawn: dict[int, float] = {}  # key: kind * bins + the probability's decile
         self.hits: dict[int, float] = {}
 
+    def _key(self, kind: int, q: float) -> int:
+        return kind * self.bins + min(int(q * self.bins), self.bins - 1)
+
     def rate(self, kind: int, q: float) -> float:
-        key = kind * self.bins + min(int(q * self.bins), self.bins - 1)
+        key = self._key(kind, q)
         prior = self.prior_weight * self.prior_scale * q
         return (self.hits.get(key, 0.0) + prior) / (self.drawn.get(key, 0.0) + self.prior_weight)
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
-        key = kind * self.bins + min(int(q * self.bins), self.bins - 1)
+        key = self._key(kind, q)
         self.drawn[key] = self.drawn.get(key, 0.0) + 1.0
         self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
 
