@@ -3,7 +3,7 @@ acceptance length, tree size used and speed against plain decoding measured in t
 
     python bench/methods.py [--prompts 1] [--prompts-file bench/prompts.jsonl] [--n 16]
         [--max-new-tokens 128] [--temperature 0.6] [--methods plain pld recycle ...]
-        [--out runs/methods-t0.6.jsonl] [--assume-flat-cost]
+        [--out runs/methods-t0.6.jsonl] [--assume-flat-cost] [--nodes N]
 
 Each method runs the same prompts with the same seeds. Trajectory i drafts from what
 trajectories < i left behind (the store, the successor tables, the spine index), exactly as in
@@ -30,6 +30,7 @@ from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.methods import METHODS, method_drafter, resolve_method
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.generation import Generator
+from tts_service.replay import sized_fields
 from tts_service.solve import solve
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
@@ -59,6 +60,9 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=DEFAULT)
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--nodes", type=int, help="cap every method's tree at N draft nodes (as tts replay does)"
+    )
+    ap.add_argument(
         "--assume-flat-cost",
         action="store_true",
         help="size GT trees by a GPU-like flat cost curve instead of this machine's: shows "
@@ -81,7 +85,10 @@ def main() -> None:
     for ctx in {len(ids) + args.max_new_tokens for ids in encoded}:
         base.cost.at(ctx)  # measured now, outside every timing
     adapter = TypeAdapter(DrafterConfig)
-    cfgs = {m: adapter.validate_python(method_drafter(m, {}, "cpu")) for m in args.methods}
+    fields = {m: method_drafter(m, {}, "cpu") for m in args.methods}
+    if args.nodes:
+        fields = {m: sized_fields(f, args.nodes) for m, f in fields.items()}
+    cfgs = {m: adapter.validate_python(f) for m, f in fields.items()}
     # per method and prompt: a fresh generator over the one model (no inherited tables) and
     # its own store; trajectories are interleaved across methods, so a slow spell on this
     # shared machine lands on every method alike

@@ -288,7 +288,7 @@ def _max_id(problem: LoggedProblem) -> int:
     return max(ids)
 
 
-def _sized(fields: dict, nodes: int) -> dict:
+def sized_fields(fields: dict, nodes: int) -> dict:
     """A method's drafter fields with its size field set to `nodes` (within the field's bound:
     PLD's chain is at most 64 tokens)."""
     from tts_service.config import DRAFTER_CONFIGS
@@ -321,7 +321,7 @@ def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int, int], 
 
     fields = method_drafter(req.method, {})
     if req.nodes:
-        fields = _sized(fields, req.nodes)
+        fields = sized_fields(fields, req.nodes)
     if req.tree:
         fields["tree"] = req.tree
     cfg = TypeAdapter(DrafterConfig).validate_python(fields)
