@@ -110,6 +110,7 @@ def job_id_for(out: Path) -> str:
 EXECUTION_FIELDS = frozenset(
     {
         "replicas",
+        "tensor_parallel",
         "cpus_per_replica",
         "gpu_memory_gb",
         "placement_timeout_s",
@@ -143,7 +144,9 @@ def init_ray(cfg: JobConfig) -> None:
     from actors.cluster import connect
 
     using = connect(
-        num_cpus=max(2, math.ceil(cfg.cpus_per_replica * (cfg.replicas or 1))),
+        num_cpus=max(
+            2, math.ceil(cfg.cpus_per_replica * cfg.tensor_parallel * (cfg.replicas or 1))
+        ),
         object_store_memory=500 * 1024**2,
     )
     print(f"[job] Ray: {using}", flush=True)
@@ -173,9 +176,10 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
 def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     """(config, replicas, GPUs per replica, scheduling strategies), every replica's resources
     reserved as one STRICT_PACK placement group within `placement_timeout_s`. Without GPUs:
-    `replicas` groups of `cpus_per_replica` CPUs. With GPUs: the placement plan sizes each
-    replica from the model's parameter count; a replica of several GPUs loads the model sharded
-    over exactly those (device_map + max_memory).
+    `replicas` groups of `cpus_per_replica` CPUs; tensor-parallel replicas reserve their own
+    groups (a restart reserves a new one), so none are returned for them. With GPUs: the
+    placement plan sizes each replica from the model's parameter count; a replica of several
+    GPUs loads the model sharded over exactly those (device_map + max_memory).
 
     Raises:
         PlacementError: the cluster cannot hold the replicas (the message names the fields).
@@ -190,6 +194,14 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     )
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
+    if cfg.tensor_parallel > 1 and (not gpus or cfg.model.device == "cpu"):
+        replicas = cfg.replicas or 1
+        print(
+            f"[job] placement: {replicas} replica(s) of {cfg.tensor_parallel} tensor-parallel "
+            f"ranks of {cfg.cpus_per_replica:g} CPU(s), no GPUs (each replica's own group)",
+            flush=True,
+        )
+        return cfg, replicas, 0, []
     if not gpus or cfg.model.device == "cpu":
         replicas = cfg.replicas or 1
         reason = f"{replicas} replica(s) of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
@@ -246,17 +258,31 @@ def run_pool(
     loaded, before the first trajectory starts (where a speed measurement begins)."""
     from ray.util.placement_group import remove_placement_group
 
-    from actors.pool import ResultsFile, TrajectoryPool, close_actors, start_actors
+    from actors.pool import (
+        ResultsFile,
+        TrajectoryPool,
+        close_actors,
+        kill_replicas,
+        start_actors,
+        start_replicas,
+    )
 
     with store_url(cfg) as url:
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
+        actors: list = []
         try:
-            actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
+            if placed_cfg.tensor_parallel > 1:
+                actors = start_replicas(placed_cfg, replicas, url)
+            else:
+                actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
             if on_ready is not None:
                 on_ready()
             pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
             states = pool.run(problems, on_trajectory, on_problem)
             close_actors(actors)  # while a local-redis server still runs
+        except BaseException:
+            kill_replicas(actors)
+            raise
         finally:  # the reservations (and the actors in them) end with the run, not the driver
             for strategy in strategies:
                 remove_placement_group(strategy.placement_group)
