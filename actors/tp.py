@@ -12,10 +12,45 @@ serves the trajectory pool as a generator actor does (`leader.run`, a `Generator
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.placement import PlacementError
 from tts_service.config import DrafterConfig, JobConfig, ModelConfig, SamplingConfig
+
+if TYPE_CHECKING:
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.generation import Generator
+    from tts_service.models import LoadedModel
+
+
+def _address() -> str:
+    """host:port free on this node, for a group's rendezvous."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def _join(cfg: ModelConfig, address: str, rank: int, world: int) -> LoadedModel:
+    """Join the group at `address` (NCCL on GPUs, gloo on CPU) and load this rank's shard."""
+    import torch.distributed as dist
+
+    from tts_service.models import load_model_shard, resolve_device
+
+    backend = "nccl" if resolve_device(cfg.device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world)
+    return load_model_shard(cfg)
+
+
+def _lead(cfg: ModelConfig, loaded: LoadedModel) -> tuple[Generator, BatchDecoder]:
+    """Rank 0's generator and the decoder whose forwards and cache rewrites the others mirror."""
+    from tts_service.engine.tp import leader_decoder
+    from tts_service.generation import Generator
+
+    gen = Generator(loaded, max_model_len=cfg.max_model_len)
+    return gen, leader_decoder(loaded.model, loaded.eos_token_ids, gen.decode)
 
 
 class TensorParallelRank:
@@ -26,37 +61,20 @@ class TensorParallelRank:
 
     def address(self) -> str:
         """host:port for the group's rendezvous, on this rank's node (rank 0's)."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        return _address()
 
     def setup(
         self, address: str, job: JobConfig | None = None, store_url: str | None = None
     ) -> None:
         """Join the group and load this rank's shard (every rank at once: both are collective).
         With `job`, rank 0 also opens a `GeneratorActor` over its decoder for `run`."""
-        import torch.distributed as dist
-
-        from tts_service.models import load_model_shard, resolve_device
-
-        backend = "nccl" if resolve_device(self.cfg.device).type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world
-        )
-        self.loaded = load_model_shard(self.cfg)
+        self.loaded = _join(self.cfg, address, self.rank, self.world)
         if self.rank == 0:
-            from tts_service.engine.tp import leader_decoder
-            from tts_service.generation import Generator
-
-            self.generator = gen = Generator(self.loaded, max_model_len=self.cfg.max_model_len)
-            self.decoder = leader_decoder(self.loaded.model, self.loaded.eos_token_ids, gen.decode)
+            self.generator, self.decoder = _lead(self.cfg, self.loaded)
             if job is not None:
                 from actors.generator import GeneratorActor
 
-                self.worker = GeneratorActor(job, store_url, gen, self.decoder)
+                self.worker = GeneratorActor(job, store_url, self.generator, self.decoder)
 
     def follow(self) -> None:
         """A follower's whole life: mirror rank 0 until it closes the replica."""
@@ -186,3 +204,71 @@ class TensorParallelReplica:
         if self.group is not None:
             remove_placement_group(self.group)
             self.group = None
+
+
+class TensorParallelLeader:
+    """This process as rank 0 of a group whose other ranks are Ray actors: for the edges whose
+    runner lives in this process (`tts solve`, a Serve replica), which decode with `generator`
+    and `decoder` as with one process's. Inside a placement group (a Serve replica's: bundle 0
+    is this process) follower r goes to bundle r."""
+
+    def __init__(self, cfg: ModelConfig, ranks: int, cpus_per_rank: float = 1.0) -> None:
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from tts_service.models import resolve_device
+
+        gpus = 1 if resolve_device(cfg.device).type == "cuda" else 0
+        group = get_current_placement_group()
+        remote = ray.remote(TensorParallelRank)
+        self.followers = [
+            remote.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus,
+                **(
+                    {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, r)}
+                    if group is not None
+                    else {}
+                ),
+            ).remote(cfg, r, ranks)
+            for r in range(1, ranks)
+        ]
+        address = _address()
+        setups = [a.setup.remote(address) for a in self.followers]
+        try:
+            self.loaded = _join(cfg, address, 0, ranks)
+            ray.get(setups)
+        except BaseException:
+            self._end()
+            raise
+        self.following = [a.follow.remote() for a in self.followers]
+        self.generator, self.decoder = _lead(cfg, self.loaded)
+
+    def dead(self) -> bool:
+        """Has a follower's loop ended (its rank died, or the group broke)?"""
+        import ray
+
+        return bool(ray.wait(self.following, timeout=0)[0])
+
+    def close(self) -> None:
+        """Stop the followers' loops, then the actors and this process's group."""
+        import ray
+
+        from tts_service.engine.tp import stop
+
+        try:
+            if not self.dead():
+                stop(self.decoder)
+                ray.get(self.following)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        import ray
+        import torch.distributed as dist
+
+        for actor in self.followers:
+            ray.kill(actor)
+        if dist.is_initialized():
+            dist.destroy_process_group()

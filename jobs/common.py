@@ -91,7 +91,7 @@ def load_config(
             data = updates(data)
         final = apply_overrides(copy.deepcopy(data), sets)  # the device the job will run on
         data = with_method(data, method, (final.get("model") or {}).get("device", "auto"))
-        return JobConfig.model_validate(apply_overrides(data, sets))
+        cfg = JobConfig.model_validate(apply_overrides(data, sets))
     except JobInputError:
         raise
     except ValidationError as e:
@@ -99,6 +99,23 @@ def load_config(
         raise JobInputError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from e
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise JobInputError(f"--config: {e}") from e
+    check_shards(cfg)
+    return cfg
+
+
+def check_shards(cfg: JobConfig) -> None:
+    """Raise JobInputError unless `tensor_parallel` ranks divide the model's heads (read from
+    its config; nothing loads)."""
+    if cfg.tensor_parallel == 1:
+        return
+    from tts_service.models import ModelNotFoundError, check_tensor_parallel
+
+    try:
+        check_tensor_parallel(cfg.model, cfg.tensor_parallel)
+    except ModelNotFoundError as e:
+        raise JobInputError(f"model.name: {e}") from e
+    except (OSError, ValueError) as e:
+        raise JobInputError(f"tensor_parallel: {e}") from e
 
 
 def job_id_for(out: Path) -> str:
