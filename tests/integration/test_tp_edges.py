@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 
 import pytest
 
@@ -71,3 +72,37 @@ def test_a_gt_sized_method_is_a_400_on_a_tensor_parallel_replica(engines):
     with pytest.raises(ApiError) as err:
         sharded.prepare_solve(SolveHttpRequest(question=QUESTION, n=1, method="stand-gt"))
     assert err.value.status == 400 and err.value.param == "method"
+
+
+def test_a_serve_deployment_with_tensor_parallel_2_answers_over_http(ray_local, engines):
+    """The replica is rank 0 in bundle 0 of its STRICT_PACK group, its follower in bundle 1."""
+    from ray import serve
+
+    from store.local_server import free_port
+    from tts_service.serve.app import build_app
+
+    single, _ = engines
+    cfg = ServeConfig(
+        model=single.cfg.model, max_rows=2, default_method="pld", tensor_parallel=2,
+        cpus_per_replica=0.5, served_model_name="tiny",
+    )  # fmt: skip
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(cfg), name="tts-tp", route_prefix="/")
+        body = {"model": "tiny", "prompt": QUESTION, "max_tokens": 12, "temperature": 0}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            got = json.loads(resp.read())
+    finally:
+        serve.delete("tts-tp")
+        serve.shutdown()
+    want = single.complete(
+        single.prepare(CompletionRequest(**{**body, "model": None})), threading.Event()
+    )
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["usage"] == want["usage"]

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from actors.pool import ResultsFile, TrajectoryPool, close_actors, kill_replicas, start_replicas
+from jobs.best_of_n import main as job_main
 from jobs.best_of_n import run as run_job
 from tts_service.config import JobConfig, ModelConfig, Problem
 from tts_service.engine.decode import plain_generate
@@ -81,3 +82,19 @@ def test_killing_a_rank_mid_job_restarts_the_replica_and_loses_nothing(
     assert sorted(states["p1"].records) == [0, 1, 2, 3]
     assert all(r["token_ids"] == greedy_ids for r in recs)
     assert replicas[0].restarts == 1 and pool.retries >= 1
+
+
+@pytest.mark.parametrize(("value", "field"), [("0", "tensor_parallel"), ("3", "tensor_parallel")])
+def test_a_bad_tensor_parallel_is_exit_2_before_any_actor(
+    tiny_model_dir, tmp_path, capsys, value, field
+):
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(PROBLEM.model_dump_json() + "\n")
+    argv = [
+        "--problems", str(problems), "--out", str(tmp_path / "o"),
+        "--set", f"model.name={tiny_model_dir}", "--set", "model.device=cpu",
+        "--method", "stand", "--set", f"tensor_parallel={value}",
+    ]  # fmt: skip
+    assert job_main(argv) == 2
+    assert f"{field}:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
