@@ -123,10 +123,12 @@ def start_actors(
     return actors
 
 
-def start_replicas(cfg: JobConfig, num: int, store_url: str | None) -> list[TensorParallelReplica]:
+def start_replicas(
+    cfg: JobConfig, num: int, store_url: str | None, gpus_per_rank: int | None = None
+) -> list[TensorParallelReplica]:
     """Start `num` tensor-parallel replicas of `cfg.tensor_parallel` ranks, each in its own
-    STRICT_PACK group of `cpus_per_replica` CPUs (and a GPU, on CUDA) per rank, every shard
-    loaded."""
+    STRICT_PACK group of `cpus_per_replica` CPUs and `gpus_per_rank` GPUs (default: one on
+    CUDA) per rank, every shard loaded."""
     return [
         TensorParallelReplica(
             cfg.model,
@@ -136,6 +138,7 @@ def start_replicas(cfg: JobConfig, num: int, store_url: str | None) -> list[Tens
             job=cfg,
             store_url=store_url,
             max_concurrency=calls_per_actor(cfg),
+            gpus_per_rank=gpus_per_rank,
         )
         for _ in range(num)
     ]

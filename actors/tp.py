@@ -110,7 +110,8 @@ class TensorParallelRank:
 class TensorParallelReplica:
     """G rank actors in one STRICT_PACK placement group; `generate` runs on rank 0, and so does
     a job's `leader.run`. `following` are the followers' loops: one that ends before `close`
-    means a rank died (the pool watches them)."""
+    means a rank died (the pool watches them). `gpus_per_rank`: default 1 on CUDA, else 0 (a
+    plan may declare GPUs that a CPU run only reserves)."""
 
     def __init__(
         self,
@@ -121,7 +122,13 @@ class TensorParallelReplica:
         job: JobConfig | None = None,
         store_url: str | None = None,
         max_concurrency: int = 1,
+        gpus_per_rank: int | None = None,
     ) -> None:
+        from tts_service.models import resolve_device
+
+        if gpus_per_rank is None:
+            gpus_per_rank = 1 if resolve_device(cfg.device).type == "cuda" else 0
+        self.gpus_per_rank = gpus_per_rank
         self.cfg, self.world, self.job, self.store_url = cfg, ranks, job, store_url
         self.cpus_per_rank, self.timeout_s = cpus_per_rank, timeout_s
         self.max_concurrency = max_concurrency
@@ -133,9 +140,7 @@ class TensorParallelReplica:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tts_service.models import resolve_device
-
-        gpus = 1 if resolve_device(self.cfg.device).type == "cuda" else 0
+        gpus = self.gpus_per_rank
         bundle = {"CPU": self.cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self.group = placement_group([dict(bundle)] * self.world, strategy="STRICT_PACK")
         self.ranks = []
@@ -150,7 +155,7 @@ class TensorParallelReplica:
             remote.options(
                 num_cpus=self.cpus_per_rank,
                 num_gpus=gpus,
-                max_concurrency=self.max_concurrency if r == 0 else 1,
+                max_concurrency=self.max_concurrency if r == 0 else 2,  # a probe beside `follow`
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.group, placement_group_bundle_index=r
                 ),

@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from tts_service.config import JobConfig, Problem, load_yaml
+from tts_service.config import JobConfig, Problem, default_max_rows, load_yaml
 from tts_service.drafters.methods import (
     DEFAULT_METHOD,
     METHOD_NAMES,
@@ -191,12 +191,12 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
 
 
 def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
-    """(config, replicas, GPUs per replica, scheduling strategies), every replica's resources
+    """(config, replicas, GPUs per actor, scheduling strategies), every replica's resources
     reserved as one STRICT_PACK placement group within `placement_timeout_s`. Without GPUs:
-    `replicas` groups of `cpus_per_replica` CPUs; tensor-parallel replicas reserve their own
-    groups (a restart reserves a new one), so none are returned for them. With GPUs: the
-    placement plan sizes each replica from the model's parameter count; a replica of several
-    GPUs loads the model sharded over exactly those (device_map + max_memory).
+    `replicas` groups of `cpus_per_replica` CPUs. With GPUs: the placement plan sizes each
+    replica from the model's parameter count and KV cache (`_gpu_plan`). Tensor-parallel
+    replicas (the returned config's `tensor_parallel` > 1: a GPU per rank) reserve their own
+    groups, since a restart reserves a new one, so none are returned for them.
 
     Raises:
         PlacementError: the cluster cannot hold the replicas (the message names the fields).
@@ -211,17 +211,10 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     )
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    if cfg.tensor_parallel > 1 and (not gpus or cfg.model.device == "cpu"):
-        replicas = cfg.replicas or 1
-        print(
-            f"[job] placement: {replicas} replica(s) of {cfg.tensor_parallel} tensor-parallel "
-            f"ranks of {cfg.cpus_per_replica:g} CPU(s), no GPUs (each replica's own group)",
-            flush=True,
-        )
-        return cfg, replicas, 0, []
     if not gpus or cfg.model.device == "cpu":
         replicas = cfg.replicas or 1
-        reason = f"{replicas} replica(s) of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
+        ranks = f" of {cfg.tensor_parallel} ranks" if cfg.tensor_parallel > 1 else ""
+        reason = f"{replicas} replica(s){ranks} of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
         plan = PlacementPlan(0, replicas, 0, {}, reason)
         asked = f"replicas={replicas} with cpus_per_replica={cfg.cpus_per_replica:g}"
     else:
@@ -231,6 +224,8 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
             f"cpus_per_replica={cfg.cpus_per_replica:g}"
         )
     print(f"[job] placement: {plan.reason}", flush=True)
+    if cfg.tensor_parallel > 1:
+        return cfg, plan.num_replicas, 1 if plan.gpus_per_replica else 0, []
     try:
         groups = create_placement_groups(plan, cfg.cpus_per_replica, cfg.placement_timeout_s)
     except PlacementError as e:
@@ -238,27 +233,76 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     return cfg, plan.num_replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
 
 
+PROMPT_TOKENS = 1024  # a prompt's allowance in the KV estimate when max_model_len is unset
+
+
 def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
-    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load."""
+    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load.
+
+    `sharding: tensor_parallel` (the default): the smallest rank count, at least
+    `tensor_parallel`, that holds the weights and the KV cache of `max_rows` rows of
+    `max_model_len` tokens (else `max_new_tokens` + PROMPT_TOKENS) and divides the heads.
+    `device_map`: a replica's layers spread over its GPUs (weights + 30% headroom)."""
     import torch
     from transformers import AutoConfig
 
-    from actors.placement import PlacementError, count_params_from_config, plan_placement
+    from actors.placement import (
+        PlacementError,
+        count_params_from_config,
+        kv_cache_bytes,
+        plan_placement,
+        plan_tensor_parallel,
+    )
+    from tts_service.drafters.registry import needs_cost
     from tts_service.models import model_source
 
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     dtype_bytes = torch.finfo(dtype).bits // 8
-    params = count_params_from_config(AutoConfig.from_pretrained(model_source(cfg.model)))
+    config = AutoConfig.from_pretrained(model_source(cfg.model))
+    params = count_params_from_config(config)
+    memory = int(cfg.gpu_memory_gb * 1024**3)
     try:
-        plan = plan_placement(params, dtype_bytes, int(cfg.gpu_memory_gb * 1024**3), gpus)
+        if cfg.sharding == "device_map":
+            plan = plan_placement(params, dtype_bytes, memory, gpus)
+        else:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            heads = text.num_attention_heads
+            heads = (heads, getattr(text, "num_key_value_heads", None) or heads)
+            rows = cfg.max_rows or default_max_rows("cuda")
+            tokens = cfg.model.max_model_len or cfg.sampling.max_new_tokens + PROMPT_TOKENS
+            kv = kv_cache_bytes(config, rows, tokens, dtype_bytes)
+            plan = plan_tensor_parallel(params, dtype_bytes, kv, memory, gpus, heads)
+            plan = _at_least(plan, cfg.tensor_parallel, gpus)
     except ValueError as e:  # the model does not fit this cluster's GPUs
         raise PlacementError(f"gpu_memory_gb={cfg.gpu_memory_gb:g}: {e}") from e
     replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
     plan = dataclasses.replace(plan, num_replicas=replicas)
-    if plan.gpus_per_replica > 1:
-        memory = {str(k): v for k, v in plan.max_memory.items()}
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_memory": memory})})
+    if cfg.sharding == "tensor_parallel":
+        if plan.gpus_per_replica > 1 and needs_cost(cfg.drafter):
+            raise PlacementError(
+                f"{plan.reason}; GT-sized methods measure the verify cost in one process, not "
+                "on tensor-parallel ranks yet: choose another --method (e.g. stand)"
+            )
+        cfg = cfg.model_copy(update={"tensor_parallel": plan.gpus_per_replica})
+    elif plan.gpus_per_replica > 1:
+        memory_map = {str(k): v for k, v in plan.max_memory.items()}
+        model = cfg.model.model_copy(update={"max_memory": memory_map})
+        cfg = cfg.model_copy(update={"model": model})
     return cfg, plan
+
+
+def _at_least(plan: PlacementPlan, ranks: int, gpus: int) -> PlacementPlan:
+    """The plan with at least the `ranks` the user asked for (more ranks: faster forwards)."""
+    if ranks <= plan.gpus_per_replica:
+        return plan
+    if ranks > gpus:
+        raise ValueError(f"tensor_parallel={ranks} needs {ranks} GPUs; the cluster has {gpus}")
+    return dataclasses.replace(
+        plan,
+        gpus_per_replica=ranks,
+        num_replicas=gpus // ranks,
+        reason=f"{plan.reason}; tensor_parallel={ranks} asked: {gpus // ranks} replica(s)",
+    )
 
 
 def run_pool(
@@ -289,7 +333,7 @@ def run_pool(
         actors: list = []
         try:
             if placed_cfg.tensor_parallel > 1:
-                actors = start_replicas(placed_cfg, replicas, url)
+                actors = start_replicas(placed_cfg, replicas, url, gpus)
             else:
                 actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
             if on_ready is not None:

@@ -98,3 +98,38 @@ def test_a_bad_tensor_parallel_is_exit_2_before_any_actor(
     assert job_main(argv) == 2
     assert f"{field}:" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_gpu_plan_makes_replicas_tensor_parallel_on_declared_gpus(
+    ray_local, tiny_model_dir, tmp_path, greedy_ids
+):
+    """The session's Ray declares 8 GPUs; a GPU of 0.012 GiB holds half the tiny model (12.7
+    MB of fp32 weights, 0.5 MB of KV cache): the plan makes each replica 2 ranks of a GPU
+    each, and refuses GT sizing on them."""
+    from actors.placement import PlacementError
+    from jobs.common import placed_actors
+
+    plan = {
+        "model": {"name": str(tiny_model_dir), "device": "auto", "dtype": "float32"},
+        "tensor_parallel": 1,
+        "gpu_memory_gb": 0.012,
+        "max_rows": 2,
+        "n": 2,
+    }
+    placed, replicas, gpus, strategies = placed_actors(_cfg(tiny_model_dir, **plan))
+    assert (placed.tensor_parallel, replicas, gpus, strategies) == (2, 1, 1, [])
+    gt = {"kind": "stand", "num_nodes": 8, "sizing": "gt"}
+    with pytest.raises(PlacementError, match="GT-sized"):
+        placed_actors(_cfg(tiny_model_dir, **plan, drafter=gt))
+    actors = start_replicas(placed, replicas, None, gpus)
+    try:
+        ids = ray_local.get(
+            [r.__ray_call__.remote(lambda self: ray_local.get_gpu_ids()) for r in actors[0].ranks]
+        )
+        assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == 2
+        pool = TrajectoryPool(placed, actors, "tp-gpu", ResultsFile(tmp_path / "t.jsonl"))
+        states = pool.run([PROBLEM])
+        close_actors(actors)
+    finally:
+        kill_replicas(actors)
+    assert [states["p1"].records[i]["token_ids"] for i in (0, 1)] == [greedy_ids] * 2

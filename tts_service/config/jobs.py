@@ -42,7 +42,12 @@ class JobConfig(StrictConfig):
         ge=1,
         le=64,
         description="Ranks of each replica (Ray actors sharding every layer, `actors.tp`); 1: "
-        "one actor per replica.",
+        "one actor per replica. On GPUs the plan raises it to what the model needs.",
+    )
+    sharding: Literal["tensor_parallel", "device_map"] = Field(
+        "tensor_parallel",
+        description="How a model too big for one GPU is split: tensor_parallel (every GPU "
+        "works on every forward) or device_map (layers one GPU after another; fallback).",
     )
     cpus_per_replica: float = Field(
         1.0, gt=0, description="Ray CPUs per actor (its threads); per rank when tensor-parallel."
@@ -64,6 +69,8 @@ class JobConfig(StrictConfig):
     def _tensor_parallel_drafter(self) -> JobConfig:
         from tts_service.drafters.registry import needs_cost
 
+        if self.tensor_parallel > 1 and self.sharding == "device_map":
+            raise ValueError("tensor_parallel: > 1 needs sharding: tensor_parallel")
         if self.tensor_parallel > 1 and needs_cost(self.drafter):
             raise ValueError(
                 "tensor_parallel: GT-sized methods measure the verify cost in one process; "
