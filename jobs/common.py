@@ -128,6 +128,7 @@ EXECUTION_FIELDS = frozenset(
     {
         "replicas",
         "tensor_parallel",
+        "sharding",
         "cpus_per_replica",
         "gpu_memory_gb",
         "placement_timeout_s",
