@@ -46,6 +46,12 @@ def test_a_bad_rank_count_is_exit_2_naming_the_flag(tiny_model_dir, capsys, rank
     assert "tensor" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("ranks", ["0", "3"])
+def test_tts_serve_refuses_a_bad_rank_count_before_ray(tiny_model_dir, capsys, ranks):
+    assert main(["serve", "--model", str(tiny_model_dir), "--tensor-parallel", ranks]) == 2
+    assert "tensor" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def engines(ray_local, tiny_model_dir):
     model = {"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"}
