@@ -18,6 +18,7 @@ from store.base import NgramStore
 from store.factory import open_global_store, open_problem_store
 from tts_service.config import JobConfig, default_max_rows
 from tts_service.drafters.registry import needs_cost
+from tts_service.engine.batch import BatchDecoder
 from tts_service.generation import Generator
 from tts_service.runner import RunnerLoop, TrajectoryRequest, TrajectoryRunner
 
@@ -40,18 +41,33 @@ class TrajectoryRecord:
 
 
 class GeneratorActor:
-    def __init__(self, cfg: JobConfig, store_url: str | None = None) -> None:
+    """`generator` and `decoder` given: a tensor-parallel replica's rank 0 (`actors.tp`), whose
+    loaded shard and mirrored decoder are used as they are; its steps share `token_budget` out
+    over the rows (`speculation="fixed"`): measuring the cost surface would time forwards
+    that the other ranks do not mirror."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        store_url: str | None = None,
+        generator: Generator | None = None,
+        decoder: BatchDecoder | None = None,
+    ) -> None:
         self.cfg = cfg
         self.store_url = store_url
-        self.generator = Generator.load(cfg.model, calibrate=needs_cost(cfg.drafter))
+        self.generator = generator or Generator.load(cfg.model, calibrate=needs_cost(cfg.drafter))
         self.name = f"pid{os.getpid()}"
         self.global_store = open_global_store(cfg.store, store_url)  # across problems
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
         self.max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
-        if cfg.drafter.kind != "plain":  # the allocator's cost surface, measured at load
-            self.generator.batch_cost(self.max_rows, 1)
-        self.loop = RunnerLoop(TrajectoryRunner(self.generator, self.max_rows))
+        if decoder is not None:
+            runner = TrajectoryRunner(self.generator, self.max_rows, "fixed", decoder=decoder)
+        else:
+            if cfg.drafter.kind != "plain":  # the allocator's cost surface, measured at load
+                self.generator.batch_cost(self.max_rows, 1)
+            runner = TrajectoryRunner(self.generator, self.max_rows)
+        self.loop = RunnerLoop(runner)
 
     def ready(self) -> str:
         return self.name

@@ -149,6 +149,74 @@ def plan_placement(
     )
 
 
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)  # ranks of one replica: one node's GPUs, dividing heads
+
+
+def kv_cache_bytes(config: Any, rows: int, tokens: int, dtype_bytes: int) -> int:
+    """The KV cache of `rows` sequences of `tokens` tokens each: keys and values of every
+    layer's KV heads (GQA shares them), at the model's dtype."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * rows * tokens
+
+
+def plan_tensor_parallel(
+    num_params: int,
+    dtype_bytes: int,
+    kv_bytes: int,
+    gpu_memory_bytes: int,
+    num_gpus: int,
+    heads: tuple[int, int],
+) -> PlacementPlan:
+    """The smallest tensor-parallel rank count G in 1, 2, 4, 8 whose GPUs hold the weights
+    plus the KV cache, each rank a 1/G shard of both, and that divides the (attention, KV)
+    `heads` (every rank holds whole heads); one GPU per rank, as many replicas as fit.
+
+    Smallest, because every extra rank is a GPU not running another best-of-N replica and adds
+    an all-reduce per layer. Raises ValueError if no size fits or the cluster has too few GPUs.
+    """
+    if num_params <= 0 or dtype_bytes <= 0 or kv_bytes < 0:
+        raise ValueError(f"sizes must be positive: {num_params}, {dtype_bytes}, {kv_bytes}")
+    if gpu_memory_bytes <= 0 or num_gpus < 1:
+        raise ValueError(f"a GPU plan needs GPUs: {num_gpus} of {gpu_memory_bytes} bytes")
+    weights = num_params * dtype_bytes
+    need = weights + kv_bytes
+    usable = USABLE_GPU_FRACTION * gpu_memory_bytes
+    described = (
+        f"{num_params / 1e9:.1f}B params x {dtype_bytes} B = {weights / 1e9:.1f} GB weights "
+        f"+ {kv_bytes / 1e9:.1f} GB KV cache = {need / 1e9:.1f} GB; {usable / 1e9:.1f} GB "
+        f"usable per GPU ({USABLE_GPU_FRACTION:.0%} of {gpu_memory_bytes / 1e9:.1f} GB)"
+    )
+    fits = [g for g in TENSOR_PARALLEL_SIZES if need / g <= usable]
+    if not fits:
+        raise ValueError(
+            f"model does not fit: {described}; not even on {TENSOR_PARALLEL_SIZES[-1]} ranks"
+        )
+    ranks = next((g for g in fits if heads[0] % g == 0 and heads[1] % g == 0), None)
+    if ranks is None:
+        raise ValueError(
+            f"model does not shard: {described}; it needs {fits[0]} ranks, and none of "
+            f"{', '.join(map(str, fits))} divides its {heads[0]} heads and {heads[1]} KV heads"
+        )
+    if num_gpus < ranks:
+        raise ValueError(
+            f"model does not fit: {described}; it needs {ranks} GPUs per replica "
+            f"but only {num_gpus} are available"
+        )
+    replicas = num_gpus // ranks
+    return PlacementPlan(
+        gpus_per_replica=ranks,
+        num_replicas=replicas,
+        bytes_per_replica=need,
+        max_memory={},
+        reason=f"{described} -> {ranks} tensor-parallel rank(s) (a GPU each) per replica, "
+        f"{replicas} replica(s) on {num_gpus} GPU(s)",
+    )
+
+
 def count_params_from_config(config: Any) -> int:
     """Estimate a dense decoder's parameter count from its transformers config, without weights.
 

@@ -5,6 +5,10 @@ it finishes, so a crash loses nothing and a re-run resumes where it stopped.
 Each trajectory is keyed by (problem id, index). Calls carry a chunk of indices of one
 problem; a chunk whose actor died is resubmitted, and a second result for a key is dropped,
 so nothing is lost or doubled.
+
+A replica is a generator actor (Ray restarts it) or a tensor-parallel replica (`actors.tp`:
+the pool calls its rank 0 and watches its followers). A tensor-parallel replica one of whose
+ranks died is restarted as a whole by the pool, and every chunk it had in flight resubmitted.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayError
+from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
 
 from actors.generator import GeneratorActor
+from actors.tp import TensorParallelReplica
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
 from tts_service.config import JobConfig, Problem, default_max_rows
+from tts_service.generation import InputTooLongError
 
 log = logging.getLogger(__name__)
 RESTART_WAITS = 240  # x 0.5 s: how long a restarting actor (a model load) is waited for
+MAX_RESTARTS = 3  # of one replica (Ray's for an actor, the pool's for a tensor-parallel one)
 
 
 @dataclass
@@ -105,7 +112,7 @@ def start_actors(
         opts = {
             "num_cpus": cfg.cpus_per_replica,
             "num_gpus": gpus_per_replica,
-            "max_restarts": 3,
+            "max_restarts": MAX_RESTARTS,
             "max_task_retries": 0,
             "max_concurrency": calls_per_actor(cfg),
         }
@@ -116,19 +123,67 @@ def start_actors(
     return actors
 
 
+def start_replicas(
+    cfg: JobConfig, num: int, store_url: str | None, gpus_per_rank: int | None = None
+) -> list[TensorParallelReplica]:
+    """Start `num` tensor-parallel replicas of `cfg.tensor_parallel` ranks, each in its own
+    STRICT_PACK group of `cpus_per_replica` CPUs and `gpus_per_rank` GPUs (default: one on
+    CUDA) per rank, every shard loaded."""
+    return [
+        TensorParallelReplica(
+            cfg.model,
+            cfg.tensor_parallel,
+            cfg.cpus_per_replica,
+            cfg.placement_timeout_s,
+            job=cfg,
+            store_url=store_url,
+            max_concurrency=calls_per_actor(cfg),
+            gpus_per_rank=gpus_per_rank,
+        )
+        for _ in range(num)
+    ]
+
+
 def close_actors(actors: list) -> None:
     """Close every actor's stores (their final flush, a bounded wait), before the actors go
-    with the job. An actor that died took its queued writes with it: logged, not raised, as
-    every trajectory is already written."""
-    refs = [a.close.remote() for a in actors]
+    with the job; a tensor-parallel replica closes its ranks and group too. An actor that died
+    took its queued writes with it: logged, not raised, as every trajectory is already
+    written."""
+    refs = [a.close.remote() for a in actors if not isinstance(a, TensorParallelReplica)]
     for ref in refs:
         try:
             ray.get(ref)
         except RayError as e:
             log.warning("an actor could not close its stores: %s", e)
+    for replica in actors:
+        if isinstance(replica, TensorParallelReplica):
+            try:
+                replica.close()
+            except RayError as e:
+                log.warning("a tensor-parallel replica could not close: %s", e)
+
+
+def kill_replicas(actors: list) -> None:
+    """Kill every tensor-parallel replica's ranks and group (a job that failed)."""
+    for replica in actors:
+        if isinstance(replica, TensorParallelReplica):
+            replica.kill()
+
+
+def _leader(actor):
+    """The actor handle the pool calls: rank 0 of a tensor-parallel replica."""
+    return actor.leader if isinstance(actor, TensorParallelReplica) else actor
+
+
+def _rank_failed(err: RayError) -> bool:
+    """Did a tensor-parallel call fail with its replica (a rank died, a collective broke), not
+    with its own request (too long a prompt)?"""
+    return not (isinstance(err, RayTaskError) and isinstance(err.cause, InputTooLongError))
 
 
 class TrajectoryPool:
+    """`actors`: generator actor handles or `TensorParallelReplica`s."""
+
     def __init__(self, cfg: JobConfig, actors: list, job_id: str, results: ResultsFile) -> None:
         if not actors:
             raise ValueError("the pool needs at least one actor")
@@ -156,10 +211,16 @@ class TrajectoryPool:
             queue.extend(
                 _Chunk(p, todo[k : k + self.cfg.batch]) for k in range(0, len(todo), self.cfg.batch)
             )
-        in_flight: dict = {}
+        in_flight: dict = {}  # ref -> (chunk, index of its actor)
+        watch = {  # a follower's loop, which ends only when a rank dies -> index of its actor
+            ref: i
+            for i, a in enumerate(self.actors)
+            if isinstance(a, TensorParallelReplica)
+            for ref in a.following
+        }
 
         def report_if_done(state: ProblemState) -> None:
-            busy = any(c.problem.id == state.problem.id for c in in_flight.values())
+            busy = any(c.problem.id == state.problem.id for c, _ in in_flight.values())
             finished = len(state.records) == self.cfg.n or (state.stopped_early and not busy)
             if finished and not state.reported:
                 state.reported = True
@@ -176,20 +237,26 @@ class TrajectoryPool:
                     report_if_done(states[chunk.problem.id])
                     continue
                 # a retried chunk goes to another actor than the one that failed it
-                actor = self.actors[(turn + chunk.attempts) % len(self.actors)]
+                index = (turn + chunk.attempts) % len(self.actors)
                 turn += 1
-                ref = actor.run.remote(
+                ref = _leader(self.actors[index]).run.remote(
                     self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
                 )
-                in_flight[ref] = chunk
+                in_flight[ref] = (chunk, index)
             if not in_flight:
                 continue
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            chunk = in_flight.pop(done[0])
+            done, _ = ray.wait([*in_flight, *watch], num_returns=1)
+            if done[0] in watch:
+                self._restart(watch[done[0]], [], in_flight, watch, queue, "a rank died")
+                continue
+            chunk, index = in_flight.pop(done[0])
             try:
                 records = ray.get(done[0])
             except RayError as e:  # actor died, worker crashed, object lost, OOM-killed
-                self._retry(chunk, queue, e)
+                if isinstance(self.actors[index], TensorParallelReplica) and _rank_failed(e):
+                    self._restart(index, [chunk], in_flight, watch, queue, e)
+                else:
+                    self._retry(chunk, queue, e)
                 continue
             state = states[chunk.problem.id]
             for rec in records:
@@ -203,6 +270,37 @@ class TrajectoryPool:
             report_if_done(state)
         return states
 
+    def _restart(
+        self,
+        index: int,
+        lost: list[_Chunk],
+        in_flight: dict,
+        watch: dict,
+        queue: deque,
+        err: Exception | str,
+    ) -> None:
+        """Restart tensor-parallel replica `index` as a whole and resubmit `lost` and every
+        other chunk it had in flight (each a failed attempt)."""
+        replica = self.actors[index]
+        for ref, (chunk, i) in list(in_flight.items()):
+            if i == index:
+                lost.append(chunk)
+                del in_flight[ref]
+        for ref, i in list(watch.items()):
+            if i == index:
+                del watch[ref]
+        if replica.restarts >= MAX_RESTARTS:
+            raise RuntimeError(
+                f"tensor-parallel replica {index} failed {replica.restarts + 1} times; "
+                f"last error: {err}"
+            )
+        log.warning("tensor-parallel replica %d: %s; restarting it", index, err)
+        replica.restart()
+        watch.update({ref: index for ref in replica.following})
+        for chunk in lost:
+            self.retries += 1
+            self._resubmit(chunk, queue, err)
+
     def _retry(self, chunk: _Chunk, queue: deque, err: Exception) -> None:
         self.retries += 1
         if isinstance(err, ActorUnavailableError) and chunk.waits < RESTART_WAITS:
@@ -211,6 +309,11 @@ class TrajectoryPool:
             time.sleep(0.5)
             queue.appendleft(chunk)
             return
+        self._resubmit(chunk, queue, err)
+
+    def _resubmit(self, chunk: _Chunk, queue: deque, err: Exception | str) -> None:
+        """A failed attempt: back to the queue's front, to go to another actor, unless
+        `max_retries` are spent."""
         chunk.attempts += 1
         if chunk.attempts > self.cfg.max_retries:
             raise RuntimeError(
@@ -221,7 +324,7 @@ class TrajectoryPool:
             "problem %s, trajectories %s: %s; retrying",
             chunk.problem.id,
             chunk.indices,
-            type(err).__name__,
+            err if isinstance(err, str) else type(err).__name__,
         )
         queue.appendleft(chunk)
 

@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from tts_service.config import JobConfig, Problem, load_yaml
+from tts_service.config import JobConfig, Problem, default_max_rows, load_yaml
 from tts_service.drafters.methods import (
     DEFAULT_METHOD,
     METHOD_NAMES,
@@ -91,7 +91,7 @@ def load_config(
             data = updates(data)
         final = apply_overrides(copy.deepcopy(data), sets)  # the device the job will run on
         data = with_method(data, method, (final.get("model") or {}).get("device", "auto"))
-        return JobConfig.model_validate(apply_overrides(data, sets))
+        cfg = JobConfig.model_validate(apply_overrides(data, sets))
     except JobInputError:
         raise
     except ValidationError as e:
@@ -99,6 +99,23 @@ def load_config(
         raise JobInputError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from e
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise JobInputError(f"--config: {e}") from e
+    check_shards(cfg)
+    return cfg
+
+
+def check_shards(cfg: JobConfig) -> None:
+    """Raise JobInputError unless `tensor_parallel` ranks divide the model's heads (read from
+    its config; nothing loads)."""
+    if cfg.tensor_parallel == 1:
+        return
+    from tts_service.models import ModelNotFoundError, check_tensor_parallel
+
+    try:
+        check_tensor_parallel(cfg.model, cfg.tensor_parallel)
+    except ModelNotFoundError as e:
+        raise JobInputError(f"model.name: {e}") from e
+    except (OSError, ValueError) as e:
+        raise JobInputError(f"tensor_parallel: {e}") from e
 
 
 def job_id_for(out: Path) -> str:
@@ -110,6 +127,8 @@ def job_id_for(out: Path) -> str:
 EXECUTION_FIELDS = frozenset(
     {
         "replicas",
+        "tensor_parallel",
+        "sharding",
         "cpus_per_replica",
         "gpu_memory_gb",
         "placement_timeout_s",
@@ -143,7 +162,9 @@ def init_ray(cfg: JobConfig) -> None:
     from actors.cluster import connect
 
     using = connect(
-        num_cpus=max(2, math.ceil(cfg.cpus_per_replica * (cfg.replicas or 1))),
+        num_cpus=max(
+            2, math.ceil(cfg.cpus_per_replica * cfg.tensor_parallel * (cfg.replicas or 1))
+        ),
         object_store_memory=500 * 1024**2,
     )
     print(f"[job] Ray: {using}", flush=True)
@@ -171,11 +192,12 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
 
 
 def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
-    """(config, replicas, GPUs per replica, scheduling strategies), every replica's resources
+    """(config, replicas, GPUs per actor, scheduling strategies), every replica's resources
     reserved as one STRICT_PACK placement group within `placement_timeout_s`. Without GPUs:
     `replicas` groups of `cpus_per_replica` CPUs. With GPUs: the placement plan sizes each
-    replica from the model's parameter count; a replica of several GPUs loads the model sharded
-    over exactly those (device_map + max_memory).
+    replica from the model's parameter count and KV cache (`_gpu_plan`). Tensor-parallel
+    replicas (the returned config's `tensor_parallel` > 1: a GPU per rank) reserve their own
+    groups, since a restart reserves a new one, so none are returned for them.
 
     Raises:
         PlacementError: the cluster cannot hold the replicas (the message names the fields).
@@ -192,7 +214,8 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if not gpus or cfg.model.device == "cpu":
         replicas = cfg.replicas or 1
-        reason = f"{replicas} replica(s) of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
+        ranks = f" of {cfg.tensor_parallel} ranks" if cfg.tensor_parallel > 1 else ""
+        reason = f"{replicas} replica(s){ranks} of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
         plan = PlacementPlan(0, replicas, 0, {}, reason)
         asked = f"replicas={replicas} with cpus_per_replica={cfg.cpus_per_replica:g}"
     else:
@@ -202,6 +225,8 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
             f"cpus_per_replica={cfg.cpus_per_replica:g}"
         )
     print(f"[job] placement: {plan.reason}", flush=True)
+    if cfg.tensor_parallel > 1:
+        return cfg, plan.num_replicas, 1 if plan.gpus_per_replica else 0, []
     try:
         groups = create_placement_groups(plan, cfg.cpus_per_replica, cfg.placement_timeout_s)
     except PlacementError as e:
@@ -209,27 +234,76 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     return cfg, plan.num_replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
 
 
+PROMPT_TOKENS = 1024  # a prompt's allowance in the KV estimate when max_model_len is unset
+
+
 def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
-    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load."""
+    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load.
+
+    `sharding: tensor_parallel` (the default): the smallest rank count, at least
+    `tensor_parallel`, that holds the weights and the KV cache of `max_rows` rows of
+    `max_model_len` tokens (else `max_new_tokens` + PROMPT_TOKENS) and divides the heads.
+    `device_map`: a replica's layers spread over its GPUs (weights + 30% headroom)."""
     import torch
     from transformers import AutoConfig
 
-    from actors.placement import PlacementError, count_params_from_config, plan_placement
+    from actors.placement import (
+        PlacementError,
+        count_params_from_config,
+        kv_cache_bytes,
+        plan_placement,
+        plan_tensor_parallel,
+    )
+    from tts_service.drafters.registry import needs_cost
     from tts_service.models import model_source
 
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     dtype_bytes = torch.finfo(dtype).bits // 8
-    params = count_params_from_config(AutoConfig.from_pretrained(model_source(cfg.model)))
+    config = AutoConfig.from_pretrained(model_source(cfg.model))
+    params = count_params_from_config(config)
+    memory = int(cfg.gpu_memory_gb * 1024**3)
     try:
-        plan = plan_placement(params, dtype_bytes, int(cfg.gpu_memory_gb * 1024**3), gpus)
+        if cfg.sharding == "device_map":
+            plan = plan_placement(params, dtype_bytes, memory, gpus)
+        else:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            heads = text.num_attention_heads
+            heads = (heads, getattr(text, "num_key_value_heads", None) or heads)
+            rows = cfg.max_rows or default_max_rows("cuda")
+            tokens = cfg.model.max_model_len or cfg.sampling.max_new_tokens + PROMPT_TOKENS
+            kv = kv_cache_bytes(config, rows, tokens, dtype_bytes)
+            plan = plan_tensor_parallel(params, dtype_bytes, kv, memory, gpus, heads)
+            plan = _at_least(plan, cfg.tensor_parallel, gpus)
     except ValueError as e:  # the model does not fit this cluster's GPUs
         raise PlacementError(f"gpu_memory_gb={cfg.gpu_memory_gb:g}: {e}") from e
     replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
     plan = dataclasses.replace(plan, num_replicas=replicas)
-    if plan.gpus_per_replica > 1:
-        memory = {str(k): v for k, v in plan.max_memory.items()}
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_memory": memory})})
+    if cfg.sharding == "tensor_parallel":
+        if plan.gpus_per_replica > 1 and needs_cost(cfg.drafter):
+            raise PlacementError(
+                f"{plan.reason}; GT-sized methods measure the verify cost in one process, not "
+                "on tensor-parallel ranks yet: choose another --method (e.g. stand)"
+            )
+        cfg = cfg.model_copy(update={"tensor_parallel": plan.gpus_per_replica})
+    elif plan.gpus_per_replica > 1:
+        memory_map = {str(k): v for k, v in plan.max_memory.items()}
+        model = cfg.model.model_copy(update={"max_memory": memory_map})
+        cfg = cfg.model_copy(update={"model": model})
     return cfg, plan
+
+
+def _at_least(plan: PlacementPlan, ranks: int, gpus: int) -> PlacementPlan:
+    """The plan with at least the `ranks` the user asked for (more ranks: faster forwards)."""
+    if ranks <= plan.gpus_per_replica:
+        return plan
+    if ranks > gpus:
+        raise ValueError(f"tensor_parallel={ranks} needs {ranks} GPUs; the cluster has {gpus}")
+    return dataclasses.replace(
+        plan,
+        gpus_per_replica=ranks,
+        num_replicas=gpus // ranks,
+        reason=f"{plan.reason}; tensor_parallel={ranks} asked: {gpus // ranks} replica(s)",
+    )
 
 
 def run_pool(
@@ -246,17 +320,31 @@ def run_pool(
     loaded, before the first trajectory starts (where a speed measurement begins)."""
     from ray.util.placement_group import remove_placement_group
 
-    from actors.pool import ResultsFile, TrajectoryPool, close_actors, start_actors
+    from actors.pool import (
+        ResultsFile,
+        TrajectoryPool,
+        close_actors,
+        kill_replicas,
+        start_actors,
+        start_replicas,
+    )
 
     with store_url(cfg) as url:
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
+        actors: list = []
         try:
-            actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
+            if placed_cfg.tensor_parallel > 1:
+                actors = start_replicas(placed_cfg, replicas, url, gpus)
+            else:
+                actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
             if on_ready is not None:
                 on_ready()
             pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
             states = pool.run(problems, on_trajectory, on_problem)
             close_actors(actors)  # while a local-redis server still runs
+        except BaseException:
+            kill_replicas(actors)
+            raise
         finally:  # the reservations (and the actors in them) end with the run, not the driver
             for strategy in strategies:
                 remove_placement_group(strategy.placement_group)

@@ -205,6 +205,17 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     )
 
 
+def check_tensor_parallel(cfg: ModelConfig, ranks: int, cache_dir: Path | None = None) -> None:
+    """Raise ValueError unless the configured model shards over `ranks` (read from its
+    config, before anything loads)."""
+    from transformers import AutoConfig
+
+    from tts_service.engine.tp import check_ranks
+
+    if ranks > 1:
+        check_ranks(AutoConfig.from_pretrained(model_source(cfg, cache_dir)), ranks)
+
+
 def load_model_shard(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     """This rank's tensor-parallel shard of the configured model (`engine.tp`; every rank of
     the initialised default process group calls it), with the tokenizer."""

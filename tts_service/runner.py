@@ -158,7 +158,10 @@ class TrajectoryRunner:
 
     `admission="fifo"` fills free rows in submission order (jobs: throughput); `"fair"` (Serve)
     gives the next free row to the submission holding the fewest rows, and lets a submission
-    holding none join a full batch, so a short request never waits behind a long one."""
+    holding none join a full batch, so a short request never waits behind a long one.
+
+    `decoder`: the batch decoder to step (a tensor-parallel leader's, `engine.tp`); default one
+    over the generator's model."""
 
     def __init__(
         self,
@@ -167,6 +170,7 @@ class TrajectoryRunner:
         speculation: str = "cost",
         token_budget: int = 64,
         admission: str = "fifo",
+        decoder: BatchDecoder | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
@@ -180,7 +184,7 @@ class TrajectoryRunner:
         self.speculation = speculation
         self.token_budget = token_budget
         gen = generator
-        self.decoder = BatchDecoder(
+        self.decoder = decoder or BatchDecoder(
             gen.loaded.model,
             gen.loaded.eos_token_ids,
             gen.decode,

@@ -17,7 +17,9 @@ from actors.placement import (
     PlacementPlan,
     count_params_from_config,
     create_placement_groups,
+    kv_cache_bytes,
     plan_placement,
+    plan_tensor_parallel,
     scheduling_strategy,
     sharded_device_map_kwargs,
 )
@@ -81,6 +83,51 @@ def test_plan_placement_cpu_only() -> None:
     assert "CPU" in plan.reason
     assert set(plan.max_memory) == {"cpu"}
     assert convert_file_size_to_int(plan.max_memory["cpu"]) >= plan.bytes_per_replica
+
+
+# Llama-2-7B, a 33B with GQA (DeepSeek-Coder-33B's shape) and Llama-2-70B, as declared configs
+SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "33b": dict(hidden_size=7168, intermediate_size=19200, num_hidden_layers=62,
+                num_attention_heads=56, num_key_value_heads=8, vocab_size=32256),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=32000),
+}  # fmt: skip
+
+
+def _tensor_parallel_plan(shape: str, rows: int = 64, tokens: int = 1536, gpus: int = 8):
+    config = LlamaConfig(**SHAPES[shape])
+    kv = kv_cache_bytes(config, rows, tokens, BF16)
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    return plan_tensor_parallel(count_params_from_config(config), BF16, kv, 80 * GB, gpus, heads)
+
+
+@pytest.mark.parametrize(("shape", "ranks"), [("7b", 1), ("33b", 2), ("70b", 4)])
+def test_the_tensor_parallel_plan_counts_weights_and_the_kv_cache(shape: str, ranks: int) -> None:
+    """64 rows of 512 new + 1024 prompt tokens in bf16 on 80 GB GPUs: 7B (13.5 GB + 51.5 GB of
+    KV, no GQA) fits one; 33B (66.5 + 25 GB) needs 2; 70B (138 + 32 GB) needs 4."""
+    plan = _tensor_parallel_plan(shape)
+    assert (plan.gpus_per_replica, plan.num_replicas) == (ranks, 8 // ranks)
+    assert f"{ranks} tensor-parallel rank(s)" in plan.reason and plan.max_memory == {}
+
+
+def test_the_kv_cache_alone_can_call_for_more_ranks() -> None:
+    assert _tensor_parallel_plan("70b", tokens=16384).gpus_per_replica == 8  # 138 + 344 GB
+    with pytest.raises(ValueError, match="does not fit.*not even on 8 ranks"):
+        _tensor_parallel_plan("70b", tokens=32768)
+
+
+def test_the_tensor_parallel_plan_divides_the_heads_or_says_so() -> None:
+    # 2 GB of weights on 1 GB GPUs: 4 ranks at least; 12 heads and 4 KV heads split in 4
+    assert plan_tensor_parallel(10**9, BF16, 0, GB, 8, heads=(12, 4)).gpus_per_replica == 4
+    with pytest.raises(ValueError, match="does not shard.*6 heads and 6 KV heads"):
+        plan_tensor_parallel(10**9, BF16, 0, GB, 8, heads=(6, 6))
+
+
+def test_the_tensor_parallel_plan_needs_the_gpus() -> None:
+    with pytest.raises(ValueError, match="needs 4 GPUs per replica but only 2"):
+        _tensor_parallel_plan("70b", gpus=2)
 
 
 @pytest.mark.parametrize("tied", [False, True])

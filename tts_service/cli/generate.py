@@ -6,7 +6,14 @@ import argparse
 import json
 import sys
 
-from tts_service.cli.common import UsageError, add_common_flags, add_field, load, request
+from tts_service.cli.common import (
+    UsageError,
+    add_common_flags,
+    add_field,
+    check_tensor_parallel,
+    load,
+    request,
+)
 from tts_service.config import GenerateRequest
 
 
@@ -48,13 +55,7 @@ def _generate_tensor_parallel(req: GenerateRequest) -> dict:
     `actors.cluster.connect`)."""
     import os
 
-    from tts_service.drafters.registry import needs_cost
-
-    if needs_cost(req.drafter):
-        raise UsageError(
-            "--method: GT-sized methods measure the verify cost in one process; "
-            "not with --tensor-parallel yet"
-        )
+    check_tensor_parallel(req)
     from actors.cluster import connect
     from actors.tp import TensorParallelReplica
 

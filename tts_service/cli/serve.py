@@ -14,7 +14,14 @@ import threading
 
 from pydantic import ValidationError
 
-from tts_service.cli.common import DEFAULT_PRESET, UsageError, add_field, field_error, with_default
+from tts_service.cli.common import (
+    DEFAULT_PRESET,
+    UsageError,
+    add_field,
+    check_tensor_parallel,
+    field_error,
+    with_default,
+)
 from tts_service.config import ServeConfig, load_yaml
 
 SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")
@@ -38,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_field(srv, ServeConfig, "port", http)
     add_field(srv, ServeConfig, "served_model_name", args)
     add_field(srv, ServeConfig, "model.max_model_len", args.get("model", {}))
+    add_field(srv, ServeConfig, "tensor_parallel", args)
     srv.add_argument(
         "--api-key",
         help=with_default(ServeConfig.model_fields["api_key"].description, None)
@@ -61,6 +69,7 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "host": http.get("host") if args.host is None else args.host,
         "port": http.get("port") if args.port is None else args.port,
         "served_model_name": args.served_model_name,
+        "tensor_parallel": args.tensor_parallel,
         "api_key": os.environ.get("TTS_API_KEY") if args.api_key is None else args.api_key,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     """Attach to RAY_ADDRESS or start a private loopback Ray, deploy the app, serve until
     SIGTERM or Ctrl-C, then stop the application (and the private Ray)."""
     data, cfg = serve_config(args)
+    check_tensor_parallel(cfg)
     app = (data.get("applications") or [{}])[0]
     name = app.get("name", "tts")
     from store.factory import check_store

@@ -1,5 +1,6 @@
 """`tts solve`: best-of-N trajectories of one question or a problems file, sharing one n-gram
-store per problem, then the vote; the whole pipeline in one process, without Ray.
+store per problem, then the vote; the whole pipeline in one process, without Ray (but for
+`--tensor-parallel G`: this process is rank 0, the other ranks Ray actors).
 """
 
 from __future__ import annotations
@@ -8,10 +9,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tts_service.cli.common import UsageError, add_common_flags, add_field, load, request
+from tts_service.cli.common import (
+    UsageError,
+    add_common_flags,
+    add_field,
+    check_tensor_parallel,
+    load,
+    request,
+)
 from tts_service.cli.store import store_flags, store_server
 from tts_service.config import SolveRequest, default_max_rows, read_problems
+
+if TYPE_CHECKING:
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.generation import Generator
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
     add_field(sol, SolveRequest, "max_rows", type=int)
+    add_field(sol, SolveRequest, "tensor_parallel")
     sol.add_argument(
         "--store",
         help="redis://host:port/db or local-redis (default: in-process or $TTS_STORE_URL)",
@@ -51,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
             "chat": not args.no_chat,
             "max_rows": args.max_rows,
             "store": store_flags(args),
+            "tensor_parallel": args.tensor_parallel,
         },
     )
+    check_tensor_parallel(req)
     if req.problems is not None:
         try:
             questions = [(p.id, p.question) for p in read_problems(req.problems)]
@@ -82,8 +98,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None, record: bool):
-    """Load the model and run every question's trajectories; (problem inputs, results)."""
-    gen = load(req)
+    """Load the model (this process as rank 0 of `--tensor-parallel` ranks, the others Ray
+    actors) and run every question's trajectories; (problem inputs, results)."""
+    if req.tensor_parallel == 1:
+        return _solve_with(load(req), None, req, questions, url, record)
+    import os
+
+    from actors.cluster import connect
+    from actors.tp import TensorParallelLeader
+
+    connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
+    leader = TensorParallelLeader(req.model, req.tensor_parallel)
+    try:
+        return _solve_with(leader.generator, leader.decoder, req, questions, url, record)
+    finally:
+        leader.close()
+
+
+def _solve_with(
+    gen: Generator,
+    decoder: BatchDecoder | None,
+    req: SolveRequest,
+    questions: list[tuple[str, str]],
+    url: str | None,
+    record: bool,
+):
+    """Every question's trajectories through one runner over `gen` (and a tensor-parallel
+    leader's `decoder`, whose steps share a fixed token budget: the cost surface would time
+    forwards the other ranks do not mirror)."""
     from tqdm import tqdm
 
     from store.factory import open_global_store, open_problem_store, problem_id
@@ -111,7 +153,9 @@ def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None,
             raise UsageError(f"--store: {e}") from e
         try:  # solve_problems closes the problem stores
             solved = solve_problems(
-                TrajectoryRunner(gen, max_rows),
+                TrajectoryRunner(gen, max_rows)
+                if decoder is None
+                else TrajectoryRunner(gen, max_rows, "fixed", decoder=decoder),
                 problems,
                 req.n,
                 req.drafter,

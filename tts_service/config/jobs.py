@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from store.config import StoreConfig
 from tts_service.config.base import StrictConfig
@@ -37,7 +37,21 @@ class JobConfig(StrictConfig):
     replicas: int | None = Field(
         None, ge=1, description="Generator actors; None: as many as the placement plan allows."
     )
-    cpus_per_replica: float = Field(1.0, gt=0, description="Ray CPUs per actor (its threads).")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks of each replica (Ray actors sharding every layer, `actors.tp`); 1: "
+        "one actor per replica. On GPUs the plan raises it to what the model needs.",
+    )
+    sharding: Literal["tensor_parallel", "device_map"] = Field(
+        "tensor_parallel",
+        description="How a model too big for one GPU is split: tensor_parallel (every GPU "
+        "works on every forward) or device_map (layers one GPU after another; fallback).",
+    )
+    cpus_per_replica: float = Field(
+        1.0, gt=0, description="Ray CPUs per actor (its threads); per rank when tensor-parallel."
+    )
     gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU, for the plan.")
     placement_timeout_s: float = Field(
         60.0, gt=0, description="Wait for the cluster to place every replica, then fail."
@@ -50,6 +64,19 @@ class JobConfig(StrictConfig):
     log_trajectories: bool = Field(
         False, description="Also write trajectory-log.jsonl (with top-k) for `tts replay`."
     )
+
+    @model_validator(mode="after")
+    def _tensor_parallel_drafter(self) -> JobConfig:
+        from tts_service.drafters.registry import needs_cost
+
+        if self.tensor_parallel > 1 and self.sharding == "device_map":
+            raise ValueError("tensor_parallel: > 1 needs sharding: tensor_parallel")
+        if self.tensor_parallel > 1 and needs_cost(self.drafter):
+            raise ValueError(
+                "tensor_parallel: GT-sized methods measure the verify cost in one process; "
+                "not with tensor_parallel > 1 yet (choose another method)"
+            )
+        return self
 
 
 def read_problems(path: Path) -> list[Problem]:

@@ -56,6 +56,13 @@ class SolveRequest(StrictConfig):
     max_rows: MaxRows | None = Field(
         None, description="Rows decoded together (1: sequential); unset: 16 on a CPU, 64 on a GPU."
     )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks sharding the model: this process and Ray actors, gloo on CPU, NCCL "
+        "on GPUs (1: this process alone).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> SolveRequest:

@@ -32,7 +32,14 @@ class ServeConfig(StrictConfig):
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")
-    cpus_per_replica: float = Field(1.0, gt=0)
+    cpus_per_replica: float = Field(1.0, gt=0, description="Ray CPUs per replica (per rank).")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks of each replica: the replica is rank 0, the others Ray actors in "
+        "its STRICT_PACK group (gloo on CPU, NCCL on GPUs).",
+    )
     max_n: int = Field(64, ge=1, le=64)
     max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1)

@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, DistributedConfig, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    DistributedConfig,
+    DynamicCache,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.kv import StaticKV
@@ -33,6 +39,18 @@ from tts_service.engine.kv import StaticKV
 _TENSOR = "__tensor__"  # an argument that travels as the i-th broadcast tensor
 _PREFILL = "__prefill__"  # the cache the last prefill filled (each rank has its own)
 _STOP = "stop"
+
+
+def check_ranks(config: PretrainedConfig, ranks: int) -> None:
+    """Raise ValueError unless `ranks` divides the model's attention and KV heads (each rank
+    holds whole heads of both)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % ranks or kv_heads % ranks:
+        raise ValueError(
+            f"{ranks} ranks do not divide the model's {heads} attention heads and "
+            f"{kv_heads} KV heads"
+        )
 
 
 def load_sharded(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -138,6 +138,12 @@ class TTSServer:
         self.inflight = 0
         self.hub = hub  # the app's metrics, shared by every replica
 
+    def check_health(self) -> None:
+        """Serve's health probe: a tensor-parallel replica whose rank died is unhealthy, so
+        Serve replaces it as a whole (its other ranks are its own actors: they go with it)."""
+        if self.engine.tp is not None and self.engine.tp.dead():
+            raise RuntimeError("a tensor-parallel rank of this replica died")
+
     def __del__(self) -> None:
         """Serve calls this when it stops the replica: the global store's final flush."""
         self.engine.close()
@@ -293,6 +299,12 @@ def build_app(cfg: ServeConfig):
     """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config), with
     the one metrics hub they share."""
     options: dict = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica}}
+    if cfg.tensor_parallel > 1:  # the replica is rank 0, in bundle 0; its other ranks follow
+        gpu = {"GPU": 1} if cfg.model.device.startswith("cuda") else {}
+        rank = {"CPU": cfg.cpus_per_replica, **gpu}
+        options["ray_actor_options"] |= {"num_gpus": 1} if gpu else {}
+        options["placement_group_bundles"] = [rank] * cfg.tensor_parallel
+        options["placement_group_strategy"] = "STRICT_PACK"
     if cfg.autoscaling:
         options["autoscaling_config"] = cfg.autoscaling
     else:

@@ -26,6 +26,7 @@ from tts_service.config import (
     default_max_rows,
 )
 from tts_service.drafters.methods import method_drafter
+from tts_service.drafters.registry import needs_cost
 from tts_service.generation import Generator, InputTooLongError
 from tts_service.runner import (
     RunnerLoop,
@@ -77,18 +78,34 @@ class Job:
 
 
 class ServeEngine:
+    """With `tensor_parallel` G > 1 this process is rank 0 of G (`actors.tp`): its steps share
+    a fixed token budget (the cost surface and GT's verify cost would time forwards the other
+    ranks do not mirror), and GT-sized methods are refused (400)."""
+
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
-        # a long-lived service: measure the verify cost up front for the GT-sized methods
-        self.generator = Generator.load(cfg.model, calibrate=True)
+        self.tp = None
+        if cfg.tensor_parallel > 1:
+            from actors.tp import TensorParallelLeader
+
+            self.tp = TensorParallelLeader(cfg.model, cfg.tensor_parallel, cfg.cpus_per_replica)
+            self.generator = self.tp.generator
+        else:  # a long-lived service: measure the verify cost up front for GT-sized methods
+            self.generator = Generator.load(cfg.model, calibrate=True)
         self.served_name = cfg.served_model_name or cfg.model.name
         self.created = now()
         self.store_url = cfg.store.url
         self.global_store = open_global_store(cfg.store, self.store_url)
         max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
-        self.generator.batch_cost(max_rows, 1)  # the allocator's cost surface, up front
         # concurrent requests share the batch; a short one joins while a long one decodes
-        self.runner = RunnerLoop(TrajectoryRunner(self.generator, max_rows, admission="fair"))
+        if self.tp is not None:
+            runner = TrajectoryRunner(
+                self.generator, max_rows, "fixed", admission="fair", decoder=self.tp.decoder
+            )
+        else:
+            self.generator.batch_cost(max_rows, 1)  # the allocator's cost surface, up front
+            runner = TrajectoryRunner(self.generator, max_rows, admission="fair")
+        self.runner = RunnerLoop(runner)
 
     def model_card(self) -> dict:
         """The served model as OpenAI's `/v1/models` lists it."""
@@ -110,10 +127,15 @@ class ServeEngine:
                 "not_found_error",
             )
 
-    def _drafter(self, method: str | None) -> tuple[str, DrafterConfig]:
+    def _drafter(self, method: str | None, field: str) -> tuple[str, DrafterConfig]:
         method = method or self.cfg.default_method
         fields = method_drafter(method, self.cfg.drafters, self.cfg.model.device)
-        return method, _DRAFTER.validate_python(fields)
+        drafter = _DRAFTER.validate_python(fields)
+        if self.tp is not None and needs_cost(drafter):
+            raise ApiError(
+                400, f"{field}: {method} is GT-sized; not on a tensor-parallel replica", field
+            )
+        return method, drafter
 
     def _sampling(self, req: HttpRequest) -> SamplingConfig:
         if req.n > self.cfg.max_n:
@@ -163,7 +185,7 @@ class ServeEngine:
         if not ids:
             raise ApiError(400, f"{field}: encodes to no tokens", field)
         self._fit(ids, sampling, field)
-        method, drafter = self._drafter(req.spec_method)
+        method, drafter = self._drafter(req.spec_method, "spec_method")
         return Job(
             chat,
             ids,
@@ -181,7 +203,7 @@ class ServeEngine:
         sampling = self._sampling(req)
         ids = self.generator.encode(req.question, chat=True)
         self._fit(ids, sampling, "question")
-        method, drafter = self._drafter(req.method)
+        method, drafter = self._drafter(req.method, "method")
         return Job(
             True, ids, req.n, sampling, method, drafter, True, req.task, req.return_trajectories
         )
@@ -196,9 +218,12 @@ class ServeEngine:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
     def close(self) -> None:
-        """The replica's end: the global store pushes what it queued (a bounded wait)."""
+        """The replica's end: the global store pushes what it queued (a bounded wait); a
+        tensor-parallel replica's other ranks stop."""
         if self.global_store is not None:
             self.global_store.close()
+        if self.tp is not None:
+            self.tp.close()
 
     def _requests(
         self, job: Job, store: NgramStore, cancel: threading.Event, on_commit=None
