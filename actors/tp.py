@@ -45,11 +45,16 @@ def _join(cfg: ModelConfig, address: str, rank: int, world: int) -> LoadedModel:
 
 
 def _lead(cfg: ModelConfig, loaded: LoadedModel) -> tuple[Generator, BatchDecoder]:
-    """Rank 0's generator and the decoder whose forwards and cache rewrites the others mirror."""
+    """Rank 0's generator and the decoder whose forwards and cache rewrites the others mirror.
+
+    A verify-cost measurement would time forwards the other ranks do not mirror, so GT-sized
+    methods price tree tokens by the fixed GPU-like curve (`GPU_LIKE_COST`, as replay does):
+    on a tensor-parallel GPU replica tree tokens are nearly free, and the node cap binds."""
+    from tts_service.engine.cost import GPU_LIKE_COST, CostModel
     from tts_service.engine.tp import leader_decoder
     from tts_service.generation import Generator
 
-    gen = Generator(loaded, max_model_len=cfg.max_model_len)
+    gen = Generator(loaded, CostModel.fixed(GPU_LIKE_COST), max_model_len=cfg.max_model_len)
     return gen, leader_decoder(loaded.model, loaded.eos_token_ids, gen.decode)
 
 

@@ -254,7 +254,6 @@ def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
         plan_placement,
         plan_tensor_parallel,
     )
-    from tts_service.drafters.registry import needs_cost
     from tts_service.models import model_source
 
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
@@ -279,11 +278,6 @@ def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
     replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
     plan = dataclasses.replace(plan, num_replicas=replicas)
     if cfg.sharding == "tensor_parallel":
-        if plan.gpus_per_replica > 1 and needs_cost(cfg.drafter):
-            raise PlacementError(
-                f"{plan.reason}; GT-sized methods measure the verify cost in one process, not "
-                "on tensor-parallel ranks yet: choose another --method (e.g. stand)"
-            )
         cfg = cfg.model_copy(update={"tensor_parallel": plan.gpus_per_replica})
     elif plan.gpus_per_replica > 1:
         memory_map = {str(k): v for k, v in plan.max_memory.items()}

@@ -23,7 +23,16 @@ def test_tensor_parallel_generate_prints_what_one_process_prints(ray_local, tiny
     assert len(sharded["token_ids"]) == 16
 
 
-def test_gt_sized_methods_are_refused_with_tensor_parallel(capsys):
-    argv = ["generate", "--method", "stand-gt", "--tensor-parallel", "2", "hi"]
-    assert main(argv) == 2
-    assert "--method" in capsys.readouterr().err
+def test_gt_sized_methods_run_on_ranks_with_the_fixed_cost(ray_local, tiny_model_dir, capsys):
+    """Rank 0 prices tree tokens by the fixed GPU-like curve (its ranks cannot mirror a cost
+    measurement): other trees than one process's, the same greedy tokens."""
+    argv = [
+        "generate", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+        "--method", "stand-dyn", "--temperature", "0", "--max-new-tokens", "16", "--json",
+        "the cat sat on the mat and the cat sat on the",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--tensor-parallel", "2"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert sharded["token_ids"] == single["token_ids"]

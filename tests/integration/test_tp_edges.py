@@ -1,7 +1,7 @@
 """The edges that run a tensor-parallel replica in their own process (rank 0, the other ranks
 Ray actors, gloo, CPU, fp32): `tts solve --tensor-parallel 2` and a Serve engine with
-`tensor_parallel: 2` answer what one process answers (greedy), and refuse what they cannot run
-(exit 2, HTTP 400), naming the field."""
+`tensor_parallel: 2` answer what one process answers (greedy), GT-sized methods included, and
+refuse rank counts the model's heads do not divide (exit 2, naming the field)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from tts_service.cli import main
 from tts_service.config import ServeConfig
-from tts_service.serve.api import ApiError, CompletionRequest, SolveHttpRequest
+from tts_service.serve.api import CompletionRequest
 from tts_service.serve.engine import ServeEngine
 
 pytestmark = pytest.mark.slow
@@ -73,11 +73,15 @@ def test_a_tensor_parallel_serve_engine_answers_what_one_process_answers(engines
     assert not sharded.tp.dead()
 
 
-def test_a_gt_sized_method_is_a_400_on_a_tensor_parallel_replica(engines):
-    _, sharded = engines
-    with pytest.raises(ApiError) as err:
-        sharded.prepare_solve(SolveHttpRequest(question=QUESTION, n=1, method="stand-gt"))
-    assert err.value.status == 400 and err.value.param == "method"
+def test_a_gt_sized_method_answers_on_a_tensor_parallel_replica(engines):
+    """stand-dyn sizes its trees by the fixed GPU-like curve on the ranks: greedy, the same."""
+    single, sharded = engines
+    req = CompletionRequest(
+        prompt=QUESTION, n=1, max_tokens=12, temperature=0, seed=0, spec_method="stand-dyn"
+    )
+    want = single.complete(single.prepare(req), threading.Event())
+    got = sharded.complete(sharded.prepare(req), threading.Event())
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
 
 
 def test_a_serve_deployment_with_tensor_parallel_2_answers_over_http(ray_local, engines):

@@ -105,8 +105,7 @@ def test_the_gpu_plan_makes_replicas_tensor_parallel_on_declared_gpus(
 ):
     """The session's Ray declares 8 GPUs; a GPU of 0.012 GiB holds half the tiny model (12.7
     MB of fp32 weights, 0.5 MB of KV cache): the plan makes each replica 2 ranks of a GPU
-    each, and refuses GT sizing on them."""
-    from actors.placement import PlacementError
+    each, GT-sized methods included (their ranks price trees by the fixed curve)."""
     from jobs.common import placed_actors
 
     plan = {
@@ -119,8 +118,7 @@ def test_the_gpu_plan_makes_replicas_tensor_parallel_on_declared_gpus(
     placed, replicas, gpus, strategies = placed_actors(_cfg(tiny_model_dir, **plan))
     assert (placed.tensor_parallel, replicas, gpus, strategies) == (2, 1, 1, [])
     gt = {"kind": "stand", "num_nodes": 8, "sizing": "gt"}
-    with pytest.raises(PlacementError, match="GT-sized"):
-        placed_actors(_cfg(tiny_model_dir, **plan, drafter=gt))
+    assert placed_actors(_cfg(tiny_model_dir, **plan, drafter=gt))[0].tensor_parallel == 2
     actors = start_replicas(placed, replicas, None, gpus)
     try:
         ids = ray_local.get(

@@ -149,19 +149,12 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
 
 
 def check_tensor_parallel(req: GenerateRequest | SolveRequest | ServeConfig) -> None:
-    """Refuse, before anything loads, what `--tensor-parallel` cannot run: a GT-sized method
-    (its verify cost is measured in one process) or ranks that do not divide the heads."""
+    """Refuse, before anything loads, ranks that do not divide the model's heads."""
     if req.tensor_parallel == 1:
         return
-    from tts_service.drafters.registry import needs_cost
     from tts_service.models import ModelNotFoundError
     from tts_service.models import check_tensor_parallel as check_model
 
-    if not isinstance(req, ServeConfig) and needs_cost(req.drafter):
-        raise UsageError(
-            "--method: GT-sized methods measure the verify cost in one process; "
-            "not with --tensor-parallel yet"
-        )
     try:
         check_model(req.model, req.tensor_parallel)
     except ModelNotFoundError as e:

@@ -67,15 +67,8 @@ class JobConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _tensor_parallel_drafter(self) -> JobConfig:
-        from tts_service.drafters.registry import needs_cost
-
         if self.tensor_parallel > 1 and self.sharding == "device_map":
             raise ValueError("tensor_parallel: > 1 needs sharding: tensor_parallel")
-        if self.tensor_parallel > 1 and needs_cost(self.drafter):
-            raise ValueError(
-                "tensor_parallel: GT-sized methods measure the verify cost in one process; "
-                "not with tensor_parallel > 1 yet (choose another method)"
-            )
         return self
 
 

@@ -26,7 +26,6 @@ from tts_service.config import (
     default_max_rows,
 )
 from tts_service.drafters.methods import method_drafter
-from tts_service.drafters.registry import needs_cost
 from tts_service.generation import Generator, InputTooLongError
 from tts_service.runner import (
     RunnerLoop,
@@ -79,8 +78,8 @@ class Job:
 
 class ServeEngine:
     """With `tensor_parallel` G > 1 this process is rank 0 of G (`actors.tp`): its steps share
-    a fixed token budget (the cost surface and GT's verify cost would time forwards the other
-    ranks do not mirror), and GT-sized methods are refused (400)."""
+    a fixed token budget and GT-sized methods a fixed GPU-like verify cost (a measurement would
+    time forwards the other ranks do not mirror)."""
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -131,10 +130,6 @@ class ServeEngine:
         method = method or self.cfg.default_method
         fields = method_drafter(method, self.cfg.drafters, self.cfg.model.device)
         drafter = _DRAFTER.validate_python(fields)
-        if self.tp is not None and needs_cost(drafter):
-            raise ApiError(
-                400, f"{field}: {method} is GT-sized; not on a tensor-parallel replica", field
-            )
         return method, drafter
 
     def _sampling(self, req: HttpRequest) -> SamplingConfig:
