@@ -30,8 +30,9 @@ from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.methods import METHODS, method_drafter, resolve_method
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.generation import Generator
-from tts_service.replay import sized_fields
-from tts_service.solve import solve
+from tts_service.replay import MAX_NODES, sized_fields
+from tts_service.runner import TrajectoryRunner
+from tts_service.solve import ProblemInput, solve_problems
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 DEFAULT = list(METHODS)
@@ -65,9 +66,10 @@ def main() -> None:
     ap.add_argument(
         "--assume-flat-cost",
         action="store_true",
-        help="size GT trees by a GPU-like flat cost curve instead of this machine's: shows "
-        "the trees and acceptance lengths GT picks where tree tokens are nearly free (the "
-        "speed column then means nothing)",
+        help="size GT trees by a GPU-like flat cost curve instead of this machine's, and give "
+        "every step the whole node cap (the runner's fixed budget, not this machine's cost "
+        "surface): the trees and acceptance lengths where tree tokens are nearly free, as "
+        "tts replay sizes them (the speed column then means nothing)",
     )
     args = ap.parse_args()
     out = Path(args.out or f"runs/methods-t{args.temperature}.jsonl")
@@ -103,7 +105,14 @@ def main() -> None:
             for p, ids in enumerate(encoded):
                 gen, store = state[(m, p)]
                 cfg = sampling.model_copy(update={"seed": sampling.seed + i})
-                trajs[m][p] += solve(gen, ids, 1, cfgs[m], cfg, store).problems[0].trajectories
+                if args.assume_flat_cost:  # one row: the budget is the cap plus the root
+                    budget = (args.nodes or MAX_NODES) + 1
+                    runner = TrajectoryRunner(gen, 1, speculation="fixed", token_budget=budget)
+                else:
+                    runner = TrajectoryRunner(gen, 1)
+                problem = ProblemInput(f"p{p}", ids, store)
+                run = solve_problems(runner, [problem], 1, cfgs[m], cfg)
+                trajs[m][p] += run.problems[0].trajectories
     results = {}
     with open(out, "w") as f:
         f.write(json.dumps({"cost": [c.to_dict() for c in base.cost.curves.values()]}) + "\n")

@@ -42,8 +42,9 @@ METHODS: dict[str, Method] = {
 }
 REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.drafts_with_target)
 """The methods `tts replay` measures: they draft without the model, deterministically."""
-AUTO_METHOD = {"cpu": "stand", "cuda": "stand-gt"}
-"""What `auto` runs per device type (docs/benchmarks.md, "Every method")."""
+AUTO_METHOD = {"cpu": "stand-dyn", "cuda": "stand-dyn"}
+"""What `auto` runs per device type (docs/benchmarks.md, "Every method" and §9): the same
+method everywhere; the measured verify cost sizes its trees for the device."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
 DEFAULT_METHOD = "auto"
 """What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
