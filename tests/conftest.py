@@ -29,7 +29,7 @@ TEST_PRESETS = {
     "stand_spine": {"num_nodes": 24, "tree": "stand-625", "min_match": 2},
     "goose": {"num_nodes": 24},
     "gtcp": {"max_nodes": 48},
-    "stand_dyn": {"max_nodes": 48},
+    "stand_dyn": {"num_nodes": 48},
 }
 _TEST_FIELDS = {"recycle-gt": {"num_nodes": 40}, "stand-gt": {"num_nodes": 40, "tree": "stand-80"}}
 DRAFTER_CONFIGS = {

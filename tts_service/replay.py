@@ -293,9 +293,7 @@ def sized_fields(fields: dict, nodes: int) -> dict:
     PLD's chain is at most 64 tokens)."""
     from tts_service.config import DRAFTER_CONFIGS
 
-    name = {"pld": "num_draft_tokens", "gtcp": "max_nodes", "stand_dyn": "max_nodes"}.get(
-        fields["kind"], "num_nodes"
-    )
+    name = {"pld": "num_draft_tokens", "gtcp": "max_nodes"}.get(fields["kind"], "num_nodes")
     bound = DRAFTER_CONFIGS[fields["kind"]].model_fields[name].metadata
     return {**fields, name: min([nodes, *(m.le for m in bound if hasattr(m, "le"))])}
 

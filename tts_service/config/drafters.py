@@ -155,7 +155,7 @@ class StandDynDrafterConfig(StrictConfig):
     rate learned online; the whole budget, or what the measured verify cost pays for."""
 
     kind: Literal["stand_dyn"] = "stand_dyn"
-    max_nodes: int = Field(80, ge=1, le=1024, description="Draft nodes per step (the cap).")
+    num_nodes: int = Field(80, ge=1, le=1024, description="Draft nodes per step (the cap).")
     sizing: Sizing = "gt"
     harvest_rejected: bool = Field(
         False, description="Also store the target's distributions at rejected nodes."

@@ -154,7 +154,7 @@ class StandDynDrafter:
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         self.suffix.sync(self.doc, ctx.tokens)
-        limit = min(self.cfg.max_nodes, ctx.max_nodes)
+        limit = min(self.cfg.num_nodes, ctx.max_nodes)
         cost = self.cost.at(len(ctx.tokens)) if self.cost is not None else None
         builder = TreeBuilder(ctx.tokens[-1])
         self._tails, self._kinds = [tuple(ctx.tokens[-TAIL:])], [None]

@@ -52,7 +52,9 @@ def test_generation_stats_take_an_endpoints_subset():
 
 def test_the_method_sets_the_drafter_over_the_preset():
     assert load_config(PRESET, [], method="pld").drafter.kind == "pld"
-    stand = load_config(PRESET, ["model.device=cpu"]).drafter  # the preset's auto, on a CPU
+    dyn = load_config(PRESET, ["model.device=cpu"]).drafter  # the preset's auto, on a CPU
+    assert (dyn.kind, dyn.num_nodes, dyn.sizing) == ("stand_dyn", 80, "gt")
+    stand = load_config(PRESET, [], method="stand").drafter  # the preset's stand fields
     assert (stand.kind, stand.tree, stand.num_nodes, stand.sizing) == (
         "stand",
         "stand-80",
@@ -62,10 +64,10 @@ def test_the_method_sets_the_drafter_over_the_preset():
 
 
 def test_auto_resolves_for_the_device_a_set_asks_and_a_set_still_wins():
-    gt = load_config(PRESET, ["model.device=cuda"]).drafter  # no CUDA needed to resolve it
+    gt = load_config(PRESET, ["model.device=cuda"], method="stand-gt").drafter  # no CUDA needed
     assert (gt.kind, gt.sizing, gt.num_nodes) == ("stand", "gt", 80)
     capped = load_config(PRESET, ["model.device=cuda", "drafter.num_nodes=32"]).drafter
-    assert (capped.sizing, capped.num_nodes) == ("gt", 32)
+    assert (capped.kind, capped.sizing, capped.num_nodes) == ("stand_dyn", "gt", 32)
 
 
 def test_an_unknown_method_names_the_flag():

@@ -87,7 +87,8 @@ def test_several_tasks_in_one_run_with_lm_eval_names(tmp_path):
         ["--tasks", "aime24,gpqa_diamond,lcb", "--data", "fixtures", "--out", str(tmp_path)]
     )
     assert [j.task for j in jobs] == ["aime24", "gpqa", "lcb"]
-    assert [j.run_dir for j in jobs] == [tmp_path / t / "stand" for t in ("aime24", "gpqa", "lcb")]
+    auto = resolve_method("auto", "auto")  # the default method names the run directory
+    assert [j.run_dir for j in jobs] == [tmp_path / t / auto for t in ("aime24", "gpqa", "lcb")]
     assert all(j.cfg is jobs[0].cfg and len(j.items) >= 10 for j in jobs)
     (job,) = parse(["--task", "gpqa_diamond", "--data", "fixtures", "--out", str(tmp_path)])
     assert job.task == "gpqa"  # --task is the same option
