@@ -152,13 +152,22 @@ def plan_placement(
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)  # ranks of one replica: one node's GPUs, dividing heads
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_heads(config: Any) -> tuple[int, int]:
+    """(attention heads, KV heads) of a transformers config (GQA: fewer KV heads)."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
 def kv_cache_bytes(config: Any, rows: int, tokens: int, dtype_bytes: int) -> int:
     """The KV cache of `rows` sequences of `tokens` tokens each: keys and values of every
     layer's KV heads (GQA shares them), at the model's dtype."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads = attention_heads(config)
+    config = _text_config(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * rows * tokens
 

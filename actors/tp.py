@@ -44,6 +44,13 @@ def _join(cfg: ModelConfig, address: str, rank: int, world: int) -> LoadedModel:
     return load_model_shard(cfg)
 
 
+def _gpus_per_rank(cfg: ModelConfig) -> int:
+    """A GPU per rank on CUDA, none on CPU."""
+    from tts_service.models import resolve_device
+
+    return 1 if resolve_device(cfg.device).type == "cuda" else 0
+
+
 def _lead(cfg: ModelConfig, loaded: LoadedModel) -> tuple[Generator, BatchDecoder]:
     """Rank 0's generator and the decoder whose forwards and cache rewrites the others mirror.
 
@@ -129,11 +136,7 @@ class TensorParallelReplica:
         max_concurrency: int = 1,
         gpus_per_rank: int | None = None,
     ) -> None:
-        from tts_service.models import resolve_device
-
-        if gpus_per_rank is None:
-            gpus_per_rank = 1 if resolve_device(cfg.device).type == "cuda" else 0
-        self.gpus_per_rank = gpus_per_rank
+        self.gpus_per_rank = _gpus_per_rank(cfg) if gpus_per_rank is None else gpus_per_rank
         self.cfg, self.world, self.job, self.store_url = cfg, ranks, job, store_url
         self.cpus_per_rank, self.timeout_s = cpus_per_rank, timeout_s
         self.max_concurrency = max_concurrency
@@ -227,9 +230,7 @@ class TensorParallelLeader:
         from ray.util import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tts_service.models import resolve_device
-
-        gpus = 1 if resolve_device(cfg.device).type == "cuda" else 0
+        gpus = _gpus_per_rank(cfg)
         group = get_current_placement_group()
         remote = ray.remote(TensorParallelRank)
         self.followers = [

@@ -249,6 +249,7 @@ def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
 
     from actors.placement import (
         PlacementError,
+        attention_heads,
         count_params_from_config,
         kv_cache_bytes,
         plan_placement,
@@ -265,9 +266,7 @@ def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
         if cfg.sharding == "device_map":
             plan = plan_placement(params, dtype_bytes, memory, gpus)
         else:
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            heads = text.num_attention_heads
-            heads = (heads, getattr(text, "num_key_value_heads", None) or heads)
+            heads = attention_heads(config)
             rows = cfg.max_rows or default_max_rows("cuda")
             tokens = cfg.model.max_model_len or cfg.sampling.max_new_tokens + PROMPT_TOKENS
             kv = kv_cache_bytes(config, rows, tokens, dtype_bytes)

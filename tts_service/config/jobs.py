@@ -66,7 +66,7 @@ class JobConfig(StrictConfig):
     )
 
     @model_validator(mode="after")
-    def _tensor_parallel_drafter(self) -> JobConfig:
+    def _tensor_parallel_sharding(self) -> JobConfig:
         if self.tensor_parallel > 1 and self.sharding == "device_map":
             raise ValueError("tensor_parallel: > 1 needs sharding: tensor_parallel")
         return self

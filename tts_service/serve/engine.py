@@ -126,11 +126,10 @@ class ServeEngine:
                 "not_found_error",
             )
 
-    def _drafter(self, method: str | None, field: str) -> tuple[str, DrafterConfig]:
+    def _drafter(self, method: str | None) -> tuple[str, DrafterConfig]:
         method = method or self.cfg.default_method
         fields = method_drafter(method, self.cfg.drafters, self.cfg.model.device)
-        drafter = _DRAFTER.validate_python(fields)
-        return method, drafter
+        return method, _DRAFTER.validate_python(fields)
 
     def _sampling(self, req: HttpRequest) -> SamplingConfig:
         if req.n > self.cfg.max_n:
@@ -180,7 +179,7 @@ class ServeEngine:
         if not ids:
             raise ApiError(400, f"{field}: encodes to no tokens", field)
         self._fit(ids, sampling, field)
-        method, drafter = self._drafter(req.spec_method, "spec_method")
+        method, drafter = self._drafter(req.spec_method)
         return Job(
             chat,
             ids,
@@ -198,7 +197,7 @@ class ServeEngine:
         sampling = self._sampling(req)
         ids = self.generator.encode(req.question, chat=True)
         self._fit(ids, sampling, "question")
-        method, drafter = self._drafter(req.method, "method")
+        method, drafter = self._drafter(req.method)
         return Job(
             True, ids, req.n, sampling, method, drafter, True, req.task, req.return_trajectories
         )
