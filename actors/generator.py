@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 from store.base import NgramStore
 from store.factory import open_global_store, open_problem_store
 from tts_service.config import JobConfig, default_max_rows
-from tts_service.drafters.registry import needs_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.generation import Generator
 from tts_service.runner import RunnerLoop, TrajectoryRequest, TrajectoryRunner
@@ -55,7 +54,7 @@ class GeneratorActor:
     ) -> None:
         self.cfg = cfg
         self.store_url = store_url
-        self.generator = generator or Generator.load(cfg.model, calibrate=needs_cost(cfg.drafter))
+        self.generator = generator or Generator.load(cfg.model)
         self.name = f"pid{os.getpid()}"
         self.global_store = open_global_store(cfg.store, store_url)  # across problems
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
@@ -64,8 +63,6 @@ class GeneratorActor:
         if decoder is not None:
             runner = TrajectoryRunner(self.generator, self.max_rows, "fixed", decoder=decoder)
         else:
-            if cfg.drafter.kind != "plain":  # the allocator's cost surface, measured at load
-                self.generator.batch_cost(self.max_rows, 1)
             runner = TrajectoryRunner(self.generator, self.max_rows)
         self.loop = RunnerLoop(runner)
 

@@ -15,11 +15,12 @@ from store.memory import InMemoryNgramStore
 from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import DraftEnv, build_drafter
-from tts_service.engine.allocate import BatchCost, SlotStats, measure_batch_cost
+from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import generate
-from tts_service.engine.cost import CostModel
+from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import FinishReason, GenerationResult, OnCommit, plain_generate
 from tts_service.engine.metrics import GenerationStats
+from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
 from tts_service.models import LoadedModel, encode_prompt, load_model
 
 
@@ -44,12 +45,19 @@ class GenerationOutput:
 
 
 class Generator:
+    """`cost_model`: `learned` (the step cost surface starts from a roofline prior or the one
+    kept in `cost_cache`, and learns from every step) or `measured` (the full grid of batched
+    forwards is timed at the first step, as before: seconds to minutes on a CPU). `cost` and
+    `batch_cost` fix both costs instead (tests, replay, tensor-parallel ranks)."""
+
     def __init__(
         self,
         loaded: LoadedModel,
-        cost: CostModel | None = None,
-        batch_cost: BatchCost | None = None,
+        cost: VerifyCostSource | None = None,
+        batch_cost: StepCost | None = None,
         max_model_len: int | None = None,
+        cost_model: str = "learned",
+        cost_cache: Path | None = None,
     ) -> None:
         self.loaded = loaded
         self.max_model_len = max_model_len  # below the model's context, if set
@@ -58,22 +66,39 @@ class Generator:
         # per problem store: what its trajectories share beside the store itself
         self._per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.store = InMemoryNgramStore()  # shared by this generator's single generations
-        # the verify cost on this device, measured per context bucket when GT sizing asks
-        self.cost = cost or CostModel.for_model(loaded.model)
-        self._batch_costs: dict[int, CostModel[BatchCost]] = {}  # per max_rows
-        self._fixed_batch_cost = batch_cost  # one surface everywhere (tests, replay)
+        self.cost_model = cost_model
+        self.cost_cache = cost_cache
+        self._surface: CostSurface | None = None
+        # GT sizing's one-row verify cost: off the surface unless fixed
+        self.cost = cost or SurfaceVerifyCost(self.surface)
+        self.fixed_batch_cost = batch_cost  # one surface everywhere (tests, replay)
         self._slots: dict[str, SlotStats] = {}  # per drafter config: α̂ by tree slot
 
     @classmethod
-    def load(
-        cls, cfg: ModelConfig, cache_dir: Path | None = None, calibrate: bool = False
-    ) -> Generator:
-        """Load the model; with `calibrate`, measure the verify cost now (a few seconds) rather
-        than at the first step of a GT-sized drafter."""
-        gen = cls(load_model(cfg, cache_dir), max_model_len=cfg.max_model_len)
-        if calibrate:
-            gen.cost.at(0)
-        return gen
+    def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
+        cache = Path(cfg.cost_cache).expanduser() if cfg.cost_cache else None
+        return cls(
+            load_model(cfg, cache_dir),
+            max_model_len=cfg.max_model_len,
+            cost_model=cfg.cost_model,
+            cost_cache=cache,
+        )
+
+    def surface(self, max_rows: int = 1) -> CostSurface:
+        """This model's step cost surface on this device, opened at the first need: from
+        disk, or a roofline prior from four timed forwards (`engine.surface`); with
+        `cost_model: measured`, seeded by timing every shape up to `max_rows` rows first."""
+        if self._surface is None:
+            model = self.loaded.model
+            surface = open_surface(model, self.loaded.name, self.cost_cache)
+            if self.cost_model == "measured":
+                max_tokens = 4096 if model.device.type == "cuda" else 128
+                grid = measure_batch_cost(
+                    model, 256, max_rows, max_tokens, cuda_graphs=self.loaded.cuda_graphs
+                )
+                surface.seed(grid)
+            self._surface = surface
+        return self._surface
 
     def drafter(self, cfg: DrafterConfig) -> Drafter:
         """The drafter kept for this config, over this generator's own store (Token Recycling's
@@ -118,22 +143,6 @@ class Generator:
         """How often each tree slot of this method's trees is accepted (the runner's α̂),
         learned across every run on this generator."""
         return self._slots.setdefault(cfg.model_dump_json(), SlotStats())
-
-    def batch_cost(self, max_rows: int, context_len: int) -> BatchCost:
-        """The measured cost of batched verify forwards (up to `max_rows` rows) at this
-        context, measured the first time a bucket is needed (seconds on a CPU)."""
-        if self._fixed_batch_cost is not None:
-            return self._fixed_batch_cost
-        if max_rows not in self._batch_costs:
-            model = self.loaded.model
-            max_tokens = 4096 if model.device.type == "cuda" else 128
-            self._batch_costs[max_rows] = CostModel(
-                lambda n: measure_batch_cost(
-                    model, n, max_rows, max_tokens, cuda_graphs=self.loaded.cuda_graphs
-                ),
-                getattr(model.config, "max_position_embeddings", None),
-            )
-        return self._batch_costs[max_rows].at(context_len)
 
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
         """A drafter for one trajectory or batch row: each has its own per-sequence state (PLD's

@@ -20,7 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +146,11 @@ class TrajectoryRecorder:
         self.top_ids += topk.ids[nodes].tolist()
         self.top_probs += topk.probs[nodes].tolist()
         self.inner.observe(tree, acc, topk)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        self.top_ids += topk.ids[:1].tolist()
+        self.top_probs += topk.probs[:1].tolist()
+        self.inner.observe_root(tokens, topk)
 
     def rows(self, num_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         """The rows of the generation's tokens (a stop may cut the last block)."""

@@ -6,8 +6,10 @@ Trajectory requests wait in a queue; up to `max_rows` of them decode together in
 next step, its prompt prefilled into the shared cache, from the same problem or the next one.
 Rows of one problem share that problem's store. Each step, the cost-aware allocator
 (`engine.allocate`) gives every row the number of draft nodes that maximises expected tokens
-per second on this device; with `max_rows = 1` trajectories run one after another, each
-drafting from everything the earlier ones stored (STAND's setting).
+per second on this device, priced by the cost surface that every step's timing refines
+(`engine.surface`); where trees do not pay, the step is plain decoding. With `max_rows = 1`
+trajectories run one after another, each drafting from everything the earlier ones stored
+(STAND's setting).
 
 `TrajectoryRunner.run` decodes one list of requests in the caller's thread. `RunnerLoop` keeps
 one batch running in a thread of its own, so that requests submitted from several threads (an
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from store.base import NgramStore
 from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.engine.allocate import nodes_for_step
+from tts_service.engine.allocate import SlotStats, SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.decode import OnCommit
 from tts_service.engine.metrics import ForwardStats, GenerationStats
@@ -68,9 +70,29 @@ class RunReport:
     forwards: ForwardStats = field(default_factory=ForwardStats)
     wall_s: float = 0.0
     nodes_trace: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rows, nodes)
+    explored_steps: int = 0  # steps that tried a tree the surface was unsure of
+    cost_surface: str = "none"  # where the allocator's cost surface came from
 
     def summary(self) -> dict:
-        return summarize([r.output.stats for r in self.results], self.forwards, self.wall_s)
+        out = summarize([r.output.stats for r in self.results], self.forwards, self.wall_s)
+        out["speculation"] = self.speculation()
+        return out
+
+    def speculation(self) -> dict:
+        """The allocator's decisions and their evidence: where its cost surface came from,
+        how many of this run's steps drafted or explored, and nodes per row over time
+        (`[t_s, rows, nodes]` at most 32 points, every change of rows or nodes kept first)."""
+        trace = self.nodes_trace
+        changes = [p for i, p in enumerate(trace) if i == 0 or p[1:] != trace[i - 1][1:]]
+        if len(changes) > 32:
+            changes = changes[:: -(-len(changes) // 32)]
+        return {
+            "cost_surface": self.cost_surface,
+            "steps": len(trace),
+            "drafted_steps": sum(1 for _, _, k in trace if k > 0),
+            "explored_steps": self.explored_steps,
+            "nodes_per_row": [list(p) for p in changes],
+        }
 
 
 def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: float) -> dict:
@@ -99,6 +121,7 @@ def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: f
         "accepted_at_depth": depth,
         "draft_s": round(forwards.draft_s, 4),
         "forward_s": round(forwards.forward_s, 4),
+        "observe_s": round(forwards.observe_s, 4),
         "prefill_s": round(forwards.prefill_s, 4),
     }
 
@@ -152,9 +175,10 @@ class Submission:
 class TrajectoryRunner:
     """Continuous batching over one `Generator` (one model on one device).
 
-    `speculation="cost"` sizes every step's trees with the measured cost surface; `"fixed"`
-    shares a constant `token_budget` per forward out over the rows (the earlier rule, kept to
-    compare with in benchmarks).
+    `speculation="cost"` sizes every step's trees on the generator's cost surface (learned
+    from every step, `engine.surface`) or its fixed `batch_cost`; `"fixed"` shares a constant
+    `token_budget` per forward out over the rows (tensor-parallel ranks, whose forwards this
+    process cannot time alone).
 
     `admission="fifo"` fills free rows in submission order (jobs: throughput); `"fair"` (Serve)
     gives the next free row to the submission holding the fewest rows, and lets a submission
@@ -192,6 +216,7 @@ class TrajectoryRunner:
         )
         self.queue: deque[tuple[Submission, TrajectoryRequest]] = deque()
         self.start = time.perf_counter()
+        self.planner: SpeculationPlanner | None = None  # at the first step that may draft
 
     # -- one call, in this thread --------------------------------------------------------
     def run(
@@ -269,8 +294,9 @@ class TrajectoryRunner:
         finished = decoder.step(nodes, observe=self._observe)
         self._account(batch, nodes, decoder.forwards, before)
         for row in finished:
-            sub, _ = row.tag
-            sub.settle(self._result(row))
+            row.tag[0].settle(self._result(row))
+        if self.planner is not None and self.planner.surface is not None:
+            self.planner.surface.save(every_s=0.0 if self.idle else 30.0)
 
     def _next(self, joining: list[Row]) -> int | None:
         """The queue index of the request that joins next, or None."""
@@ -291,18 +317,33 @@ class TrajectoryRunner:
         return best
 
     def _account(self, batch: list[Row], nodes: int, f: ForwardStats, before: int) -> None:
-        """Credit the step to every submission with a row in it."""
+        """Teach the cost surface the step's time, and credit the step to every submission
+        with a row in it."""
         if f.forwards == before:
             return
         rows, width = f.trace[-1]
+        planner = self.planner
+        if planner is not None and planner.surface is not None:
+            planner.surface.record(rows, width, f.last_context, f.last_forward_s)
+        explored = planner is not None and planner.last_explored
         t = round(time.perf_counter() - self.start, 4)
         subs = {id(r.tag[0]): r.tag[0] for r in batch}
         for sub in subs.values():
             mine = [r for r in batch if r.tag[0] is sub]
             sub.report.forwards.record(
-                rows, width, nodes * len(mine), 0, f.last_draft_s, f.last_forward_s
+                rows,
+                width,
+                nodes * len(mine),
+                0,
+                f.last_draft_s,
+                f.last_forward_s,
+                f.last_observe_s,
+                f.last_context,
             )
             sub.report.nodes_trace.append((t, rows, nodes))
+            sub.report.explored_steps += explored
+            if planner is not None:
+                sub.report.cost_surface = planner.report()["cost_surface"]
 
     def _row(self, sub: Submission, req: TrajectoryRequest) -> Row:
         gen = self.generator
@@ -310,8 +351,9 @@ class TrajectoryRunner:
         drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
         if req.record:
             drafter = TrajectoryRecorder(drafter)
+        slots = gen.slot_stats(req.drafter)  # looked up once: the allocator reads it every step
         return self.decoder.new_row(
-            req.prompt_ids, drafter, req.sampling, req.on_commit, tag=(sub, req)
+            req.prompt_ids, drafter, req.sampling, req.on_commit, tag=(sub, req, slots)
         )
 
     def _nodes(self) -> int:
@@ -320,17 +362,23 @@ class TrajectoryRunner:
             return max(0, self.token_budget // len(rows) - 1)
         if all(r.tag[1].drafter.kind == "plain" for r in rows):
             return 0
-        cost = self.generator.batch_cost(self.max_rows, self.decoder.context_len)
+        if self.planner is None:
+            gen = self.generator
+            self.planner = (
+                SpeculationPlanner(fixed=gen.fixed_batch_cost, max_nodes=MAX_NODES)
+                if gen.fixed_batch_cost is not None
+                else SpeculationPlanner(surface=gen.surface(self.max_rows), max_nodes=MAX_NODES)
+            )
         f = self.decoder.forwards
         per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
-        stats = [self.generator.slot_stats(r.tag[1].drafter) for r in rows]
+        stats: list[SlotStats] = [r.tag[2] for r in rows]
         for s in {id(s): s for s in stats}.values():
             s.tick()
-        return nodes_for_step(cost, stats, MAX_NODES, per_node)
+        return self.planner.plan(self.decoder.context_len, stats, per_node)
 
     def _observe(self, row: Row, tree: DraftTree, acc: Acceptance) -> None:
         if self.speculation == "cost":
-            self.generator.slot_stats(row.tag[1].drafter).record(tree, acc)
+            row.tag[2].record(tree, acc)
 
     def _result(self, row: Row) -> TrajectoryResult:
         req = row.tag[1]

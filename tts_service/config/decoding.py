@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Literal
 
@@ -63,6 +64,18 @@ class ModelConfig(StrictConfig):
         True,
         description="On a CUDA device, capture the verify forward as CUDA graphs per (rows, "
         "tokens) bucket (engine/graphs.py); a capture that fails falls back to eager.",
+    )
+    cost_model: Literal["learned", "measured"] = Field(
+        "learned",
+        description="How speculation prices tree tokens on this device. learned: a roofline "
+        "prior from four timed forwards (or the surface kept in cost_cache), refined from every "
+        "step; measured: time every batched shape before the first step (seconds to minutes on "
+        "a CPU, the earlier behaviour).",
+    )
+    cost_cache: str | None = Field(
+        default_factory=lambda: os.environ.get("TTS_COST_CACHE", "~/.cache/tts-service/cost"),
+        description="Directory where learned cost surfaces are kept per (model, device), so the "
+        "next process starts from them; null: keep nothing ($TTS_COST_CACHE sets the default).",
     )
     tune_matmul: bool = Field(
         True,

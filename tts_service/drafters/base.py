@@ -6,7 +6,7 @@ successor table, a shared store); none of it can change what is committed, only 
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +48,10 @@ class Drafter(Protocol):
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         """Learn from one verify forward: the tree sent, what was accepted, the target's top-k."""
 
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        """Learn from a plain step, where the allocator gave no nodes and `draft` was not
+        called: the target's top-k (one row) at the root `tokens[-1]`, after `tokens`."""
+
 
 @dataclass(frozen=True)
 class ShapedTree:
@@ -83,4 +87,7 @@ class NoDrafter:
         return DraftTree.root_only(ctx.tokens[-1])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        pass
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
         pass

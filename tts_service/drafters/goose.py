@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -159,6 +160,11 @@ class GooseDrafter:
                 depth_of[child] = depth_of[node] + 1
                 queue.append(child)
         return spine
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        if topk.has(0):
+            prev = tokens[-2] if len(tokens) > 1 else -1
+            self.table.update([prev], [tokens[-1]], topk.ids[:1], topk.probs[:1])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         nodes = [v for v in range(tree.size) if topk.has(v)]

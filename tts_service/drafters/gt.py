@@ -23,13 +23,14 @@ decision to stop may depend on earlier draws only.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from store.base import NgramStore
 from tts_service.config import GtcpDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
-from tts_service.drafters.stand import GumbelNoise, feed_store, gumbel_top_k
-from tts_service.engine.cost import CostModel, gt_count, worth_growing
+from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
+from tts_service.engine.cost import VerifyCostSource, gt_count, worth_growing
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, select_subtree
 from tts_service.engine.verify import Acceptance
 
@@ -73,7 +74,9 @@ class OnPathStats:
 class GtSizedDrafter:
     """A static-tree drafter whose tree size is re-chosen every step by the GT rule."""
 
-    def __init__(self, inner: StaticTreeDrafter, cost: CostModel, stats: OnPathStats) -> None:
+    def __init__(
+        self, inner: StaticTreeDrafter, cost: VerifyCostSource, stats: OnPathStats
+    ) -> None:
         if len(stats.prior) != inner.shape.num_nodes + 1:  # one entry per node, root first
             raise ValueError("the on-path statistics belong to another tree")
         self.inner = inner
@@ -115,6 +118,9 @@ class GtSizedDrafter:
         self.stats.record(list(self._shape_ids[1:]), [self._shape_ids[v] for v in acc.path])
         self.inner.observe(tree, acc, topk)
 
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        self.inner.observe_root(tokens, topk)
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -130,7 +136,7 @@ class GtTreeDrafter:
     """Dynamic best-first trees over the logit n-gram store, sized by the GT rule."""
 
     def __init__(
-        self, cfg: GtcpDrafterConfig, store: NgramStore, cost: CostModel, seed: int = 0
+        self, cfg: GtcpDrafterConfig, store: NgramStore, cost: VerifyCostSource, seed: int = 0
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -189,3 +195,6 @@ class GtTreeDrafter:
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         feed_store(self.store, self._tails, tree, acc, topk, self.cfg.harvest_rejected)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        feed_root(self.store, tokens, topk)

@@ -3,6 +3,8 @@ occurrence of the context's suffix n-gram, longest n first, over prompt + genera
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tts_service.config import PldDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
@@ -34,3 +36,6 @@ class PromptLookupDrafter:
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         """PLD learns only from committed text, which `draft` indexes."""
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        """Likewise: the next `draft` indexes what was committed meanwhile."""

@@ -19,6 +19,7 @@ docs/design.md, "Verification rules").
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tts_service.config import PtdDrafterConfig
@@ -143,6 +144,9 @@ class PtdDrafter:
             placed[v] = builder.add(placed[parent], self.tree.nodes[v].token)
             self._perturb[placed[v]] = v
         return builder.build()
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        """PTD learns from its own perturbation nodes; a plain step sent none."""
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         predictions = {v: int(topk.ids[n, 0]) for n, v in self._perturb.items() if topk.has(n)}

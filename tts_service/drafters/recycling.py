@@ -5,7 +5,7 @@ rejected), drafted over a static template tree. The table persists across trajec
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -52,6 +52,11 @@ class TokenRecyclingDrafter:
                 placed[i] = builder.add(parent, candidate)
                 shape_ids.append(i)
         return ShapedTree(builder.build(), tuple(shape_ids))
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        if topk.has(0):
+            k = min(self.cfg.k, topk.ids.shape[1])
+            self.table[tokens[-1], :k] = topk.ids[0, :k]
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         k = min(self.cfg.k, topk.ids.shape[1])

@@ -42,7 +42,7 @@ from tts_service.drafters.stand_dyn import (
     StandDynDrafter,
 )
 from tts_service.drafters.stand_spine import StandSpineDrafter
-from tts_service.engine.cost import CostModel
+from tts_service.engine.cost import VerifyCostSource
 
 SPINE_ORDERS = (8, 6, 5, 4, 3, 2)  # StandSpineDrafterConfig.min_match is 2..8
 
@@ -58,7 +58,7 @@ class DraftEnv:
     vocab_size: int
     store: NgramStore | None = None  # the problem's logit n-gram store
     seed: int = 0  # the trajectory's seed: drafters derive their own stream from it
-    cost: CostModel | None = None  # the measured verify cost (GT sizing, GTCP)
+    cost: VerifyCostSource | None = None  # the verify cost (GT sizing, GTCP)
     generator: dict = field(default_factory=dict)
     problem: dict = field(default_factory=dict)
 
@@ -67,7 +67,7 @@ class DraftEnv:
             raise ValueError(f"the {kind} drafter needs a logit n-gram store")
         return self.store
 
-    def need_cost(self, kind: str) -> CostModel:
+    def need_cost(self, kind: str) -> VerifyCostSource:
         if self.cost is None:
             raise ValueError(f"the {kind} drafter needs a measured verify cost (GT sizing)")
         return self.cost
@@ -164,11 +164,6 @@ KINDS: dict[str, DrafterKind] = {
         DrafterKind(StandDynDrafterConfig, _stand_dyn, uses_store=True),
     )
 }
-
-
-def needs_cost(cfg: BaseModel) -> bool:
-    """Does this drafter size its trees by the measured verify cost?"""
-    return isinstance(cfg, GtcpDrafterConfig) or getattr(cfg, "sizing", "fixed") == "gt"
 
 
 def build_drafter(cfg: BaseModel, env: DraftEnv) -> Drafter:

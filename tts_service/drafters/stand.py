@@ -14,7 +14,7 @@ last one is the bonus position), and optionally at rejected nodes, are merged in
 from __future__ import annotations
 
 import math
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -137,6 +137,16 @@ class StandDrafter:
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         feed_store(self.store, self._tails, tree, acc, topk, self.cfg.harvest_rejected)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        feed_root(self.store, tokens, topk)
+
+
+def feed_root(store: NgramStore, tokens: Sequence[int], topk: NodeTopK) -> None:
+    """Merge the target's distribution at a plain step's root under its context tail."""
+    if topk.has(0):
+        tail = tuple(tokens[-store.max_order :])
+        store.add([NgramRow(tail, tuple(topk.ids[0].tolist()), tuple(topk.probs[0].tolist()))])
 
 
 def feed_store(

@@ -34,8 +34,8 @@ from tts_service.config import StandDynDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
-from tts_service.drafters.stand import feed_store
-from tts_service.engine.cost import CostModel, worth_growing
+from tts_service.drafters.stand import feed_root, feed_store
+from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
@@ -99,7 +99,7 @@ class StandDynDrafter:
         suffix: SuffixCounts,
         successors: AdjacencyTable,
         calibration: AcceptanceCalibration,
-        cost: CostModel | None = None,
+        cost: VerifyCostSource | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -188,6 +188,11 @@ class StandDynDrafter:
                 heapq.heappush(heap, (-alpha[node] * nxt.alpha, node, rank + 1))
             heapq.heappush(heap, (neg, child, -1))
         return builder.build()
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        feed_root(self.store, tokens, topk)
+        if topk.has(0):
+            self.successors.update([-1], [tokens[-1]], topk.ids[:1], topk.probs[:1])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         reached = {0, *acc.path}

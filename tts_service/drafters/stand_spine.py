@@ -18,6 +18,7 @@ docs/design.md, "Verification rules".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from store.base import NgramStore
 from tts_service.config import StandSpineDrafterConfig
@@ -85,3 +86,6 @@ class StandSpineDrafter:
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         self.stand.observe(tree, acc, topk)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        self.stand.observe_root(tokens, topk)

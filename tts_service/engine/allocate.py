@@ -1,30 +1,35 @@
 """Cost-aware batch speculation: how many draft nodes each row of a batch gets this step.
 
 GTCP's Greater-Than rule applied to the whole batched forward (docs/design.md, "One
-trajectory runner"). A step with
-B rows, each sending a tree of k draft nodes (width w = k + 1 tokens, padded to the widest
-row), takes T(B, w) on the device, measured at load per context bucket (`measure_batch_cost`),
-plus the drafters' own time per node. It commits Σ_rows (1 + Σ α̂) tokens on average, where α̂
-of a node is the probability that it lies on the accepted path, estimated per method and per
-tree slot (depth, rank among its siblings) from the trees that method verified (`SlotStats`).
-The step takes the k with the most expected tokens per second; k = 0 is plain batched decoding.
+trajectory runner"). A step with B rows, each sending a tree of k draft nodes (width
+w = k + 1 tokens, padded to the widest row), takes T(B, w) on the device, read off the learned
+cost surface (`engine.surface`), plus the drafters' own time per node. It commits
+Σ_rows (1 + Σ α̂) tokens on average, where α̂ of a node is the probability that it lies on the
+accepted path, estimated per method and per tree slot (depth, rank among its siblings) from the
+trees that method verified (`SlotStats`). The step takes the k with the most expected
+committed tokens per second; k = 0 is plain batched decoding, with no drafting at all.
 
-On a device where wider forwards are nearly free (a GPU at small batch) that is the biggest
-tree the drafters can fill; on this CPU at 16 rows, where 16 × 4 tokens cost 2.2× 16 × 1, it is
-small or no trees, growing as rows leave the batch. Every drafter keeps its own tree policy
-inside the k nodes it is given (GT-sized drafters may send fewer).
+`SpeculationPlanner` decides on the surface's pessimistic bound, so a shape nobody timed yet
+must pay even if it is dearer than the roofline says, and spends at most `explore_share` of the
+steps on the optimistic bound where the surface is unsure: on a device where wider forwards
+are nearly free (a GPU at small batch) that is big trees from the first step; on this CPU at 16
+rows, where 16 × 4 tokens cost 2.2× 16 × 1, it is plain steps, and trees as rows leave the
+batch. Every drafter keeps its own tree policy inside the k nodes it is given (GT-sized
+drafters may send fewer).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -140,8 +145,14 @@ class BatchCost:
         }
 
 
+class StepCost(Protocol):
+    """Seconds of one batched verify step of `rows` rows of `width` tokens each."""
+
+    def time(self, rows: int, width: int) -> float: ...
+
+
 def nodes_for_step(
-    cost: BatchCost,
+    cost: StepCost,
     stats: Sequence[SlotStats],
     max_nodes: int,
     draft_s_per_node: float = 0.0,
@@ -153,13 +164,79 @@ def nodes_for_step(
     tokens per extra second beat the current rate); comparing every k also sees past the jump
     a CPU shows from 1 to 2 tokens per row."""
     rows = len(stats)
+    shared: dict[int, tuple[SlotStats, int]] = {}  # rows of one method share its statistics
+    for s in stats:
+        shared[id(s)] = (s, shared[id(s)][1] + 1 if id(s) in shared else 1)
     best_k, best_rate = 0, rows / cost.time(rows, 1)
     for k in range(1, max_nodes + 1):
-        tokens = rows + sum(s.best(k) for s in stats)
+        tokens = rows + sum(n * s.best(k) for s, n in shared.values())
         seconds = cost.time(rows, k + 1) + draft_s_per_node * rows * k
         if tokens / seconds > best_rate:
             best_k, best_rate = k, tokens / seconds
     return best_k
+
+
+SURE_SIGMA = 0.1  # a bucket this well timed is not explored (about 15 recent steps)
+
+
+@dataclass
+class SpeculationPlanner:
+    """Each step's draft nodes per row, on a learned `CostSurface` (or a fixed `StepCost`:
+    tests, replay, `--assume-flat-cost`).
+
+    The decision is made on the surface's pessimistic bound (`z` sigmas up). Where the
+    optimistic bound would draft differently and that shape's bucket is not yet well timed, the
+    step explores the optimistic choice, at most `explore_share` of the steps so far: the
+    expected loss of exploring is bounded by that share, and without it a surface that starts
+    pessimistic would never learn that trees pay. Counts are kept for the `speculation` block
+    of the run's report."""
+
+    surface: CostSurface | None = None
+    fixed: StepCost | None = None
+    max_nodes: int = 64
+    explore_share: float = 0.02
+    z: float = 1.0
+    steps: int = 0
+    drafted: int = 0
+    explored: int = 0
+    last_explored: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        if (self.surface is None) == (self.fixed is None):
+            raise ValueError("give the planner one of a surface or a fixed cost")
+
+    def plan(self, context: int, stats: Sequence[SlotStats], draft_s_per_node: float = 0.0) -> int:
+        """Draft nodes per row for this step (0: a plain step)."""
+        self.steps += 1
+        if self.fixed is not None:
+            k = nodes_for_step(self.fixed, stats, self.max_nodes, draft_s_per_node)
+            self.last_explored = False
+        else:
+            k, self.last_explored = self._learned(context, stats, draft_s_per_node)
+        self.drafted += k > 0
+        self.explored += self.last_explored
+        return k
+
+    def _learned(
+        self, context: int, stats: Sequence[SlotStats], per_node: float
+    ) -> tuple[int, bool]:
+        surface = self.surface
+        assert surface is not None
+        k = nodes_for_step(surface.at(context, self.z), stats, self.max_nodes, per_node)
+        if (self.explored + 1) > self.explore_share * self.steps:
+            return k, False
+        bold = nodes_for_step(surface.at(context, -self.z), stats, self.max_nodes, per_node)
+        if bold != k and surface.sigma(len(stats), bold + 1, context) > SURE_SIGMA:
+            return bold, True
+        return k, False
+
+    def report(self) -> dict:
+        return {
+            "cost_surface": self.surface.source if self.surface is not None else "fixed",
+            "steps": self.steps,
+            "drafted_steps": self.drafted,
+            "explored_steps": self.explored,
+        }
 
 
 @torch.inference_mode()

@@ -161,8 +161,12 @@ class BatchDecoder:
     def join(self, rows: list[Row]) -> None:
         """Prefill the rows' prompts (all but the root) in one forward and add them."""
         t0 = time.perf_counter()
-        cache, valid = self._prefill(rows)
-        self.cache.append_rows(cache, valid)
+        prompts = [tuple(r.tokens[:-1]) for r in rows]
+        unique = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+        cache, valid = self._prefill([list(p) for p in unique])
+        shared = len(unique) < len(rows)  # best-of-N: one prefill per distinct prompt
+        source = torch.tensor([unique[p] for p in prompts], dtype=torch.long) if shared else None
+        self.cache.append_rows(cache, valid, source)
         for row in rows:
             row.drafter.start(row.tokens)
             row.joined_at = t0
@@ -185,20 +189,21 @@ class BatchDecoder:
         self.cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.model.device))
         self.active = [self.active[b] for b in keep]
 
-    def _prefill(self, rows: list[Row]) -> tuple[DynamicCache, torch.Tensor]:
-        """Left-padded prefill of every prompt but its root, into a cache of their own."""
+    def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+        """Left-padded prefill of `prompts` (each a row's tokens but its root), into a cache
+        of their own."""
         device = self.model.device
-        lengths = [len(r.tokens) - 1 for r in rows]
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
         cache = DynamicCache(config=self.model.config)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=device)
         if width == 0:
             return cache, valid
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        pos = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-        for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        pos = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for b, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
             if n:
-                ids[b, width - n :] = torch.tensor(row.tokens[:-1], device=device)
+                ids[b, width - n :] = torch.tensor(prompt, device=device)
                 pos[b, width - n :] = torch.arange(n, device=device)
                 valid[b, width - n :] = True
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
@@ -245,14 +250,22 @@ class BatchDecoder:
         """One forward for every active row, each drafting at most `max_nodes` nodes;
         `observe` sees every row's tree and acceptance (the allocator's statistics).
 
+        With `max_nodes` 0 the step is plain decoding: no drafter is asked for a tree, and
+        each learns from the target's distribution at its root (`Drafter.observe_root`).
         Returns the rows that finished (they have left the batch)."""
         batch = self.active
+        plain = max_nodes == 0
+        contexts = [list(r.tokens) for r in batch] if plain else []
         # 1. draft, one tree per row
         t0 = time.perf_counter()
-        trees = [
-            r.drafter.draft(DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy))
-            for r in batch
-        ]
+        trees = (
+            [DraftTree.root_only(r.tokens[-1]) for r in batch]
+            if plain
+            else [
+                r.drafter.draft(DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy))
+                for r in batch
+            ]
+        )
         t1 = time.perf_counter()
         # 2-3. pack and one forward for the whole batch
         start = self.cache.length
@@ -288,10 +301,14 @@ class BatchDecoder:
             self._compact()
         t2 = time.perf_counter()
         # 7. observe: every drafter learns from the target's distributions at its nodes
-        for row, tree, v in zip(batch, trees, verified, strict=True):
-            row.drafter.observe(tree, v.acc, v.top)
-            if observe is not None:
-                observe(row, tree, v.acc)
+        if plain:
+            for row, context, v in zip(batch, contexts, verified, strict=True):
+                row.drafter.observe_root(context, v.top)
+        else:
+            for row, tree, v in zip(batch, trees, verified, strict=True):
+                row.drafter.observe(tree, v.acc, v.top)
+                if observe is not None:
+                    observe(row, tree, v.acc)
         t3 = time.perf_counter()
         for row in batch:  # one forward for all: each row is booked an equal share
             row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
@@ -300,7 +317,7 @@ class BatchDecoder:
             row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
         nodes = sum(t.size - 1 for t in trees)
         self.forwards.record(
-            len(batch), width, nodes, committed_total, (t1 - t0) + (t3 - t2), t2 - t1
+            len(batch), width, nodes, committed_total, t1 - t0, t2 - t1, t3 - t2, start
         )
         return finished
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -170,6 +170,13 @@ def context_bucket(context_len: int) -> int:
     while bucket < context_len:
         bucket *= 4
     return bucket
+
+
+class VerifyCostSource(Protocol):
+    """Where GT sizing reads the verify cost at a context: a learned surface
+    (`engine.surface.SurfaceVerifyCost`), a measured `CostModel` or a fixed curve."""
+
+    def at(self, context_len: int) -> VerifyCost: ...
 
 
 class CostModel(Generic[Curve]):

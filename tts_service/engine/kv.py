@@ -173,9 +173,17 @@ class StaticKV(Cache):
         self.rows = self.length = 0
 
     @torch.inference_mode()
-    def append_rows(self, new: DynamicCache, new_valid: torch.Tensor) -> None:
+    def append_rows(
+        self, new: DynamicCache, new_valid: torch.Tensor, source_rows: torch.Tensor | None = None
+    ) -> None:
         """Add a prefilled batch below the rows here (rows joining a running batch). The
-        shorter side is left padded with invalid slots, which no row attends to."""
+        shorter side is left padded with invalid slots, which no row attends to.
+
+        `source_rows[i]`: the prefilled row that joining row i copies (rows with one prompt
+        share one prefill); default, one joining row per prefilled row."""
+        if source_rows is not None:
+            source_rows = source_rows.to(self.device)
+            new_valid = new_valid.to(self.device)[source_rows]
         k, width = new_valid.shape
         joint = max(self.length, width)
         self.reserve(self.rows + k, joint + 1)
@@ -189,8 +197,11 @@ class StaticKV(Cache):
         rows = slice(self.rows, self.rows + k)
         if width:
             for layer, src in zip(self.layers, new.layers, strict=True):
-                layer.keys[rows, :, joint - width : joint] = src.keys
-                layer.values[rows, :, joint - width : joint] = src.values
+                keys, values = src.keys, src.values
+                if source_rows is not None:
+                    keys, values = keys[source_rows], values[source_rows]
+                layer.keys[rows, :, joint - width : joint] = keys
+                layer.values[rows, :, joint - width : joint] = values
         self.valid[rows] = False
         self.valid[rows, joint - width : joint] = new_valid.to(self.device)
         self.rows += k

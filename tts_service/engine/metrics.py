@@ -65,15 +65,26 @@ class ForwardStats:
     tokens_sent: int = 0  # rows x padded tree width, summed: what the device computed
     draft_nodes: int = 0
     new_tokens: int = 0
-    draft_s: float = 0.0
-    forward_s: float = 0.0  # pack, forward, verify, accept, KV compaction and observe
+    draft_s: float = 0.0  # drafting trees (none on plain steps)
+    forward_s: float = 0.0  # pack, forward, verify, accept and KV compaction
+    observe_s: float = 0.0  # drafters and the allocator learning from the step
     prefill_s: float = 0.0
     trace: list[tuple[int, int]] = field(default_factory=list)  # per forward: (rows, width)
     last_draft_s: float = 0.0
     last_forward_s: float = 0.0
+    last_observe_s: float = 0.0
+    last_context: int = 0  # cache slots attention spanned (before the step's tokens)
 
     def record(
-        self, rows: int, width: int, nodes: int, tokens: int, draft_s: float, forward_s: float
+        self,
+        rows: int,
+        width: int,
+        nodes: int,
+        tokens: int,
+        draft_s: float,
+        forward_s: float,
+        observe_s: float = 0.0,
+        context: int = 0,
     ) -> None:
         self.forwards += 1
         self.row_forwards += rows
@@ -82,8 +93,10 @@ class ForwardStats:
         self.new_tokens += tokens
         self.draft_s += draft_s
         self.forward_s += forward_s
+        self.observe_s += observe_s
         self.trace.append((rows, width))
         self.last_draft_s, self.last_forward_s = draft_s, forward_s
+        self.last_observe_s, self.last_context = observe_s, context
 
     @property
     def mean_rows_per_forward(self) -> float:

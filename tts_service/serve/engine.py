@@ -89,8 +89,8 @@ class ServeEngine:
 
             self.tp = TensorParallelLeader(cfg.model, cfg.tensor_parallel, cfg.cpus_per_replica)
             self.generator = self.tp.generator
-        else:  # a long-lived service: measure the verify cost up front for GT-sized methods
-            self.generator = Generator.load(cfg.model, calibrate=True)
+        else:
+            self.generator = Generator.load(cfg.model)
         self.served_name = cfg.served_model_name or cfg.model.name
         self.created = now()
         self.store_url = cfg.store.url
@@ -101,8 +101,8 @@ class ServeEngine:
             runner = TrajectoryRunner(
                 self.generator, max_rows, "fixed", admission="fair", decoder=self.tp.decoder
             )
-        else:
-            self.generator.batch_cost(max_rows, 1)  # the allocator's cost surface, up front
+        else:  # the cost surface's prior (or the one kept on disk) before the first request
+            self.generator.surface(max_rows)
             runner = TrajectoryRunner(self.generator, max_rows, admission="fair")
         self.runner = RunnerLoop(runner)
 

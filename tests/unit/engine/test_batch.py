@@ -79,6 +79,9 @@ class _Recording:
     def observe(self, tree, acc, topk):
         self.inner.observe(tree, acc, topk)
 
+    def observe_root(self, tokens, topk):
+        self.inner.observe_root(tokens, topk)
+
 
 @pytest.mark.parametrize("full_view", [False, True], ids=["used-slots", "full-view"])
 def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards(full_view):

@@ -1,0 +1,344 @@
+"""The step cost surface T(rows, width, context), learned from the runner's own steps.
+
+Nobody waits for a calibration. A new surface starts from an analytic roofline of the model
+(weight and KV bytes read, FLOPs computed) scaled to this device by four timed forwards (a
+fraction of a second), or from the surface an earlier process kept on disk for the same model
+and device. Every step the runner then takes is a timed forward of a known shape, so the
+surface refines itself where the runner works: per shape bucket (rows, width and context,
+each rounded up to a power of two / context bucket) it keeps a decayed mean of log(observed /
+roofline), shrunk toward the mean over every bucket until the bucket has evidence of its own.
+
+Every estimate comes with an uncertainty that shrinks with evidence and grows again as the
+evidence ages (weights decay per step). The allocator decides on the pessimistic bound (a
+shape nobody timed is dearer than the roofline says) and explores on the optimistic one
+within a budget of steps (`engine.allocate.SpeculationPlanner`), so speculation is tried
+where it might pay and never costs more than that budget where it does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from tts_service.engine.cost import CALIBRATION_SIZES, VerifyCost, context_bucket
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tts_service.engine.allocate import BatchCost
+
+SIGMA_PRIOR = 0.4  # log-uncertainty of the roofline where nothing was timed (about ×1.5)
+PRIOR_WEIGHT = 2.0  # pseudo-steps a bucket's own mean needs to outweigh the global one
+DECAY = 0.99  # per step: evidence ~100 steps old counts a third
+MAX_SAVED_WEIGHT = 8.0  # a loaded surface is trusted like 8 steps, so a new process adapts
+CPU_WIDE_TOKENS = 32  # the second timed forward: tokens in one row
+CUDA_WIDE_TOKENS = 256
+
+
+def power_bucket(x: int) -> int:
+    """1, 2, 4, 8, ...: the smallest power of two >= x."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs from a model: bytes read and FLOPs per token."""
+
+    weight_bytes: float
+    kv_bytes_per_token: float  # keys and values of every layer, per row and cached token
+    flops_per_token: float  # the matrix products: 2 × parameters
+    attention_flops_per_key: float  # per token and attended key: QKᵀ and AV, every layer
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> ModelShape:
+        cfg = model.config.get_text_config()
+        params = sum(p.numel() for p in model.parameters())
+        elem = next(model.parameters()).element_size()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers = cfg.num_hidden_layers
+        return cls(
+            weight_bytes=float(params * elem),
+            kv_bytes_per_token=float(2 * layers * kv_heads * head_dim * elem),
+            flops_per_token=float(2 * params),
+            attention_flops_per_key=float(4 * layers * heads * head_dim),
+        )
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """T = max(M, C) + overlap · min(M, C): M the bytes read over `bandwidth`, C the FLOPs
+    over `flops`. `overlap` 1 (a CPU: reading and computing add up) or 0 (a GPU: they
+    overlap, whichever is the bottleneck sets the time)."""
+
+    shape: ModelShape
+    bandwidth: float  # bytes / s
+    flops: float  # FLOP / s
+    overlap: float
+
+    def parts(self, rows: int, width: int, context: int) -> tuple[float, float]:
+        s = self.shape
+        memory = (s.weight_bytes + rows * context * s.kv_bytes_per_token) / self.bandwidth
+        per_token = s.flops_per_token + (context + width) * s.attention_flops_per_key
+        return memory, rows * width * per_token / self.flops
+
+    def time(self, rows: int, width: int, context: int) -> float:
+        m, c = self.parts(rows, width, context)
+        return max(m, c) + self.overlap * min(m, c)
+
+    @classmethod
+    def fit(
+        cls,
+        shape: ModelShape,
+        overlap: float,
+        context: int,
+        one_s: float,
+        wide_s: float,
+        wide: int,
+    ) -> Roofline:
+        """The bandwidth and FLOP rate that explain two timed one-row forwards over a
+        `context`-token cache: one token (`one_s`) and `wide` tokens (`wide_s`).
+
+        Additive (CPU): one token costs M + c, `wide` cost M + wide·c. Overlapped (GPU): one
+        token is memory-bound (M), `wide` tokens at most compute-bound (C <= wide_s), an
+        upper bound on the compute cost that the runner's own steps then correct."""
+        one_s, wide_s = max(one_s, 1e-6), max(wide_s, one_s)
+        flat = cls(shape, 1.0, 1.0, overlap)
+        mem_work, comp_one = flat.parts(1, 1, context)
+        _, comp_wide = flat.parts(1, wide, context)
+        if overlap >= 1.0:
+            per_unit = max((wide_s - one_s) / (comp_wide - comp_one), 0.02 * one_s / comp_one)
+            memory_s = max(one_s - per_unit * comp_one, 0.1 * one_s)
+        else:
+            per_unit = wide_s / comp_wide
+            memory_s = one_s
+        return cls(shape, mem_work / memory_s, 1.0 / per_unit, overlap)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth": self.bandwidth, "flops": self.flops, "overlap": self.overlap}
+
+
+@dataclass
+class _Evidence:
+    """A decayed mean of log(observed / roofline): weight and weighted sum, as of `step`."""
+
+    weight: float = 0.0
+    total: float = 0.0
+    step: int = 0
+
+    def aged(self, now: int, decay: float) -> tuple[float, float]:
+        f = decay ** max(0, now - self.step)
+        return self.weight * f, self.total * f
+
+    def add(self, log_ratio: float, now: int, decay: float) -> None:
+        self.weight, self.total = self.aged(now, decay)
+        self.weight += 1.0
+        self.total += log_ratio
+        self.step = now
+
+
+Bucket = tuple[int, int, int]  # (rows, width, context) buckets
+
+
+@dataclass
+class CostSurface:
+    """T(rows, width, context) of one model on one device: the roofline times a learned
+    correction per shape bucket (see the module docstring). `source` says where it started:
+    `prior` (timed forwards now), `disk` (an earlier process's surface) or `measured` (the
+    full grid at load, `ModelConfig.cost_model: measured`)."""
+
+    roofline: Roofline
+    source: str = "prior"
+    decay: float = DECAY
+    steps: int = 0
+    buckets: dict[Bucket, _Evidence] = field(default_factory=dict)
+    overall: _Evidence = field(default_factory=_Evidence)
+    path: Path | None = None  # where `save` keeps it
+    _saved_at: float = field(default=0.0, repr=False)
+
+    @staticmethod
+    def bucket(rows: int, width: int, context: int) -> Bucket:
+        return power_bucket(rows), power_bucket(width), context_bucket(context)
+
+    def record(self, rows: int, width: int, context: int, seconds: float) -> None:
+        """One step of this shape took `seconds` (its forward, verification and KV work)."""
+        if seconds <= 0:
+            return
+        self.steps += 1
+        r = math.log(seconds / self.roofline.time(rows, width, context))
+        self.buckets.setdefault(self.bucket(rows, width, context), _Evidence()).add(
+            r, self.steps, self.decay
+        )
+        self.overall.add(r, self.steps, self.decay)
+
+    def correction(self, rows: int, width: int, context: int) -> tuple[float, float]:
+        """(mean, sigma) of log(T / roofline) for this shape's bucket."""
+        gw, gt = self.overall.aged(self.steps, self.decay)
+        global_mean = gt / gw if gw > 0 else 0.0
+        ev = self.buckets.get(self.bucket(rows, width, context))
+        w, t = ev.aged(self.steps, self.decay) if ev is not None else (0.0, 0.0)
+        mean = (t + PRIOR_WEIGHT * global_mean) / (w + PRIOR_WEIGHT)
+        return mean, SIGMA_PRIOR / math.sqrt(1.0 + w)
+
+    def time(self, rows: int, width: int, context: int, z: float = 0.0) -> float:
+        """Estimated seconds of a step; `z` standard deviations up (pessimistic, z > 0) or
+        down (optimistic, z < 0)."""
+        mean, sigma = self.correction(rows, width, context)
+        return self.roofline.time(rows, width, context) * math.exp(mean + z * sigma)
+
+    def seed(self, grid: BatchCost, weight: float = 1000.0) -> None:
+        """Take a measured grid as `weight` steps of evidence per shape, never forgotten
+        (`cost_model: measured`)."""
+        self.source, self.decay = "measured", 1.0
+        for i, rows in enumerate(grid.rows):
+            for j, width in enumerate(grid.widths):
+                r = math.log(grid.seconds[i][j] / self.roofline.time(rows, width, grid.context_len))
+                key = self.bucket(rows, width, grid.context_len)
+                ev = self.buckets.setdefault(key, _Evidence())
+                ev.weight += weight
+                ev.total += weight * r
+                self.overall.weight += weight
+                self.overall.total += weight * r
+
+    def sigma(self, rows: int, width: int, context: int) -> float:
+        return self.correction(rows, width, context)[1]
+
+    def at(self, context: int, z: float = 0.0) -> SurfaceView:
+        """T(rows, width) at one context: what `engine.allocate.nodes_for_step` prices with."""
+        return SurfaceView(self, context, z)
+
+    # -- persistence ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "roofline": self.roofline.to_dict(),
+            "buckets": [[*key, *self._saved(ev)] for key, ev in sorted(self.buckets.items())],
+        }
+
+    def _saved(self, ev: _Evidence) -> tuple[float, float]:
+        w, t = ev.aged(self.steps, self.decay)
+        scale = min(1.0, MAX_SAVED_WEIGHT / w) if w > 0 else 0.0
+        return round(w * scale, 4), round(t * scale, 6)
+
+    @classmethod
+    def from_dict(cls, data: dict, shape: ModelShape, path: Path | None = None) -> CostSurface:
+        rf = data["roofline"]
+        surface = cls(Roofline(shape, rf["bandwidth"], rf["flops"], rf["overlap"]), "disk")
+        surface.path = path
+        for rows, width, context, w, t in data["buckets"]:
+            surface.buckets[(int(rows), int(width), int(context))] = _Evidence(w, t, 0)
+            surface.overall.weight += w
+            surface.overall.total += t
+        scale = min(1.0, MAX_SAVED_WEIGHT / surface.overall.weight) if surface.overall.weight else 0
+        surface.overall.weight *= scale
+        surface.overall.total *= scale
+        return surface
+
+    def save(self, every_s: float = 0.0) -> None:
+        """Write the surface to `path` (atomically), at most once per `every_s` seconds."""
+        now = time.monotonic()
+        if self.path is None or (every_s and now - self._saved_at < every_s):
+            return
+        self._saved_at = now
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.to_dict()), encoding="utf-8")
+            tmp.replace(self.path)
+        except OSError:  # a read-only cache costs the next process four forwards, nothing else
+            self.path = None
+
+
+@dataclass(frozen=True)
+class SurfaceView:
+    """The surface at one context and confidence: `time(rows, width)`."""
+
+    surface: CostSurface
+    context: int
+    z: float = 0.0
+
+    def time(self, rows: int, width: int) -> float:
+        return self.surface.time(rows, width, self.context, self.z)
+
+
+class SurfaceVerifyCost:
+    """GT sizing's one-row curve (`engine.cost.VerifyCost` per context bucket), read off the
+    surface at its pessimistic bound and rebuilt as the surface learns (every 32 steps)."""
+
+    def __init__(self, surface: Callable[[], CostSurface], z: float = 1.0) -> None:
+        self._surface = surface  # opened at the first step that sizes a tree
+        self.z = z
+        self._curves: dict[int, tuple[int, VerifyCost]] = {}
+
+    def at(self, context_len: int) -> VerifyCost:
+        surface = self._surface()
+        bucket = context_bucket(context_len)
+        age = surface.steps // 32
+        cached = self._curves.get(bucket)
+        if cached is None or cached[0] != age:
+            seconds = [surface.time(1, n, bucket, self.z) for n in CALIBRATION_SIZES]
+            cached = (age, VerifyCost.fit(CALIBRATION_SIZES, seconds, bucket))
+            self._curves[bucket] = cached
+        return cached[1]
+
+
+# -- where a surface comes from -----------------------------------------------------------
+def device_key(model: PreTrainedModel, name: str) -> str:
+    """A file name per (model, device, dtype, threads): surfaces are not portable."""
+    device = model.device
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        hw = f"{platform.machine()}-{_cpu_model()}-{torch.get_num_threads()}t"
+    cfg = model.config.to_json_string()
+    digest = hashlib.sha1(f"{name}|{cfg}|{hw}|{model.dtype}".encode()).hexdigest()[:16]
+    label = "".join(c if c.isalnum() else "-" for c in name)[-40:]
+    return f"{label}-{device.type}-{digest}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+@torch.inference_mode()
+def time_prior(model: PreTrainedModel, context: int = 128) -> Roofline:
+    """The roofline scaled by four timed one-row forwards over a `context`-token cache: one
+    token and many, each timed twice, the faster kept (the first run warms up kernels)."""
+    from tts_service.engine.batch import BatchDecoder
+
+    wide = CUDA_WIDE_TOKENS if model.device.type == "cuda" else CPU_WIDE_TOKENS
+    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=False)
+    decoder.fill_random(1, context)
+    one = min(decoder.time_forward(1, 1) for _ in range(2))
+    many = min(decoder.time_forward(1, wide) for _ in range(2))
+    overlap = 0.0 if model.device.type == "cuda" else 1.0
+    return Roofline.fit(ModelShape.of(model), overlap, context, one, many, wide)
+
+
+def open_surface(model: PreTrainedModel, name: str, cache_dir: Path | None) -> CostSurface:
+    """This model's surface: the one kept in `cache_dir` for this device if there is one and
+    it reads, else a new prior (four timed forwards). It is saved back there as it learns."""
+    path = cache_dir / device_key(model, name) if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return CostSurface.from_dict(data, ModelShape.of(model), path)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: start over (and overwrite it)
+    return CostSurface(time_prior(model), "prior", path=path)
