@@ -36,7 +36,9 @@ MAX_RESTARTS = 3  # of one replica (Ray's for an actor, the pool's for a tensor-
 
 
 @dataclass
-class _Chunk:
+class Chunk:
+    """Trajectory indices of one problem, sent to an actor in one call."""
+
     problem: Problem
     indices: list[int]
     attempts: int = 0
@@ -90,6 +92,38 @@ class ResultsFile:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+
+
+def stop_early(cfg: JobConfig, state: ProblemState) -> None:
+    """Mark `state` stopped once no outcome of its missing trajectories can change the winner
+    (`early_stop`; those already in flight still finish and are recorded)."""
+    if not cfg.early_stop or state.stopped_early or len(state.records) == cfg.n:
+        return
+    vote = majority_vote(state.answers(), state.problem.task)
+    if vote.answer is not None and leader_is_final(vote.votes, cfg.n - len(state.records)):
+        state.stopped_early = True
+
+
+def still_to_run(
+    cfg: JobConfig, problems: list[Problem], records: list[dict]
+) -> tuple[dict[str, ProblemState], list[Chunk]]:
+    """What a run has left, from the `records` earlier runs finished (the results file): each
+    problem's state, early stop applied, and its missing indices in chunks of `batch` (none
+    once all n are in or the vote is decided). The pool runs the chunks; a job with none left
+    needs no actor at all."""
+    states = {p.id: ProblemState(p) for p in problems}
+    for rec in records:  # resume: finished work is never redone
+        state = states.get(rec.get("problem_id"))
+        if state is not None and 0 <= rec["index"] < cfg.n:
+            state.records.setdefault(rec["index"], rec)
+    chunks = []
+    for p in problems:
+        stop_early(cfg, states[p.id])
+        if states[p.id].stopped_early:
+            continue
+        todo = [i for i in range(cfg.n) if i not in states[p.id].records]
+        chunks += [Chunk(p, todo[k : k + cfg.batch]) for k in range(0, len(todo), cfg.batch)]
+    return states, chunks
 
 
 def calls_per_actor(cfg: JobConfig) -> int:
@@ -200,17 +234,8 @@ class TrajectoryPool:
         on_problem: Callable[[ProblemState], None] | None = None,
     ) -> dict[str, ProblemState]:
         """Run every missing trajectory; returns each problem's state when all are done."""
-        states = {p.id: ProblemState(p) for p in problems}
-        for rec in self.results.load():  # resume: finished work is never redone
-            state = states.get(rec.get("problem_id"))
-            if state is not None and 0 <= rec["index"] < self.cfg.n:
-                state.records.setdefault(rec["index"], rec)
-        queue: deque[_Chunk] = deque()
-        for p in problems:
-            todo = [i for i in range(self.cfg.n) if i not in states[p.id].records]
-            queue.extend(
-                _Chunk(p, todo[k : k + self.cfg.batch]) for k in range(0, len(todo), self.cfg.batch)
-            )
+        states, chunks = still_to_run(self.cfg, problems, self.results.load())
+        queue = deque(chunks)
         in_flight: dict = {}  # ref -> (chunk, index of its actor)
         watch = {  # a follower's loop, which ends only when a rank dies -> index of its actor
             ref: i
@@ -266,14 +291,14 @@ class TrajectoryPool:
                 self.results.append(rec)
                 if on_trajectory is not None:
                     on_trajectory(rec)
-            self._maybe_stop_early(state)
+            stop_early(self.cfg, state)
             report_if_done(state)
         return states
 
     def _restart(
         self,
         index: int,
-        lost: list[_Chunk],
+        lost: list[Chunk],
         in_flight: dict,
         watch: dict,
         queue: deque,
@@ -301,7 +326,7 @@ class TrajectoryPool:
             self.retries += 1
             self._resubmit(chunk, queue, err)
 
-    def _retry(self, chunk: _Chunk, queue: deque, err: Exception) -> None:
+    def _retry(self, chunk: Chunk, queue: deque, err: Exception) -> None:
         self.retries += 1
         if isinstance(err, ActorUnavailableError) and chunk.waits < RESTART_WAITS:
             # the actor is restarting (Ray reruns its constructor): not a failed attempt
@@ -311,7 +336,7 @@ class TrajectoryPool:
             return
         self._resubmit(chunk, queue, err)
 
-    def _resubmit(self, chunk: _Chunk, queue: deque, err: Exception | str) -> None:
+    def _resubmit(self, chunk: Chunk, queue: deque, err: Exception | str) -> None:
         """A failed attempt: back to the queue's front, to go to another actor, unless
         `max_retries` are spent."""
         chunk.attempts += 1
@@ -327,12 +352,3 @@ class TrajectoryPool:
             err if isinstance(err, str) else type(err).__name__,
         )
         queue.appendleft(chunk)
-
-    def _maybe_stop_early(self, state: ProblemState) -> None:
-        """Stop launching once no outcome of the missing trajectories can change the winner
-        (those already in flight still finish and are recorded)."""
-        if not self.cfg.early_stop or state.stopped_early or len(state.records) == self.cfg.n:
-            return
-        vote = majority_vote(state.answers(), state.problem.task)
-        if vote.answer is not None and leader_is_final(vote.votes, self.cfg.n - len(state.records)):
-            state.stopped_early = True

@@ -12,7 +12,7 @@ Configurations:
   fixed budget of `--token-budget` tokens per forward shared out over the rows (the earlier
   rule).
 - `stand`: our runner, continuous batching and cost-aware speculation (the allocator picks the
-  draft nodes per row at every step from the measured cost surface).
+  draft nodes per row at every step from the learned cost surface).
 
 Each round runs every configuration over all problems, in a rotated order. Reports tokens/s,
 target forwards per token, mean rows per forward and, for the runner, the draft nodes per row
@@ -148,8 +148,7 @@ def main() -> None:
     problems = [gen.encode(r["prompt"], chat=True) for r in rows]
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
-    buckets = (256, 1024)  # the contexts this run reaches, measured once before any timing
-    surfaces = [gen.batch_cost(args.max_rows, b).to_dict() for b in buckets]
+    surface = gen.surface(args.max_rows)  # the cost surface's prior, opened before any timing
     calibration_s = time.perf_counter() - t0
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +157,7 @@ def main() -> None:
         f.write(
             json.dumps(
                 {
-                    "batch_cost": surfaces,
+                    "cost_surface": surface.to_dict(),
                     "calibration_s": calibration_s,
                 }
             )

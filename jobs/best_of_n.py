@@ -24,14 +24,14 @@ from jobs.common import (
     JobInputError,
     Progress,
     first_difference,
-    init_ray,
     job_id_for,
     load_config,
-    run_pool,
+    run_missing,
     run_settings,
 )
 from tts_service.config import JobConfig, Problem, read_problems
 from tts_service.drafters.methods import METHOD_NAMES
+from tts_service.timing import TIMING_KEYS, process_started, with_setup
 
 
 def load_problems(path: Path) -> list[Problem]:
@@ -113,8 +113,11 @@ def claim_run_dir(out: Path, cfg: JobConfig, problems: list[Problem]) -> None:
     path.write_text(json.dumps(info, indent=1), encoding="utf-8")
 
 
-def summarize(states: dict, cfg: JobConfig, wall_s: float, progress: Progress) -> dict:
-    """The run's totals; tokens/s counts only what this run generated, not resumed work."""
+def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) -> dict:
+    """The run's totals; tokens/s counts only what this run generated, not resumed work, over
+    the whole wall time from `started` (`tokens_per_s`) and over the decoding alone
+    (`decode_tokens_per_s`: from the actors' readiness to the last trajectory)."""
+    timing = with_setup(progress.summary(), started)
     tokens = sum(r["stats"]["new_tokens"] for s in states.values() for r in s.records.values())
     forwards = sum(
         r["stats"]["target_forwards"] for s in states.values() for r in s.records.values()
@@ -129,9 +132,8 @@ def summarize(states: dict, cfg: JobConfig, wall_s: float, progress: Progress) -
         "accuracy": correct / len(graded) if graded else None,
         "graded": len(graded),
         "total_tokens": tokens,
-        "tokens_per_s": progress.tokens / wall_s if wall_s > 0 else 0.0,
         "mean_acceptance_length": tokens / forwards if forwards else 0.0,
-        "wall_s": round(wall_s, 2),
+        **{k: timing[k] for k in TIMING_KEYS},
         "method": cfg.drafter.kind,
         "n": cfg.n,
     }
@@ -203,12 +205,13 @@ def write_log_line(state, path: Path) -> None:
     )
 
 
-def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
-    """Run what `out` is missing; raises JobInputError (before Ray starts) if `out` holds
-    another run, PlacementError if the cluster cannot hold the replicas."""
+def run(cfg: JobConfig, problems: list[Problem], out: Path, started: float | None = None) -> dict:
+    """Run what `out` is missing (with nothing missing, neither Ray nor a model starts); the
+    summary's wall time runs from `started` (a `time.perf_counter` value; default: now).
+    Raises JobInputError (before Ray starts) if `out` holds another run, PlacementError if the
+    cluster cannot hold the replicas."""
+    started = time.perf_counter() if started is None else started
     claim_run_dir(out, cfg, problems)
-    init_ray(cfg)
-    start = time.perf_counter()
     progress = Progress(cfg.n * len(problems), len(problems))
 
     def on_problem(state) -> None:
@@ -219,13 +222,14 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
             write_log_line(state, out / "trajectory-log.jsonl")
         print(problem_line(state.result, state.problem), flush=True)
 
-    states, retries = run_pool(
-        cfg, problems, out / "trajectories.jsonl", job_id_for(out), progress.trajectory, on_problem
+    states, retries = run_missing(
+        cfg, problems, out / "trajectories.jsonl", job_id_for(out), progress, on_problem
     )
+    progress.close()
     with (out / "results.jsonl").open("w") as f:
         for p in problems:
             f.write(json.dumps(states[p.id].result) + "\n")
-    summary = summarize(states, cfg, time.perf_counter() - start, progress)
+    summary = summarize(states, cfg, progress, started)
     summary["retries"] = retries
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"[job] done: {json.dumps(summary)}", flush=True)
@@ -234,7 +238,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        run(*parse(argv))
+        run(*parse(argv), started=process_started())
     except (JobInputError, PlacementError) as e:
         print(f"jobs.best_of_n: error: {e}", file=sys.stderr)
         return 2

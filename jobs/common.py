@@ -31,6 +31,7 @@ from tts_service.drafters.methods import (
     resolve_method,
 )
 from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.timing import phase
 
 if TYPE_CHECKING:
     from actors.placement import PlacementPlan
@@ -141,8 +142,11 @@ EXECUTION_FIELDS = frozenset(
 
 
 def run_settings(cfg: JobConfig) -> dict:
-    """The settings a resumed run must share with the trajectories it reuses."""
-    return cfg.model_dump(mode="json", exclude=set(EXECUTION_FIELDS))
+    """The settings a resumed run must share with the trajectories it reuses (how speculation
+    prices trees changes how fast they come, never what they are)."""
+    exclude: dict = dict.fromkeys(EXECUTION_FIELDS, True)
+    exclude["model"] = {"cost_model", "cost_cache"}
+    return cfg.model_dump(mode="json", exclude=exclude)
 
 
 def first_difference(before: object, now: object, path: str = "") -> str | None:
@@ -161,12 +165,13 @@ def init_ray(cfg: JobConfig) -> None:
     Ray on 127.0.0.1 sized for the replicas (`actors/cluster.py`)."""
     from actors.cluster import connect
 
-    using = connect(
-        num_cpus=max(
-            2, math.ceil(cfg.cpus_per_replica * cfg.tensor_parallel * (cfg.replicas or 1))
-        ),
-        object_store_memory=500 * 1024**2,
-    )
+    with phase("[job] starting Ray", "[job] Ray ready"):
+        using = connect(
+            num_cpus=max(
+                2, math.ceil(cfg.cpus_per_replica * cfg.tensor_parallel * (cfg.replicas or 1))
+            ),
+            object_store_memory=500 * 1024**2,
+        )
     print(f"[job] Ray: {using}", flush=True)
 
 
@@ -326,10 +331,14 @@ def run_pool(
         placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
         actors: list = []
         try:
-            if placed_cfg.tensor_parallel > 1:
-                actors = start_replicas(placed_cfg, replicas, url, gpus)
-            else:
-                actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
+            with phase(
+                f"[job] starting {replicas} actor(s), each loading {cfg.model.name}",
+                f"[job] {replicas} actor(s) ready",
+            ):
+                if placed_cfg.tensor_parallel > 1:
+                    actors = start_replicas(placed_cfg, replicas, url, gpus)
+                else:
+                    actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
             if on_ready is not None:
                 on_ready()
             pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
@@ -342,6 +351,31 @@ def run_pool(
             for strategy in strategies:
                 remove_placement_group(strategy.placement_group)
     return states, pool.retries
+
+
+def run_missing(
+    cfg: JobConfig,
+    problems: list[Problem],
+    trajectories: Path,
+    job_id: str,
+    progress: Progress,
+    on_problem: Callable,
+) -> tuple[dict, int]:
+    """`run_pool` over Ray for what `trajectories` still lacks (`actors.pool.still_to_run`), or,
+    when nothing is missing, each problem's state straight from the file: no Ray, no model.
+    Returns (problem id -> state, retries)."""
+    from actors.pool import ResultsFile, still_to_run
+
+    states, chunks = still_to_run(cfg, problems, ResultsFile(trajectories).load())
+    if chunks:
+        init_ray(cfg)
+        return run_pool(
+            cfg, problems, trajectories, job_id, progress.trajectory, on_problem, progress.begin
+        )
+    print(f"[job] nothing to run: every trajectory is in {trajectories}", flush=True)
+    for state in states.values():
+        on_problem(state)
+    return states, 0
 
 
 def generation_stats(stats: dict) -> GenerationStats:

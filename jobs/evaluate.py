@@ -44,10 +44,9 @@ from jobs.common import (
     JobInputError,
     Progress,
     first_difference,
-    init_ray,
     job_id_for,
     load_config,
-    run_pool,
+    run_missing,
 )
 from jobs.endpoint import Endpoint, EndpointError
 from tts_service.config import JobConfig, Problem
@@ -56,6 +55,7 @@ from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
 from tts_service.tasks.sandbox import Limits
+from tts_service.timing import TIMING_KEYS, process_started, with_setup
 
 ENDPOINT_METHOD = "endpoint"  # the run name of `--endpoint` runs: the server's method is its own
 
@@ -308,9 +308,10 @@ def schedule(jobs: list[EvalJob]) -> list[tuple[EvalJob, list[EvalItem]]]:
     return order
 
 
-def run_one(job: EvalJob, items: list[EvalItem], invocation: str) -> None:
+def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) -> None:
     """Run what is missing of `items` (some or all of the job's); record this invocation's
-    conditions and speed as one session in run.json."""
+    conditions and speed as one session in run.json, its wall time from `since` (a
+    `time.perf_counter` value) to now."""
     from actors.pool import ResultsFile
     from tts_service.tasks.grading import grade_item
     from tts_service.tasks.sandbox import protections
@@ -356,23 +357,21 @@ def run_one(job: EvalJob, items: list[EvalItem], invocation: str) -> None:
     if todo and job.endpoint is not None:
         _run_endpoint(job, list(todo.values()), progress, on_problem)
     elif todo:
-        init_ray(job.cfg)
         problems = [
             Problem(id=i.id, question=i.prompt, task=i.answer_kind, answer=i.answer)
             for i in todo.values()
         ]
-        run_pool(
+        run_missing(
             job.cfg,
             problems,
             job.run_dir / "trajectories.jsonl",
             job_id_for(job.run_dir),
-            progress.trajectory,
+            progress,
             lambda state: on_problem(state.problem.id, list(state.records.values())),
-            progress.begin,
         )
     progress.close()
-    speed = progress.summary()
-    session |= {k: speed[k] for k in ("new_tokens", "wall_s", "tokens_per_s")}
+    speed = with_setup(progress.summary(), since)
+    session |= {k: speed[k] for k in ("new_tokens", *TIMING_KEYS)}
     session["loadavg_end"] = _load()
     info["sessions"].append(session)
     run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
@@ -396,18 +395,25 @@ def _run_endpoint(job: EvalJob, items: list[EvalItem], progress: Progress, on_pr
             on_problem(futures[future].id, records)
 
 
-def run(jobs: list[EvalJob]) -> list[Path]:
-    """Run what is missing of every task, then write the report; returns the report's paths."""
+def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
+    """Run what is missing of every task, then write the report; returns the report's paths.
+
+    Each session's wall time runs from the previous one's end, the first's from `started` (a
+    `time.perf_counter` value; default: now), so that an invocation's sessions add up to all
+    the time it took, its setup (model loads, Ray) included."""
     from tts_service.tasks import report
 
     invocation = uuid.uuid4().hex[:12]
+    since = time.perf_counter() if started is None else started
     for job, items in schedule(jobs):
-        run_one(job, items, invocation)
+        run_one(job, items, invocation, since)
+        since = time.perf_counter()
     out = jobs[0].out
     paths = report.write(out)
     for r in json.loads(paths[0].read_text())["runs"] if paths else []:
-        m, tps, acc = r["metrics"], r["speed"]["tokens_per_s"], r["metrics"]["acceptance_length"]
-        tps_text = f"{tps:.1f}" if tps else "-"
+        m, sp, acc = r["metrics"], r["speed"], r["metrics"]["acceptance_length"]
+        rates = (sp["tokens_per_s"], sp["decode_tokens_per_s"])
+        tps_text, decode_text = (f"{x:.1f}" if x else "-" for x in rates)
         acc_text = f"{acc['value']:.2f}" if acc else "-"
         print(
             f"[eval] {r['task']}/{r['method']}: items {m['items']} "
@@ -415,7 +421,8 @@ def run(jobs: list[EvalJob]) -> list[Path]:
             f"pass@{m['n']} {m['pass@n']['value']:.3f} "
             f"no answer {m['no_answer_rate']['value']:.3f} "
             f"truncated {m['truncation_rate']['value']:.3f} "
-            f"tokens/s {tps_text} acceptance length {acc_text}",
+            f"tokens/s {tps_text} (decoding {decode_text}, wall {sp['wall_s']:.1f} s = setup "
+            f"{sp['setup_s']:.1f} s + decode {sp['decode_s']:.1f} s) acceptance length {acc_text}",
             flush=True,
         )
     print(f"[eval] report: {', '.join(str(p) for p in paths)}", flush=True)
@@ -424,7 +431,7 @@ def run(jobs: list[EvalJob]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        run(parse(argv))
+        run(parse(argv), started=process_started())
     except (JobInputError, PlacementError) as e:
         print(f"jobs.evaluate: error: {e}", file=sys.stderr)
         return 2

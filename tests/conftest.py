@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from tts_service.engine.cost import CostModel, VerifyCost
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# learned cost surfaces go to a directory of this session's, not the user's cache
+os.environ.setdefault("TTS_COST_CACHE", tempfile.mkdtemp(prefix="tts-cost-"))
 
 # every registered method with small trees (fast on a tiny model), plus a few variants
 TEST_PRESETS = {

@@ -109,6 +109,39 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     )
 
 
+def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(
+    ray_local, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Graded items are skipped, and items whose trajectories are all written are graded from
+    them, without Ray or a model; the report says the whole wall, its setup and decoding."""
+    out = tmp_path / "eval"
+    _run(out, tiny_model_dir, "aime24", "plain", 1)
+    speed = json.loads((out / "report.json").read_text())["runs"][0]["speed"]
+    assert 0 < speed["decode_s"] < speed["wall_s"]
+    assert speed["setup_s"] == pytest.approx(speed["wall_s"] - speed["decode_s"], abs=0.02)
+    assert speed["tokens_per_s"] < speed["decode_tokens_per_s"]
+    run_dir = out / "aime24" / "plain"
+    graded = (run_dir / "items.jsonl").read_text()
+    started = []
+
+    def refuse(what: str):
+        def start(*_args, **_kwargs):
+            started.append(what)
+            raise AssertionError(f"{what} started")
+
+        return start
+
+    monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
+    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
+    monkeypatch.setattr("ray.init", refuse("ray.init"))
+    for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
+        monkeypatch.setattr(loader, refuse("a model"))
+    _run(out, tiny_model_dir, "aime24", "plain", 1)  # every item graded
+    (run_dir / "items.jsonl").unlink()  # a crash after the last trajectory, before grading
+    _run(out, tiny_model_dir, "aime24", "plain", 1)
+    assert started == [] and (run_dir / "items.jsonl").read_text() == graded
+
+
 @pytest.fixture(scope="module")
 def serve_app(ray_local, tiny_model_dir):
     """A Serve app of `tts serve`'s build on the local Ray, over real HTTP."""

@@ -316,21 +316,80 @@ def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_di
             remove_placement_group(strategy.placement_group)
 
 
-def test_early_stop_decides_once_the_leader_cannot_be_overtaken(tiny_model_dir, tmp_path):
+def test_early_stop_decides_once_the_leader_cannot_be_overtaken(tiny_model_dir):
     """The decision itself, on hand-made trajectories (no actor runs)."""
-    from actors.pool import ProblemState
+    from actors.pool import ProblemState, stop_early
 
     cfg = _cfg(tiny_model_dir, n=8, early_stop=True)
-    pool = TrajectoryPool(cfg, [object()], "early", ResultsFile(tmp_path / "t.jsonl"))
     state = ProblemState(PROBLEMS[0])
     for i, text in enumerate(["\\boxed{2}", "\\boxed{2}", "\\boxed{3}", "\\boxed{2}"]):
         state.records[i] = {"index": i, "text": text}
-    pool._maybe_stop_early(state)
+    stop_early(cfg, state)
     assert not state.stopped_early  # 3 vs 1 with 4 to go: 3 could still reach 5
     for i in range(4, 6):
         state.records[i] = {"index": i, "text": "so \\boxed{2}"}
-    pool._maybe_stop_early(state)
+    stop_early(cfg, state)
     assert state.stopped_early  # 5 vs 1 with 2 to go: decided
+
+
+def test_what_is_still_to_run_skips_finished_and_decided_problems(tiny_model_dir):
+    """The pool's resume point and a job's nothing-to-do check are one rule: a problem with
+    all n trajectories, or whose vote early stop has decided, has nothing left to run."""
+    from actors.pool import still_to_run
+
+    texts = {"p1": ["\\boxed{2}"] * 5 + ["\\boxed{3}"], "p2": ["\\boxed{5}"] * 2}
+    records = [
+        {"problem_id": pid, "index": i, "text": t}
+        for pid, ts in texts.items()
+        for i, t in enumerate(ts)
+    ]
+    records.append({"problem_id": "p3", "index": 8, "text": "\\boxed{6}"})  # beyond n: ignored
+    cfg = _cfg(tiny_model_dir, n=8, batch=4, early_stop=True)
+    states, chunks = still_to_run(cfg, PROBLEMS, records)
+    assert states["p1"].stopped_early and len(states["p1"].records) == 6  # 5 of 8: decided
+    assert [(c.problem.id, c.indices) for c in chunks] == [
+        ("p2", [2, 3, 4, 5]),
+        ("p2", [6, 7]),
+        ("p3", [0, 1, 2, 3]),
+        ("p3", [4, 5, 6, 7]),
+    ]
+    without = cfg.model_copy(update={"early_stop": False})
+    assert [c.indices for c in still_to_run(without, PROBLEMS[:1], records)[1]] == [[6, 7]]
+
+
+def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(
+    ray_local, tiny_model_dir, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, replicas=1, batch=2, n=2)
+    first = run_job(cfg, PROBLEMS[:2], out)
+    assert 0 < first["decode_s"] <= first["wall_s"]
+    assert first["setup_s"] == pytest.approx(first["wall_s"] - first["decode_s"], abs=1e-3)
+    assert first["tokens_per_s"] == pytest.approx(first["total_tokens"] / first["wall_s"], 0.01)
+    written = ("results.jsonl", "problems/p1.json", "problems/p2.json", "trajectories.jsonl")
+    before = {name: (out / name).read_text() for name in written}
+    started = []
+
+    def refuse(what: str):
+        def start(*_args, **_kwargs):
+            started.append(what)
+            raise AssertionError(f"{what} started")
+
+        return start
+
+    monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
+    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
+    monkeypatch.setattr("ray.init", refuse("ray.init"))
+    for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
+        monkeypatch.setattr(loader, refuse("a model"))
+    again = run_job(cfg, PROBLEMS[:2], out)
+    assert started == []
+    assert {name: (out / name).read_text() for name in written} == before
+    assert json.loads((out / "summary.json").read_text()) == again
+    assert again["resumed_trajectories"] == again["trajectories"] == 4
+    assert again["decode_s"] == again["tokens_per_s"] == 0.0
+    for key in ("problems", "accuracy", "graded", "total_tokens", "mean_acceptance_length"):
+        assert again[key] == first[key]
 
 
 def test_tts_job_submits_follows_lists_and_stops_through_a_real_job_server(

@@ -56,6 +56,9 @@ def test_tts_serve_takes_vllm_flags_checks_the_key_and_stops_on_sigterm(tiny_mod
         while "tts: serving" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
+        started = log.read_text()  # each slow startup phase says what it waits for
+        assert "tts: starting Ray ..." in started and "tts: Ray ready in " in started
+        assert "tts: deploying" in started and "tts: deployed in " in started
         base = f"http://127.0.0.1:{port}"
         for path in ("/v1/models", "/healthz"):  # every route
             for key in (None, "wrong"):

@@ -90,5 +90,9 @@ def test_cli_generate_json(smollm2, capsys):
         "verify_s",
         "wall_s",
         "tokens_per_s",
+        "setup_s",
+        "decode_s",
+        "decode_tokens_per_s",
     ):
         assert key in out["stats"]
+    assert 0 < out["stats"]["decode_s"] < out["stats"]["wall_s"]  # the wall since the start

@@ -8,18 +8,16 @@ import random
 
 import pytest
 import torch
-from pydantic import TypeAdapter
 
 from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
 from tts_service.config import (
-    DrafterConfig,
     PldDrafterConfig,
     ReplayRequest,
     SamplingConfig,
     StandDrafterConfig,
 )
-from tts_service.drafters.methods import REPLAY_METHODS, method_drafter
+from tts_service.drafters.methods import REPLAY_METHODS
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine.batch import generate
 from tts_service.replay import (

@@ -120,3 +120,68 @@ def test_batched_metrics_match_the_stopwatch(tiny_model):
     assert stats["target_forwards"] == run.report.forwards.forwards
     assert stats["target_forwards"] < stats["row_forwards"]  # rows shared forwards
     assert stats["tokens_per_s"] == pytest.approx(tokens / stats["wall_s"], rel=1e-3)
+
+
+def test_auto_at_many_rows_on_a_steep_surface_is_plain_decoding(tiny_model, monkeypatch):
+    """Where trees do not pay, `auto`'s steps are plain steps: no drafter is asked for a tree,
+    every forward is one token per row, the tokens are plain decoding's, and the store still
+    learns from every step (at the cost bench/auto_speed.py shows)."""
+    from tests.unit.engine.test_allocate import STEEP
+    from tts_service.config import StandDynDrafterConfig
+    from tts_service.drafters.stand_dyn import StandDynDrafter
+
+    calls = []
+    draft = StandDynDrafter.draft
+    monkeypatch.setattr(
+        StandDynDrafter, "draft", lambda self, ctx: calls.append(ctx) or draft(self, ctx)
+    )
+    gen = make_generator(tiny_model, batch_cost=STEEP)
+    store = InMemoryNgramStore()
+    prompt = _prompts()[0]
+    requests = [
+        TrajectoryRequest(
+            "p",
+            i,
+            prompt,
+            SamplingConfig(temperature=0, max_new_tokens=12, seed=i),
+            StandDynDrafterConfig(),
+            store,
+        )
+        for i in range(16)
+    ]
+    report = TrajectoryRunner(gen, 16).run(requests)
+    assert calls == []
+    assert {width for _, width in report.forwards.trace} == {1}
+    ref = plain_generate(tiny_model, prompt, requests[0].sampling, eos_ids=[]).token_ids
+    assert all(r.output.token_ids == ref for r in report.results)
+    assert store.lookup(list(ref[:-1])) is not None  # the root distributions were stored
+    spec = report.summary()["speculation"]
+    assert spec["steps"] == 12 and spec["drafted_steps"] == 0 == spec["explored_steps"]
+    assert spec["cost_surface"] == "fixed"
+
+
+def test_the_learned_surface_is_opened_once_and_taught_by_every_step(tiny_model, tmp_path):
+    """No measurement at load: the runner's first drafting step opens the surface (a prior
+    from four timed forwards), every step teaches it, and the next generator reads it back."""
+    loaded = LoadedModel(
+        tiny_model, word_tokenizer(VOCAB), (), tiny_model.device, tiny_model.dtype, "tiny"
+    )
+    gen = Generator(loaded, cost_cache=tmp_path)
+    store = InMemoryNgramStore()
+    requests = [
+        TrajectoryRequest(
+            "p",
+            i,
+            _prompts()[1],
+            SamplingConfig(temperature=0, max_new_tokens=10, seed=i),
+            DRAFTER_CONFIGS["stand"],
+            store,
+        )
+        for i in range(3)
+    ]
+    report = TrajectoryRunner(gen, 3).run(requests)
+    surface = gen.surface()
+    assert surface.source == "prior" and surface.steps == report.forwards.forwards
+    assert report.summary()["speculation"]["cost_surface"] == "prior"
+    again = Generator(loaded, cost_cache=tmp_path).surface()
+    assert again.source == "disk" and set(again.buckets) == set(surface.buckets)

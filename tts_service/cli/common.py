@@ -164,8 +164,7 @@ def check_tensor_parallel(req: GenerateRequest | SolveRequest | ServeConfig) -> 
 
 
 def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
-    from tts_service.drafters.registry import needs_cost  # heavy: only after validation
-    from tts_service.generation import Generator
+    from tts_service.generation import Generator  # heavy: only after validation
     from tts_service.models import ModelNotFoundError, resolve_device
 
     try:
@@ -173,7 +172,6 @@ def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
     except ValueError as e:
         raise UsageError(f"--device: {e}") from e
     try:
-        calibrate = isinstance(req, GenerateRequest | SolveRequest) and needs_cost(req.drafter)
-        return Generator.load(req.model, calibrate=calibrate)
+        return Generator.load(req.model)
     except ModelNotFoundError as e:
         raise UsageError(f"--model: {e}") from e

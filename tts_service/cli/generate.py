@@ -15,6 +15,7 @@ from tts_service.cli.common import (
     request,
 )
 from tts_service.config import GenerateRequest
+from tts_service.timing import phase, process_started, with_setup
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +39,12 @@ def run(args: argparse.Namespace) -> int:
         if req.tensor_parallel > 1:
             result = _generate_tensor_parallel(req)
         else:
-            gen = load(req)
+            with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
+                gen = load(req)
             result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat).to_dict()
     except InputTooLongError as e:
         raise UsageError(f"prompt: {e}") from e
+    result["stats"] = with_setup(result["stats"], process_started())
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:
@@ -59,8 +62,12 @@ def _generate_tensor_parallel(req: GenerateRequest) -> dict:
     from actors.cluster import connect
     from actors.tp import TensorParallelReplica
 
-    connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
-    replica = TensorParallelReplica(req.model, req.tensor_parallel)
+    with phase("[tts] starting Ray", "[tts] Ray ready"):
+        connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
+    with phase(
+        f"[tts] loading model {req.model.name} on {req.tensor_parallel} ranks", "[tts] ranks ready"
+    ):
+        replica = TensorParallelReplica(req.model, req.tensor_parallel)
     try:
         return replica.generate(req.prompt, req.drafter, req.sampling, req.chat)
     finally:

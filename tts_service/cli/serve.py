@@ -23,6 +23,7 @@ from tts_service.cli.common import (
     with_default,
 )
 from tts_service.config import ServeConfig, load_yaml
+from tts_service.timing import phase
 
 SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")
 
@@ -104,13 +105,16 @@ def run(args: argparse.Namespace) -> int:
     from tts_service.serve.app import build_app
 
     private = cluster_address() is None
-    print(f"tts: Ray: {connect()}", file=sys.stderr, flush=True)
+    with phase("tts: starting Ray", "tts: Ray ready"):
+        using = connect()
+    print(f"tts: Ray: {using}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        serve.run(build_app(cfg), name=name, route_prefix=app.get("route_prefix", "/"))
+        with phase(f"tts: deploying {cfg.model.name} (its replicas load it)", "tts: deployed"):
+            serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            serve.run(build_app(cfg), name=name, route_prefix=app.get("route_prefix", "/"))
         print(
             f"tts: serving {cfg.model.name} at http://{cfg.host}:{cfg.port}/v1 "
             "(SIGTERM or Ctrl-C stops)",

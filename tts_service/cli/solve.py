@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from tts_service.cli.common import (
     UsageError,
@@ -21,10 +25,12 @@ from tts_service.cli.common import (
 )
 from tts_service.cli.store import store_flags, store_server
 from tts_service.config import SolveRequest, default_max_rows, read_problems
+from tts_service.timing import phase, process_started, status, with_setup
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
     from tts_service.generation import Generator
+    from tts_service.solve import Trajectory
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         for problem, result in zip(problems, solved.problems, strict=True):
             writer.write(result.logged(problem.problem_id, problem.prompt_ids))
     out = solved.to_dict(req.task)
+    out["stats"] = with_setup(out["stats"], process_started())
     if args.json:
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -101,14 +108,20 @@ def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None,
     """Load the model (this process as rank 0 of `--tensor-parallel` ranks, the others Ray
     actors) and run every question's trajectories; (problem inputs, results)."""
     if req.tensor_parallel == 1:
-        return _solve_with(load(req), None, req, questions, url, record)
+        with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
+            gen = load(req)
+        return _solve_with(gen, None, req, questions, url, record)
     import os
 
     from actors.cluster import connect
     from actors.tp import TensorParallelLeader
 
-    connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
-    leader = TensorParallelLeader(req.model, req.tensor_parallel)
+    with phase("[tts] starting Ray", "[tts] Ray ready"):
+        connect(num_cpus=max(req.tensor_parallel, os.cpu_count() or 1))
+    with phase(
+        f"[tts] loading model {req.model.name} on {req.tensor_parallel} ranks", "[tts] ranks ready"
+    ):
+        leader = TensorParallelLeader(req.model, req.tensor_parallel)
     try:
         return _solve_with(leader.generator, leader.decoder, req, questions, url, record)
     finally:
@@ -126,20 +139,13 @@ def _solve_with(
     """Every question's trajectories through one runner over `gen` (and a tensor-parallel
     leader's `decoder`, whose steps share a fixed token budget: the cost surface would time
     forwards the other ranks do not mirror)."""
-    from tqdm import tqdm
-
     from store.factory import open_global_store, open_problem_store, problem_id
     from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
     from tts_service.runner import TrajectoryRunner
     from tts_service.solve import ProblemInput, solve_problems
 
-    bar = tqdm(total=req.n * len(questions), desc="trajectories", file=sys.stderr, disable=None)
-
-    def progress(_pid, t) -> None:
-        bar.set_postfix(acc_len=f"{t.output.stats.acceptance_length:.2f}")
-        bar.update(1)
-
+    progress = TokenProgress(req.n * len(questions), req.sampling.max_new_tokens)
     max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
     try:
         try:
@@ -160,8 +166,9 @@ def _solve_with(
                 req.n,
                 req.drafter,
                 req.sampling,
-                on_trajectory=progress,
+                on_trajectory=progress.trajectory,
                 record=record,
+                on_commit=progress.commit,
             )
         finally:  # while a local-redis server still runs
             if global_store is not None:
@@ -169,5 +176,39 @@ def _solve_with(
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
     finally:
-        bar.close()
+        progress.bar.close()
     return problems, solved
+
+
+class TokenProgress:
+    """A tqdm bar over tokens on a terminal (none elsewhere): every step's committed tokens out
+    of `max_new_tokens` per trajectory, a finished trajectory's unused budget taken off the
+    total; and one status line at the first token, the end of the wait before decoding."""
+
+    def __init__(self, trajectories: int, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.trajectories = trajectories
+        self.finished = self.tokens = 0
+        self.bar = tqdm(
+            total=trajectories * max_new_tokens,
+            desc="tokens",
+            unit="tok",
+            file=sys.stderr,
+            disable=None,
+        )
+
+    def commit(self, tokens: Sequence[int]) -> bool:
+        """A step's tokens of any trajectory (True: never cancels)."""
+        if self.tokens == 0:
+            status(f"[tts] first token after {time.perf_counter() - process_started():.1f} s")
+        self.tokens += len(tokens)
+        self.bar.update(len(tokens))
+        return True
+
+    def trajectory(self, _problem_id: str, t: Trajectory) -> None:
+        self.finished += 1
+        self.bar.total -= self.max_new_tokens - t.output.stats.new_tokens
+        self.bar.set_postfix_str(
+            f"trajectories {self.finished}/{self.trajectories} "
+            f"acc_len {t.output.stats.acceptance_length:.2f}"
+        )

@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.surface import CostSurface
+from tts_service.engine.surface import CostSurface, power_bucket
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -151,6 +151,30 @@ class StepCost(Protocol):
     def time(self, rows: int, width: int) -> float: ...
 
 
+def expected_tokens(stats: Sequence[SlotStats], max_nodes: int) -> list[float]:
+    """Committed tokens a step of `len(stats)` rows expects with k = 0..max_nodes draft nodes
+    per row: rows + Σ_rows (the sum of the row's method's k best α̂)."""
+    shared: dict[int, tuple[SlotStats, int]] = {}  # rows of one method share its statistics
+    for s in stats:
+        shared[id(s)] = (s, shared[id(s)][1] + 1 if id(s) in shared else 1)
+    return [
+        len(stats) + sum(n * s.best(k) for s, n in shared.values()) for k in range(max_nodes + 1)
+    ]
+
+
+def best_rate(
+    tokens: Sequence[float], seconds: Sequence[float], ks: Sequence[int]
+) -> tuple[int, float]:
+    """The k among `ks` with the most tokens per second, and that rate."""
+    k = max(ks, key=lambda k: (tokens[k] / seconds[k], -k))
+    return k, tokens[k] / seconds[k]
+
+
+def step_seconds(cost: StepCost, rows: int, max_nodes: int, draft_s_per_node: float) -> list[float]:
+    """Seconds of a step with k = 0..max_nodes nodes per row: the forward and the drafting."""
+    return [cost.time(rows, k + 1) + draft_s_per_node * rows * k for k in range(max_nodes + 1)]
+
+
 def nodes_for_step(
     cost: StepCost,
     stats: Sequence[SlotStats],
@@ -163,20 +187,13 @@ def nodes_for_step(
     Where T is convex in k this is the marginal rule (grow while the next node's expected
     tokens per extra second beat the current rate); comparing every k also sees past the jump
     a CPU shows from 1 to 2 tokens per row."""
-    rows = len(stats)
-    shared: dict[int, tuple[SlotStats, int]] = {}  # rows of one method share its statistics
-    for s in stats:
-        shared[id(s)] = (s, shared[id(s)][1] + 1 if id(s) in shared else 1)
-    best_k, best_rate = 0, rows / cost.time(rows, 1)
-    for k in range(1, max_nodes + 1):
-        tokens = rows + sum(n * s.best(k) for s, n in shared.values())
-        seconds = cost.time(rows, k + 1) + draft_s_per_node * rows * k
-        if tokens / seconds > best_rate:
-            best_k, best_rate = k, tokens / seconds
-    return best_k
+    tokens = expected_tokens(stats, max_nodes)
+    seconds = step_seconds(cost, len(stats), max_nodes, draft_s_per_node)
+    return best_rate(tokens, seconds, range(max_nodes + 1))[0]
 
 
-SURE_SIGMA = 0.1  # a bucket this well timed is not explored (about 15 recent steps)
+SURE_SIGMA = 0.1  # a bucket timed this well is not explored (a few recent steps)
+REFRESH_STEPS = 4  # the planner re-reads the surface's cost lines this often
 
 
 @dataclass
@@ -184,12 +201,15 @@ class SpeculationPlanner:
     """Each step's draft nodes per row, on a learned `CostSurface` (or a fixed `StepCost`:
     tests, replay, `--assume-flat-cost`).
 
-    The decision is made on the surface's pessimistic bound (`z` sigmas up). Where the
-    optimistic bound would draft differently and that shape's bucket is not yet well timed, the
-    step explores the optimistic choice, at most `explore_share` of the steps so far: the
-    expected loss of exploring is bounded by that share, and without it a surface that starts
-    pessimistic would never learn that trees pay. Counts are kept for the `speculation` block
-    of the run's report."""
+    The decision is cautious: a tree must beat plain decoding with the tree's cost `z` sigmas
+    up and plain's `z` sigmas down, so an untimed shape never wins on the roofline's word.
+    Exploring is the bold reverse (trees down, plain up), one width bucket at a time: while
+    drafting, a plain step (plain is the baseline every decision compares with); the best tree
+    of the next wider and of the next narrower width bucket where its bold rate beats the
+    decision's cautious one; of these, the least well timed, if any is not timed well enough.
+    At most `explore_share` of the steps explore, which bounds what exploring can cost; without
+    it a surface that starts wrong would never learn otherwise. Counts are kept for the
+    `speculation` block of the run's report."""
 
     surface: CostSurface | None = None
     fixed: StepCost | None = None
@@ -200,6 +220,7 @@ class SpeculationPlanner:
     drafted: int = 0
     explored: int = 0
     last_explored: bool = field(default=False, init=False)
+    _lines: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.surface is None) == (self.fixed is None):
@@ -217,18 +238,47 @@ class SpeculationPlanner:
         self.explored += self.last_explored
         return k
 
+    def _cost_lines(self, rows: int, context: int, per_node: float) -> tuple[list, list, list]:
+        """Cautious and bold step seconds for k = 0..max_nodes, and each k's sigma; re-read
+        from the surface per (rows, context bucket) every `REFRESH_STEPS` steps, or at once
+        when a step surprised it."""
+        surface = self.surface
+        assert surface is not None
+        key = (rows, surface.bucket(1, 1, context)[2])
+        cached = self._lines.get(key)
+        stale = cached is None or cached[4] != surface.surprises
+        if stale or self.steps - cached[0] >= REFRESH_STEPS:
+            z, n = self.z, self.max_nodes
+            cautious = step_seconds(surface.at(context, z, -z), rows, n, per_node)
+            bold = step_seconds(surface.at(context, -z, z), rows, n, per_node)
+            sigma = [surface.sigma(rows, k + 1, context) for k in range(n + 1)]
+            cached = (self.steps, cautious, bold, sigma, surface.surprises)
+            self._lines[key] = cached
+        return cached[1], cached[2], cached[3]
+
     def _learned(
         self, context: int, stats: Sequence[SlotStats], per_node: float
     ) -> tuple[int, bool]:
-        surface = self.surface
-        assert surface is not None
-        k = nodes_for_step(surface.at(context, self.z), stats, self.max_nodes, per_node)
+        cautious, bold, sigma = self._cost_lines(len(stats), context, per_node)
+        tokens = expected_tokens(stats, self.max_nodes)
+        k, rate = best_rate(tokens, cautious, range(self.max_nodes + 1))
         if (self.explored + 1) > self.explore_share * self.steps:
             return k, False
-        bold = nodes_for_step(surface.at(context, -self.z), stats, self.max_nodes, per_node)
-        if bold != k and surface.sigma(len(stats), bold + 1, context) > SURE_SIGMA:
-            return bold, True
-        return k, False
+        width = power_bucket(k + 1)
+        buckets = [(0, 0)] if k > 0 else []  # k ranges: plain, the next wider, the narrower
+        buckets.append((width, min(2 * width - 1, self.max_nodes)))
+        if k > 0:
+            buckets.append((width // 2, width - 1))
+        options = []
+        for lo, hi in buckets:
+            if lo > self.max_nodes or lo > hi:
+                continue
+            option, bold_rate = best_rate(tokens, bold, range(lo, hi + 1))
+            if sigma[option] > SURE_SIGMA and (option == 0 or bold_rate > rate):
+                options.append(option)
+        if not options:
+            return k, False
+        return max(options, key=lambda o: sigma[o]), True  # the least known first
 
     def report(self) -> dict:
         return {

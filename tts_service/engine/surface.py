@@ -8,11 +8,13 @@ surface refines itself where the runner works: per shape bucket (rows, width and
 each rounded up to a power of two / context bucket) it keeps a decayed mean of log(observed /
 roofline), shrunk toward the mean over every bucket until the bucket has evidence of its own.
 
-Every estimate comes with an uncertainty that shrinks with evidence and grows again as the
-evidence ages (weights decay per step). The allocator decides on the pessimistic bound (a
-shape nobody timed is dearer than the roofline says) and explores on the optimistic one
-within a budget of steps (`engine.allocate.SpeculationPlanner`), so speculation is tried
-where it might pay and never costs more than that budget where it does not.
+Every estimate comes with an uncertainty: the roofline's (a factor of about 1.5) where nothing
+was timed, shrinking with each recent step of that shape by the steps' own scatter (measured
+as the surface goes), and growing again, without bound, with the steps since that shape was
+last timed. The allocator decides cautiously (a tree's untimed cost counts high, plain's
+low) and explores the bold reverse within a budget of steps
+(`engine.allocate.SpeculationPlanner`), so speculation is tried where it might pay and costs
+at most that budget where it does not.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ if TYPE_CHECKING:
     from tts_service.engine.allocate import BatchCost
 
 SIGMA_PRIOR = 0.4  # log-uncertainty of the roofline where nothing was timed (about ×1.5)
-PRIOR_WEIGHT = 2.0  # pseudo-steps a bucket's own mean needs to outweigh the global one
-DECAY = 0.99  # per step: evidence ~100 steps old counts a third
+SIGMA_NOISE = 0.15  # the scatter of one step's log time around its bucket's, until measured
+LEVEL_RATE = 0.1  # how fast the device's overall speed follows surprises on known shapes
+DRIFT_VAR = 2e-3  # per step since a bucket was last timed: a device can change (σ 1 at ~500)
+DECAY = 0.95  # per step: a bucket's mean follows its last ~20 steps
 MAX_SAVED_WEIGHT = 8.0  # a loaded surface is trusted like 8 steps, so a new process adapts
 CPU_WIDE_TOKENS = 32  # the second timed forward: tokens in one row
 CUDA_WIDE_TOKENS = 256
@@ -153,17 +157,26 @@ Bucket = tuple[int, int, int]  # (rows, width, context) buckets
 
 @dataclass
 class CostSurface:
-    """T(rows, width, context) of one model on one device: the roofline times a learned
-    correction per shape bucket (see the module docstring). `source` says where it started:
-    `prior` (timed forwards now), `disk` (an earlier process's surface) or `measured` (the
-    full grid at load, `ModelConfig.cost_model: measured`)."""
+    """T(rows, width, context) of one model on one device (see the module docstring):
+
+        log T = log roofline(shape) + level + offset(bucket of the shape)
+
+    `level` is how fast the device is now against the roofline (it moves with load, clocks,
+    a neighbour's job), learned from every step's surprise; a bucket's `offset` is how its
+    shape departs from the roofline's, a decayed mean over its own steps. A shape nobody timed
+    has the mean offset of the timed ones. `source` says where the surface started: `prior`
+    (timed forwards now), `disk` (an earlier process's) or `measured` (the full grid at
+    load, `ModelConfig.cost_model: measured`)."""
 
     roofline: Roofline
     source: str = "prior"
     decay: float = DECAY
     steps: int = 0
+    level: float = 0.0
     buckets: dict[Bucket, _Evidence] = field(default_factory=dict)
     overall: _Evidence = field(default_factory=_Evidence)
+    noise_var: float = SIGMA_NOISE**2  # a decayed mean of squared prediction errors
+    surprises: int = 0  # steps of a new shape, or far off their estimate: re-read the surface
     path: Path | None = None  # where `save` keeps it
     _saved_at: float = field(default=0.0, repr=False)
 
@@ -175,21 +188,34 @@ class CostSurface:
         """One step of this shape took `seconds` (its forward, verification and KV work)."""
         if seconds <= 0:
             return
-        self.steps += 1
+        key = self.bucket(rows, width, context)
         r = math.log(seconds / self.roofline.time(rows, width, context))
-        self.buckets.setdefault(self.bucket(rows, width, context), _Evidence()).add(
-            r, self.steps, self.decay
-        )
-        self.overall.add(r, self.steps, self.decay)
+        ev = self.buckets.get(key)
+        if ev is not None:  # a surprise on a known shape: the device changed, or noise
+            error = r - self.level - ev.total / ev.weight
+            self.surprises += error * error > 4 * self.noise_var
+            self.noise_var += 0.05 * (error * error - self.noise_var)
+            self.level += LEVEL_RATE * error
+        else:
+            self.surprises += 1
+            if not self.buckets:  # the first step sets the level
+                self.level = r
+        self.steps += 1
+        self.buckets.setdefault(key, _Evidence()).add(r - self.level, self.steps, self.decay)
+        self.overall.add(r - self.level, self.steps, self.decay)
 
     def correction(self, rows: int, width: int, context: int) -> tuple[float, float]:
-        """(mean, sigma) of log(T / roofline) for this shape's bucket."""
-        gw, gt = self.overall.aged(self.steps, self.decay)
-        global_mean = gt / gw if gw > 0 else 0.0
+        """(mean, sigma) of log(T / roofline) for this shape: the level plus its bucket's
+        offset (old evidence weighs less, but never pulls toward other shapes), else plus
+        the mean offset."""
         ev = self.buckets.get(self.bucket(rows, width, context))
-        w, t = ev.aged(self.steps, self.decay) if ev is not None else (0.0, 0.0)
-        mean = (t + PRIOR_WEIGHT * global_mean) / (w + PRIOR_WEIGHT)
-        return mean, SIGMA_PRIOR / math.sqrt(1.0 + w)
+        if ev is None:
+            offset = self.overall.total / self.overall.weight if self.overall.weight else 0.0
+            return self.level + offset, SIGMA_PRIOR
+        w, _ = ev.aged(self.steps, self.decay)
+        age = self.steps - ev.step
+        var = 1.0 / (1.0 / SIGMA_PRIOR**2 + w / self.noise_var) + DRIFT_VAR * age
+        return self.level + ev.total / ev.weight, math.sqrt(var)
 
     def time(self, rows: int, width: int, context: int, z: float = 0.0) -> float:
         """Estimated seconds of a step; `z` standard deviations up (pessimistic, z > 0) or
@@ -203,9 +229,11 @@ class CostSurface:
         self.source, self.decay = "measured", 1.0
         for i, rows in enumerate(grid.rows):
             for j, width in enumerate(grid.widths):
-                r = math.log(grid.seconds[i][j] / self.roofline.time(rows, width, grid.context_len))
-                key = self.bucket(rows, width, grid.context_len)
-                ev = self.buckets.setdefault(key, _Evidence())
+                t = self.roofline.time(rows, width, grid.context_len)
+                r = math.log(grid.seconds[i][j] / t) - self.level
+                ev = self.buckets.setdefault(
+                    self.bucket(rows, width, grid.context_len), _Evidence()
+                )
                 ev.weight += weight
                 ev.total += weight * r
                 self.overall.weight += weight
@@ -214,14 +242,16 @@ class CostSurface:
     def sigma(self, rows: int, width: int, context: int) -> float:
         return self.correction(rows, width, context)[1]
 
-    def at(self, context: int, z: float = 0.0) -> SurfaceView:
-        """T(rows, width) at one context: what `engine.allocate.nodes_for_step` prices with."""
-        return SurfaceView(self, context, z)
+    def at(self, context: int, z_tree: float = 0.0, z_plain: float = 0.0) -> SurfaceView:
+        """T(rows, width) at one context, what `engine.allocate.nodes_for_step` prices with:
+        plain steps (width 1) `z_plain` sigmas up, tree steps `z_tree` sigmas up."""
+        return SurfaceView(self, context, z_tree, z_plain)
 
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
             "roofline": self.roofline.to_dict(),
+            "level": self.level,
             "buckets": [[*key, *self._saved(ev)] for key, ev in sorted(self.buckets.items())],
         }
 
@@ -234,7 +264,7 @@ class CostSurface:
     def from_dict(cls, data: dict, shape: ModelShape, path: Path | None = None) -> CostSurface:
         rf = data["roofline"]
         surface = cls(Roofline(shape, rf["bandwidth"], rf["flops"], rf["overlap"]), "disk")
-        surface.path = path
+        surface.path, surface.level = path, float(data["level"])
         for rows, width, context, w, t in data["buckets"]:
             surface.buckets[(int(rows), int(width), int(context))] = _Evidence(w, t, 0)
             surface.overall.weight += w
@@ -265,10 +295,12 @@ class SurfaceView:
 
     surface: CostSurface
     context: int
-    z: float = 0.0
+    z_tree: float = 0.0
+    z_plain: float = 0.0
 
     def time(self, rows: int, width: int) -> float:
-        return self.surface.time(rows, width, self.context, self.z)
+        z = self.z_plain if width == 1 else self.z_tree
+        return self.surface.time(rows, width, self.context, z)
 
 
 class SurfaceVerifyCost:

@@ -27,10 +27,15 @@ DEFINITIONS = {
     "no_answer_rate": "fraction of trajectories with no extractable answer, averaged over items",
     "truncation_rate": "fraction of trajectories stopped by the token limit (finish_reason "
     "length), averaged over items",
-    "tokens_per_s": "all new tokens over the real elapsed seconds of the run's invocations "
-    "(runner.summarize), the same figure as the progress lines",
-    "speed_vs_plain": "tokens/s over plain's on the same task, only when both were measured in "
-    "one invocation; otherwise cross-run and not computed",
+    "tokens_per_s": "all new tokens over the whole wall time of the run's sessions: what the "
+    "user waited for, from the process's start (its first session) or the previous session's "
+    "end, setup (model loads, Ray) and grading included",
+    "decode_tokens_per_s": "all new tokens over the decoding alone: from the models' readiness "
+    "to the last trajectory of each session (runner.summarize), the progress lines' figure",
+    "wall_s / setup_s / decode_s": "the sessions' whole seconds, the part before and beside "
+    "decoding (wall_s - decode_s), and the decoding's",
+    "speed_vs_plain": "decode tokens/s over plain's on the same task, only when both were "
+    "measured in one invocation; otherwise cross-run and not computed",
     "acceptance_length": "committed tokens per target forward, bonus token included",
     "intervals": "95% percentile bootstrap over items (scipy.stats.bootstrap), 1000 "
     "resamples, seed 0",
@@ -69,12 +74,27 @@ def measured(run: dict) -> list[dict]:
     return [s for s in run.get("sessions", []) if s["new_tokens"] > 0]
 
 
+def decode_s(session: dict) -> float:
+    """A session's decoding seconds (sessions recorded before `decode_s` existed timed only
+    the decoding, as `wall_s`)."""
+    return session.get("decode_s", session["wall_s"])
+
+
 def speed(run: dict) -> dict:
-    """tokens/s over every measuring invocation: summed new tokens over summed elapsed s."""
+    """The speed over every measuring invocation: summed new tokens over the summed whole wall
+    time (`tokens_per_s`) and over the summed decoding time (`decode_tokens_per_s`)."""
     sessions = measured(run)
     tokens = sum(s["new_tokens"] for s in sessions)
     wall = sum(s["wall_s"] for s in sessions)
-    return {"tokens_per_s": round(tokens / wall, 3) if wall > 0 else None, "sessions": sessions}
+    decode = sum(decode_s(s) for s in sessions)
+    return {
+        "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "decode_tokens_per_s": round(tokens / decode, 3) if decode > 0 else None,
+        "wall_s": round(wall, 2),
+        "setup_s": round(wall - decode, 2),
+        "decode_s": round(decode, 2),
+        "sessions": sessions,
+    }
 
 
 def versus_plain(run: dict, plain: dict | None) -> dict:
@@ -85,7 +105,7 @@ def versus_plain(run: dict, plain: dict | None) -> dict:
     invocations = {s["invocation"] for s in (*measured(run), *measured(plain))}
     if len(invocations) != 1:
         return {"ratio": None, "basis": "cross-run"}
-    a, b = run["speed"]["tokens_per_s"], plain["speed"]["tokens_per_s"]
+    a, b = run["speed"]["decode_tokens_per_s"], plain["speed"]["decode_tokens_per_s"]
     return {"ratio": round(a / b, 3) if a and b else None, "basis": "same invocation"}
 
 
@@ -141,6 +161,10 @@ def _cell(e: dict | None) -> str:
     return f"{e['value']:.3f} [{e['low']:.3f}, {e['high']:.3f}]" if e else "-"
 
 
+def _rate(tokens_per_s: float | None) -> str:
+    return f"{tokens_per_s:.1f}" if tokens_per_s else "-"
+
+
 def _speed_cell(run: dict) -> str:
     versus = run["speed_vs_plain"]
     if versus["ratio"] is not None:
@@ -151,18 +175,22 @@ def _speed_cell(run: dict) -> str:
 def _sessions(runs: list[dict]) -> list[str]:
     """When, where and under what load each run's speed was measured."""
     lines = [
-        "Speed measurements (tokens/s is all new tokens over the elapsed seconds; a ratio is "
-        "given only between runs of one invocation):",
+        "Speed measurements (tokens/s is all new tokens over the whole wall seconds, setup "
+        "included; decode tokens/s over the decoding's alone; a ratio is given only between "
+        "runs of one invocation):",
         "",
-        "| method | invocation | started (UTC) | host | load avg 1 min, start / end | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| method | invocation | started (UTC) | host | load avg 1 min, start / end "
+        "| wall / setup / decode s | tokens/s | decode tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         for s in r["speed"]["sessions"]:
+            decode = decode_s(s)
             lines.append(
                 f"| {r['method']} | {s['invocation']} | {s['started']} | {s['host']} "
                 f"| {s['loadavg_start'][0]:.2f} / {s['loadavg_end'][0]:.2f} "
-                f"| {s['tokens_per_s']:.1f} |"
+                f"| {s['wall_s']:.1f} / {s['wall_s'] - decode:.1f} / {decode:.1f} "
+                f"| {s['new_tokens'] / s['wall_s']:.1f} | {s['new_tokens'] / decode:.1f} |"
             )
     if any(r["speed_vs_plain"]["basis"] == "cross-run" for r in runs):
         lines += [
@@ -183,15 +211,17 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             "| method | items | N | pass@1 | maj@N | pass@N | no answer | truncated | tokens/s "
-            "| acceptance length | speed vs plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| decode tokens/s | wall / setup / decode s | acceptance length | speed vs plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in runs:
-            m, tps = r["metrics"], r["speed"]["tokens_per_s"]
+            m, sp = r["metrics"], r["speed"]
             lines.append(
                 f"| {r['method']} | {m['items']} | {m['n']} | {_cell(m['pass@1'])} "
                 f"| {_cell(m['maj@n'])} | {_cell(m['pass@n'])} | {_cell(m['no_answer_rate'])} "
-                f"| {_cell(m['truncation_rate'])} | {f'{tps:.1f}' if tps else '-'} "
+                f"| {_cell(m['truncation_rate'])} | {_rate(sp['tokens_per_s'])} "
+                f"| {_rate(sp['decode_tokens_per_s'])} "
+                f"| {sp['wall_s']:.1f} / {sp['setup_s']:.1f} / {sp['decode_s']:.1f} "
                 f"| {_cell(m['acceptance_length'])} | {_speed_cell(r)} |"
             )
         lines += ["", *_sessions(runs)]
@@ -302,9 +332,16 @@ def plot_speed(report: dict, path: Path) -> None:
     labels = [f"{r['task']}\n{r['method']}" for r in runs]
     colors = [styles[r["method"]][0] for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 4), 4.6))
-    tps = [r["speed"]["tokens_per_s"] or 0.0 for r in runs]
-    axes[0].bar(labels, tps, color=colors)
-    axes[0].set_ylabel("tokens/s (new tokens / elapsed s)")
+    x = range(len(runs))
+    for key, shift, hatch, label in (
+        ("tokens_per_s", -0.2, "//", "whole wall (setup included)"),
+        ("decode_tokens_per_s", 0.2, "", "decoding alone"),
+    ):
+        tps = [r["speed"][key] or 0.0 for r in runs]
+        axes[0].bar([i + shift for i in x], tps, 0.4, color=colors, hatch=hatch, label=label)
+    axes[0].set_xticks(list(x), labels)
+    axes[0].legend(fontsize=7)
+    axes[0].set_ylabel("tokens/s (new tokens / s)")
     cross = any(r["speed_vs_plain"]["basis"] == "cross-run" for r in runs)
     axes[0].set_title("tokens/s" + " (cross-run: measured apart)" * cross, fontsize=10)
     est = [r["metrics"]["acceptance_length"] or {"value": 0, "low": 0, "high": 0} for r in runs]

@@ -9,7 +9,8 @@ import pytest
 from tts_service.tasks import report
 
 
-def _session(invocation, tokens, wall, host="box-a", load=0.5):
+def _session(invocation, tokens, decode, host="box-a", load=0.5, setup=0.0):
+    wall = decode + setup
     return {
         "invocation": invocation,
         "started": "2026-11-22T10:00:00Z",
@@ -18,7 +19,10 @@ def _session(invocation, tokens, wall, host="box-a", load=0.5):
         "loadavg_end": [load + 1, load, load],
         "new_tokens": tokens,
         "wall_s": wall,
+        "setup_s": setup,
+        "decode_s": decode,
         "tokens_per_s": tokens / wall,
+        "decode_tokens_per_s": tokens / decode if decode else 0.0,
     }
 
 
@@ -146,3 +150,37 @@ def test_interleaved_rounds_of_one_invocation_are_compared(tmp_path):
     stand = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")
     assert stand["speed"]["tokens_per_s"] == 15.0  # 600 tokens over 40 s
     assert stand["speed_vs_plain"] == {"ratio": 1.5, "basis": "same invocation"}
+
+
+def test_the_report_says_the_whole_wall_its_setup_and_decoding(tmp_path):
+    """An invocation that waited 270 s for its models and decoded for 30 s: tokens/s is over
+    the 300 s the user waited; the speed-up to plain compares the decoding alone."""
+    _two_methods(tmp_path, "inv1")
+    run_file = tmp_path / "aime24" / "stand" / "run.json"
+    info = json.loads(run_file.read_text())
+    info["sessions"] = [_session("inv1", 600, 30.0, setup=270.0)]
+    run_file.write_text(json.dumps(info))
+    stand = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")
+    assert {k: stand["speed"][k] for k in ("wall_s", "setup_s", "decode_s")} == {
+        "wall_s": 300.0,
+        "setup_s": 270.0,
+        "decode_s": 30.0,
+    }
+    assert stand["speed"]["tokens_per_s"] == 2.0 and stand["speed"]["decode_tokens_per_s"] == 20.0
+    assert stand["speed_vs_plain"]["ratio"] == 2.0  # 20 decoding tokens/s over plain's 10
+    md = report.markdown(report.build(tmp_path))
+    assert "| 2.0 | 20.0 | 300.0 / 270.0 / 30.0 |" in md  # the run's row
+    assert "| 300.0 / 270.0 / 30.0 | 2.0 | 20.0 |" in md  # its session's row
+
+
+def test_sessions_recorded_before_the_split_timed_the_decoding_alone(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    run_file = tmp_path / "aime24" / "stand" / "run.json"
+    info = json.loads(run_file.read_text())
+    old = _session("inv0", 100, 5.0)  # wall_s 5.0 and tokens/s 20.0 were the decoding's
+    for key in ("setup_s", "decode_s", "decode_tokens_per_s"):
+        del old[key]
+    info["sessions"] = [old]
+    run_file.write_text(json.dumps(info))
+    speed = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")["speed"]
+    assert (speed["decode_s"], speed["setup_s"], speed["decode_tokens_per_s"]) == (5.0, 0.0, 20.0)

@@ -1,0 +1,170 @@
+"""The learned step cost surface: the roofline fit, learning per bucket, the disk copy, and the
+planner on synthetic step timings (flat, steep, and a step change halfway), including how
+much it explores."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from tests.unit.engine.test_allocate import _stats
+from tts_service.engine.allocate import SpeculationPlanner
+from tts_service.engine.surface import (
+    CostSurface,
+    ModelShape,
+    Roofline,
+    SurfaceVerifyCost,
+    open_surface,
+    power_bucket,
+)
+
+# about SmolLM2-135M in fp32: 540 MB of weights, 270 MFLOP per token
+SHAPE = ModelShape(5.4e8, 9.2e4, 2.7e8, 1.1e4)
+CONTEXT = 200
+
+
+def test_power_buckets():
+    assert [power_bucket(x) for x in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.0], ids=["cpu-additive", "gpu-overlapped"])
+def test_the_roofline_fit_recovers_the_device_from_two_timings(overlap):
+    truth = Roofline(SHAPE, bandwidth=1.2e10, flops=2e11, overlap=overlap)
+    wide = 32 if overlap else 4096  # a GPU is compute-bound only at many tokens
+    fit = Roofline.fit(SHAPE, overlap, 128, truth.time(1, 1, 128), truth.time(1, wide, 128), wide)
+    assert fit.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert fit.flops == pytest.approx(truth.flops, rel=1e-6)
+    for rows, width in [(1, 1), (16, 1), (16, 8), (64, 4)]:
+        assert fit.time(rows, width, 500) == pytest.approx(truth.time(rows, width, 500))
+
+
+def _surface() -> CostSurface:
+    return CostSurface(Roofline(SHAPE, 1.2e10, 2e11, 1.0))
+
+
+def test_a_bucket_learns_its_own_time_and_others_follow_the_overall_correction():
+    s = _surface()
+    prior = s.time(16, 2, CONTEXT)
+    for _ in range(40):  # the device is 3x slower than the roofline at 16 rows x 2 tokens
+        s.record(16, 2, CONTEXT, 3.0 * s.roofline.time(16, 2, CONTEXT))
+    assert s.time(16, 2, CONTEXT) == pytest.approx(3.0 * prior, rel=0.02)
+    assert s.sigma(16, 2, CONTEXT) < 0.1
+    # an untimed bucket moves toward the overall correction but stays uncertain
+    assert s.time(1, 8, CONTEXT) == pytest.approx(3.0 * s.roofline.time(1, 8, CONTEXT), rel=0.02)
+    assert s.sigma(1, 8, CONTEXT) == pytest.approx(0.4)
+    # pessimistic and optimistic bounds bracket the estimate
+    assert s.time(1, 8, CONTEXT, z=-1) < s.time(1, 8, CONTEXT) < s.time(1, 8, CONTEXT, z=1)
+
+
+def test_old_evidence_fades():
+    s = _surface()
+    for _ in range(20):
+        s.record(4, 1, CONTEXT, 2.0 * s.roofline.time(4, 1, CONTEXT))
+    fresh = s.sigma(4, 1, CONTEXT)
+    for _ in range(300):  # other shapes run meanwhile
+        s.record(16, 1, CONTEXT, s.roofline.time(16, 1, CONTEXT))
+    assert s.sigma(4, 1, CONTEXT) > 2 * fresh
+
+
+def test_the_surface_survives_a_restart_on_disk(tmp_path):
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32)
+    first = open_surface(model, "tiny", tmp_path)
+    assert first.source == "prior"
+    for _ in range(30):
+        first.record(8, 4, CONTEXT, 0.05)
+    first.save()
+    (path,) = tmp_path.iterdir()
+    second = open_surface(model, "tiny", tmp_path)
+    assert second.source == "disk"
+    assert second.time(8, 4, CONTEXT) == pytest.approx(0.05, rel=0.02)
+    # trusted like a few steps only, so a new process adapts quickly
+    assert first.sigma(8, 4, CONTEXT) < second.sigma(8, 4, CONTEXT) < 0.4
+    path.write_text("{not json")
+    again = open_surface(model, "tiny", tmp_path)
+    assert again.source == "prior"  # unreadable: start over, and overwrite it
+    again.save()
+    assert "roofline" in json.loads(path.read_text())
+
+
+def test_gt_sizing_reads_a_monotone_one_row_curve_off_the_surface():
+    s = _surface()
+    curve = SurfaceVerifyCost(lambda: s).at(CONTEXT)
+    assert list(curve.seconds) == sorted(curve.seconds)
+    assert curve.time(1) == pytest.approx(s.time(1, 1, 256, z=1.0))
+
+
+# -- the planner on synthetic timings ---------------------------------------------------
+
+
+def flat(rows: int, width: int) -> float:
+    """A GPU-like device: tree tokens nearly free."""
+    return 0.010 * (1 + 0.001 * rows * width)
+
+
+def steep(rows: int, width: int) -> float:
+    """A CPU at many rows: every token costs."""
+    return 0.004 + 0.003 * rows * width
+
+
+def _drive(truth, steps: int, rows: int, planner: SpeculationPlanner, decisions: list[int]):
+    stats = [_stats(0.8)] * rows
+    for _ in range(steps):
+        k = planner.plan(CONTEXT, stats)
+        planner.surface.record(rows, k + 1, CONTEXT, truth(rows, k + 1))
+        decisions.append(k)
+
+
+def _planner() -> SpeculationPlanner:
+    # the prior is wrong both ways: a CPU-like roofline, 10x off in scale
+    return SpeculationPlanner(surface=CostSurface(Roofline(SHAPE, 1.2e9, 2e10, 1.0)))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_planner_drafts_on_a_flat_device_and_not_on_a_steep_one(rows):
+    decisions: list[int] = []
+    planner = _planner()
+    _drive(flat, 200, rows, planner, decisions)
+    assert sum(k < 3 for k in decisions[20:]) <= planner.explored, decisions[:40]
+    decisions = []
+    planner = _planner()
+    _drive(steep, 200, rows, planner, decisions)
+    if rows == 16:  # 16 rows x 2 tokens cost 1.9x 16 x 1: no tree pays
+        assert sum(k > 0 for k in decisions[20:]) <= planner.explored
+    assert planner.explored <= 0.02 * planner.steps
+
+
+@pytest.mark.parametrize("change", ["flat-to-steep", "steep-to-flat"])
+def test_the_planner_follows_a_step_change_and_explores_within_its_share(change):
+    """A change of shape, not of speed (that the level follows at once): flat to steep is seen
+    on the trees being drafted; steep to flat only by exploring, as stale evidence ages."""
+    before, after = (flat, steep) if change == "flat-to-steep" else (steep, flat)
+    planner, decisions = _planner(), []
+    _drive(before, 400, 16, planner, decisions)
+    _drive(after, 800, 16, planner, decisions)
+    settle = 50 if after is steep else 400  # converged within this many steps of the change
+    tail = decisions[400 + settle :]
+    drafted = sum(k > 0 for k in tail)
+    if after is steep:
+        assert drafted <= 0.02 * len(tail) + 1, tail
+    else:
+        assert drafted >= 0.97 * len(tail), tail
+    assert planner.explored <= 0.02 * planner.steps
+    assert planner.explored >= 1  # the cautious bound alone would never have learned
+
+
+def test_a_change_of_speed_moves_every_estimate_at_once():
+    """Load on a shared machine slows every shape alike: the level follows it, so shapes not
+    run meanwhile are priced slower too (most of the way in log terms within 30 steps; a
+    shape's own offset takes the rest until it is timed again)."""
+    s = _surface()
+    for _ in range(30):
+        for rows, width in [(16, 1), (16, 4)]:
+            s.record(rows, width, CONTEXT, 2.0 * s.roofline.time(rows, width, CONTEXT))
+    for _ in range(30):  # three times slower; only plain steps run
+        s.record(16, 1, CONTEXT, 6.0 * s.roofline.time(16, 1, CONTEXT))
+    moved = math.log(s.time(16, 4, CONTEXT) / (2.0 * s.roofline.time(16, 4, CONTEXT)))
+    assert 0.5 * math.log(3.0) < moved <= math.log(3.0) + 0.05
