@@ -191,7 +191,9 @@ class CostSurface:
         key = self.bucket(rows, width, context)
         r = math.log(seconds / self.roofline.time(rows, width, context))
         ev = self.buckets.get(key)
-        if ev is not None:  # a surprise on a known shape: the device changed, or noise
+        if (
+            ev is not None and ev.weight > 0
+        ):  # a surprise on a known shape: the device changed, or noise
             error = r - self.level - ev.total / ev.weight
             self.surprises += error * error > 4 * self.noise_var
             self.noise_var += 0.05 * (error * error - self.noise_var)
@@ -209,7 +211,7 @@ class CostSurface:
         offset (old evidence weighs less, but never pulls toward other shapes), else plus
         the mean offset."""
         ev = self.buckets.get(self.bucket(rows, width, context))
-        if ev is None:
+        if ev is None or ev.weight <= 0:
             offset = self.overall.total / self.overall.weight if self.overall.weight else 0.0
             return self.level + offset, SIGMA_PRIOR
         w, _ = ev.aged(self.steps, self.decay)
@@ -252,7 +254,11 @@ class CostSurface:
         return {
             "roofline": self.roofline.to_dict(),
             "level": self.level,
-            "buckets": [[*key, *self._saved(ev)] for key, ev in sorted(self.buckets.items())],
+            "buckets": [
+                [*key, *saved]
+                for key, ev in sorted(self.buckets.items())
+                if (saved := self._saved(ev))[0] > 0  # evidence that has faded out is dropped
+            ],
         }
 
     def _saved(self, ev: _Evidence) -> tuple[float, float]:
@@ -266,6 +272,8 @@ class CostSurface:
         surface = cls(Roofline(shape, rf["bandwidth"], rf["flops"], rf["overlap"]), "disk")
         surface.path, surface.level = path, float(data["level"])
         for rows, width, context, w, t in data["buckets"]:
+            if w <= 0:
+                continue
             surface.buckets[(int(rows), int(width), int(context))] = _Evidence(w, t, 0)
             surface.overall.weight += w
             surface.overall.total += t

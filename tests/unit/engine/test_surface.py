@@ -168,3 +168,17 @@ def test_a_change_of_speed_moves_every_estimate_at_once():
         s.record(16, 1, CONTEXT, 6.0 * s.roofline.time(16, 1, CONTEXT))
     moved = math.log(s.time(16, 4, CONTEXT) / (2.0 * s.roofline.time(16, 4, CONTEXT)))
     assert 0.5 * math.log(3.0) < moved <= math.log(3.0) + 0.05
+
+
+def test_evidence_that_faded_out_is_neither_saved_nor_divided_by(tmp_path):
+    s = _surface()
+    s.path = tmp_path / "s.json"
+    s.record(1, 1, CONTEXT, 0.05)
+    for _ in range(2000):  # the first bucket's weight decays to nothing
+        s.record(16, 1, CONTEXT, 0.1)
+    s.save()
+    data = json.loads(s.path.read_text())
+    assert [b[:3] for b in data["buckets"]] == [[16, 1, 256]]
+    data["buckets"].append([1, 1, 256, 0.0, 0.0])  # as an older file may hold it
+    loaded = CostSurface.from_dict(data, SHAPE)
+    assert loaded.time(1, 1, CONTEXT) > 0 and loaded.time(16, 1, CONTEXT) > 0
