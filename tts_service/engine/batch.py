@@ -33,7 +33,7 @@ from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
-from tts_service.engine.kv import StaticKV
+from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats
 from tts_service.engine.sampling import store_probs, target_probs
 from tts_service.engine.streams import Stream, stream_generator
@@ -106,7 +106,8 @@ class BatchDecoder:
     (ignored elsewhere); `full_view` makes attention span the whole preallocated cache, the
     static shapes graphs need (on by itself with graphs; tests turn it on to check the masks
     graphs use on a CPU). `cache`: one of the caller's (a tensor-parallel leader's mirrors its
-    rewrites to the other ranks, `engine.tp`)."""
+    rewrites to the other ranks, `engine.tp`). `prompt_cache`: keep recent prompts' prefilled
+    KV, so a prompt is prefilled once however its rows join."""
 
     def __init__(
         self,
@@ -117,8 +118,12 @@ class BatchDecoder:
         cuda_graphs: bool = True,
         full_view: bool = False,
         cache: StaticKV | None = None,
+        prompt_cache: bool = True,
     ) -> None:
         self.model = model
+        # the prompts' prefilled KV, kept for rows that join later (none where the cache is
+        # mirrored: a tensor-parallel follower prefills beside its leader)
+        self.prompts = PromptCache() if prompt_cache else None
         self.compact_slack = compact_slack
         self.eos_ids = list(eos_ids)
         self.decode = decode
@@ -159,14 +164,19 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def join(self, rows: list[Row]) -> None:
-        """Prefill the rows' prompts (all but the root) in one forward and add them."""
+        """Add rows: their prompts (all but the root) prefilled in one forward, each distinct
+        prompt once, or taken from the prompt cache."""
         t0 = time.perf_counter()
         prompts = [tuple(r.tokens[:-1]) for r in rows]
         unique = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-        cache, valid = self._prefill([list(p) for p in unique])
         shared = len(unique) < len(rows)  # best-of-N: one prefill per distinct prompt
         source = torch.tensor([unique[p] for p in prompts], dtype=torch.long) if shared else None
-        self.cache.append_rows(cache, valid, source)
+        if self.prompts is None:
+            cache, valid = self._prefill([list(p) for p in unique])
+            self.cache.append_rows(cache, valid, source)
+        else:
+            prefilled = self._cached_prefill(list(unique))
+            self.cache.append_rows(prefilled, prefilled.valid, source)
         for row in rows:
             row.drafter.start(row.tokens)
             row.joined_at = t0
@@ -188,6 +198,30 @@ class BatchDecoder:
             return
         self.cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.model.device))
         self.active = [self.active[b] for b in keep]
+
+    def _cached_prefill(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
+        """The prompts' prefilled KV: those the prompt cache lacks are prefilled together
+        first, and kept."""
+        cache = self.prompts
+        assert cache is not None
+        missing = [p for p in prompts if p not in cache]
+        if missing:
+            new, _ = self._prefill([list(p) for p in missing])
+            for i, p in enumerate(missing):
+                n = len(p)
+                cache.put(
+                    p,
+                    [
+                        LayerKV(
+                            layer.keys[i : i + 1, :, layer.keys.shape[2] - n :].clone(),
+                            layer.values[i : i + 1, :, layer.values.shape[2] - n :].clone(),
+                        )
+                        for layer in new.layers
+                    ]
+                    if n
+                    else [],
+                )
+        return cache.rows(prompts)
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """Left-padded prefill of `prompts` (each a row's tokens but its root), into a cache

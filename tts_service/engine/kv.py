@@ -18,6 +18,9 @@ a step included).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -59,6 +62,65 @@ class SlotLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    keys: torch.Tensor  # [rows, kv_heads, width, head_dim]
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrefilledRows:
+    """Prefilled keys and values of rows, left padded to one width (`valid` says which slots
+    are real): what `StaticKV.append_rows` copies in, as it does a prefill's `DynamicCache`."""
+
+    layers: list[LayerKV]
+    valid: torch.Tensor  # [rows, width] bool
+
+
+class PromptCache:
+    """The prefilled keys and values of the last `capacity` distinct prompts, each `[1, kv_heads,
+    len, head_dim]` per layer: a best-of-N problem's prompt is prefilled once, however its
+    trajectories join (vLLM's prefix caching, whole prompts only)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
+
+    def __contains__(self, prompt: tuple[int, ...]) -> bool:
+        return prompt in self._entries
+
+    def put(self, prompt: tuple[int, ...], layers: list[LayerKV]) -> None:
+        self._entries[prompt] = layers
+        self._entries.move_to_end(prompt)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def rows(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
+        """Every prompt's entry (all must be here), left padded to the longest."""
+        for p in prompts:
+            self._entries.move_to_end(p)
+        width = max(len(p) for p in prompts)
+        entries = [self._entries[p] for p in prompts]
+        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+        layers: list[LayerKV] = []
+        sample = next((e for e in entries if e), None)
+        if sample is not None:
+            for i in range(len(sample)):
+                k = sample[i].keys
+                shape = (len(prompts), k.shape[1], width, k.shape[3])
+                keys = torch.zeros(shape, dtype=k.dtype, device=k.device)
+                values = torch.zeros(shape, dtype=k.dtype, device=k.device)
+                for b, (p, e) in enumerate(zip(prompts, entries, strict=True)):
+                    if p:
+                        keys[b, :, width - len(p) :] = e[i].keys[0]
+                        values[b, :, width - len(p) :] = e[i].values[0]
+                layers.append(LayerKV(keys, values))
+        for b, p in enumerate(prompts):
+            valid[b, width - len(p) :] = True  # an empty prompt's slice is empty
+        device = sample[0].keys.device if sample is not None else valid.device
+        return PrefilledRows(layers, valid.to(device))
 
 
 class StaticKV(Cache):
@@ -174,7 +236,10 @@ class StaticKV(Cache):
 
     @torch.inference_mode()
     def append_rows(
-        self, new: DynamicCache, new_valid: torch.Tensor, source_rows: torch.Tensor | None = None
+        self,
+        new: DynamicCache | PrefilledRows,
+        new_valid: torch.Tensor,
+        source_rows: torch.Tensor | None = None,
     ) -> None:
         """Add a prefilled batch below the rows here (rows joining a running batch). The
         shorter side is left padded with invalid slots, which no row attends to.

@@ -12,8 +12,11 @@ same products (logits agree within float rounding, ~1e-5).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +69,29 @@ class _Choice:
         return y if b is None else y + b
 
 
+def _read_choices(cache: Path | None) -> dict[str, list[int]]:
+    try:
+        data = json.loads(cache.read_text(encoding="utf-8")) if cache is not None else {}
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(data, dict) and all(
+        isinstance(v, list) and all(isinstance(r, int) for r in v) for v in data.values()
+    )
+    return data if ok else {}
+
+
+def _write_choices(cache: Path | None, choices: dict[str, list[int]]) -> None:
+    if cache is None:
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choices, sort_keys=True), encoding="utf-8")
+        tmp.replace(cache)
+    except OSError:  # a read-only cache: the next load times again
+        pass
+
+
 def restore_linear_products(model: nn.Module) -> None:
     """Undo `tune_linear_products`: every linear layer uses `F.linear` again (benchmarks run
     the peers on the model as a user would load it)."""
@@ -74,17 +100,28 @@ def restore_linear_products(model: nn.Module) -> None:
             del layer.forward
 
 
-def tune_linear_products(model: nn.Module) -> dict[tuple[int, int], list[int]]:
+def tune_linear_products(
+    model: nn.Module, cache: Path | None = None
+) -> dict[tuple[int, int], list[int]]:
     """Time both products for every distinct weight shape of the model's linear layers and
     wrap the layers whose shape gains at some row count. Returns the choice per shape (rows
-    that use the transposed form), for reports. A second call re-measures."""
+    that use the transposed form), for reports. A second call re-measures.
+
+    `cache`: a JSON file of choices for this CPU, threads and dtype: shapes found there are
+    not timed again (0.6 s of every start for SmolLM2), new ones are added to it."""
     restore_linear_products(model)
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    known = _read_choices(cache)
     choice: dict[tuple[int, int], frozenset[int]] = {}
     for layer in layers:
         shape = tuple(layer.weight.shape)
         if shape not in choice:
-            choice[shape] = faster_transposed_rows(layer.weight)
+            key = "x".join(map(str, shape))
+            choice[shape] = (
+                frozenset(known[key]) if key in known else faster_transposed_rows(layer.weight)
+            )
+            known[key] = sorted(choice[shape])
+    _write_choices(cache, known)
     for layer in layers:
         rows = choice[tuple(layer.weight.shape)]
         if rows:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 SIGMA_PRIOR = 0.4  # log-uncertainty of the roofline where nothing was timed (about ×1.5)
 SIGMA_NOISE = 0.15  # the scatter of one step's log time around its bucket's, until measured
 LEVEL_RATE = 0.1  # how fast the device's overall speed follows surprises on known shapes
-DRIFT_VAR = 2e-3  # per step since a bucket was last timed: a device can change (σ 1 at ~500)
+DRIFT_VAR = 5e-4  # per step since a bucket was last timed: a device can change (σ 0.5 at 500)
 DECAY = 0.95  # per step: a bucket's mean follows its last ~20 steps
 MAX_SAVED_WEIGHT = 8.0  # a loaded surface is trusted like 8 steps, so a new process adapts
 CPU_WIDE_TOKENS = 32  # the second timed forward: tokens in one row
@@ -333,17 +333,26 @@ class SurfaceVerifyCost:
 
 
 # -- where a surface comes from -----------------------------------------------------------
+def hardware(device: torch.device) -> str:
+    """The device as timings depend on it: the GPU's name, or the CPU's model and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()}-{_cpu_model()}-{torch.get_num_threads()}t"
+
+
 def device_key(model: PreTrainedModel, name: str) -> str:
     """A file name per (model, device, dtype, threads): surfaces are not portable."""
-    device = model.device
-    if device.type == "cuda":
-        hw = torch.cuda.get_device_name(device)
-    else:
-        hw = f"{platform.machine()}-{_cpu_model()}-{torch.get_num_threads()}t"
     cfg = model.config.to_json_string()
+    hw = hardware(model.device)
     digest = hashlib.sha1(f"{name}|{cfg}|{hw}|{model.dtype}".encode()).hexdigest()[:16]
     label = "".join(c if c.isalnum() else "-" for c in name)[-40:]
-    return f"{label}-{device.type}-{digest}.json"
+    return f"{label}-{model.device.type}-{digest}.json"
+
+
+def matmul_cache_file(cache_dir: Path, model: PreTrainedModel) -> Path:
+    """Where `engine.matmul` keeps its per-shape choices for this CPU, threads and dtype."""
+    digest = hashlib.sha1(f"{hardware(model.device)}|{model.dtype}".encode()).hexdigest()[:16]
+    return cache_dir / f"matmul-{digest}.json"
 
 
 def _cpu_model() -> str:

@@ -213,6 +213,7 @@ def leader_decoder(
         compact_slack=compact_slack,
         cuda_graphs=False,
         full_view=full_view,
+        prompt_cache=False,  # each follower prefills beside the leader
         cache=LeaderKV(leader, link),
     )
 

@@ -3,6 +3,8 @@ stays token-identical to plain decoding with it forced on for every row count.""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
@@ -32,6 +34,20 @@ def test_tuning_picks_rows_from_timings_and_can_undo():
     assert all(set(rows) <= set(range(1, 33)) for rows in choice.values())
     rows = faster_transposed_rows(model.lm_head.weight, rows=(1, 2), repeats=1)
     assert rows <= {1, 2}
+
+
+def test_the_choices_are_kept_on_disk_and_not_timed_again(tmp_path, monkeypatch):
+    import tts_service.engine.matmul as matmul
+
+    cache = tmp_path / "matmul.json"
+    model = tiny_llama(vocab_size=32, seed=1)
+    first = tune_linear_products(model, cache)
+    timed = []
+    monkeypatch.setattr(matmul, "faster_transposed_rows", lambda w: timed.append(w) or {2})
+    assert tune_linear_products(model, cache) == first and timed == []
+    cache.write_text("[not a dict of shapes]")
+    tune_linear_products(model, cache)  # unreadable: timed again, and rewritten
+    assert timed and json.loads(cache.read_text())
 
 
 def test_greedy_stays_token_identical_with_the_transposed_product_everywhere():

@@ -134,7 +134,7 @@ def test_the_planner_drafts_on_a_flat_device_and_not_on_a_steep_one(rows):
     _drive(steep, 200, rows, planner, decisions)
     if rows == 16:  # 16 rows x 2 tokens cost 1.9x 16 x 1: no tree pays
         assert sum(k > 0 for k in decisions[20:]) <= planner.explored
-    assert planner.explored <= 0.02 * planner.steps
+    assert planner.explored <= 0.01 * planner.steps
 
 
 @pytest.mark.parametrize("change", ["flat-to-steep", "steep-to-flat"])
@@ -145,14 +145,14 @@ def test_the_planner_follows_a_step_change_and_explores_within_its_share(change)
     planner, decisions = _planner(), []
     _drive(before, 400, 16, planner, decisions)
     _drive(after, 800, 16, planner, decisions)
-    settle = 50 if after is steep else 400  # converged within this many steps of the change
+    settle = 50 if after is steep else 500  # converged within this many steps of the change
     tail = decisions[400 + settle :]
     drafted = sum(k > 0 for k in tail)
     if after is steep:
-        assert drafted <= 0.02 * len(tail) + 1, tail
+        assert drafted <= 0.01 * len(tail) + 1, tail
     else:
-        assert drafted >= 0.97 * len(tail), tail
-    assert planner.explored <= 0.02 * planner.steps
+        assert drafted >= 0.98 * len(tail), tail
+    assert planner.explored <= 0.01 * planner.steps
     assert planner.explored >= 1  # the cautious bound alone would never have learned
 
 
