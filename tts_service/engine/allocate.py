@@ -57,6 +57,7 @@ class SlotStats:
         r = torch.arange(shape[1], dtype=torch.float64)[None, :]
         self.prior = 0.6**d * 0.5**r
         self._best: list[float] | None = None
+        self.version = 0  # trees recorded: a planner's cached decision is stale after one
 
     @staticmethod
     def slots(tree: DraftTree) -> list[tuple[int, int]]:
@@ -75,6 +76,7 @@ class SlotStats:
             self.drafted[d, r] += 1.0
             self.hits[d, r] += float(v in on_path)
         self._best = None
+        self.version += 1
 
     def tick(self) -> None:
         """One step went by: every count loses weight (memory of ~1 / (1 - decay) steps)."""
@@ -193,7 +195,7 @@ def nodes_for_step(
 
 
 SURE_SIGMA = 0.1  # a bucket timed this well is not explored (a few recent steps)
-REFRESH_STEPS = 4  # the planner re-reads the surface's cost lines this often
+REFRESH_STEPS = 4  # the planner re-reads the surface and re-decides at least this often
 
 
 @dataclass
@@ -221,6 +223,7 @@ class SpeculationPlanner:
     explored: int = 0
     last_explored: bool = field(default=False, init=False)
     _lines: dict = field(default_factory=dict, init=False, repr=False)
+    _decisions: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.surface is None) == (self.fixed is None):
@@ -259,10 +262,24 @@ class SpeculationPlanner:
     def _learned(
         self, context: int, stats: Sequence[SlotStats], per_node: float
     ) -> tuple[int, bool]:
+        surface = self.surface
+        assert surface is not None
+        key = (len(stats), surface.bucket(1, 1, context)[2])
+        version = (surface.surprises, *sorted({id(s): s.version for s in stats}.items()))
+        may_explore = (self.explored + 1) <= self.explore_share * self.steps
+        cached = self._decisions.get(key)
+        if (  # the same decision as a few steps ago: nothing it rests on has moved
+            not may_explore
+            and cached is not None
+            and cached[0] == version
+            and self.steps - cached[1] < REFRESH_STEPS
+        ):
+            return cached[2], False
         cautious, bold, sigma = self._cost_lines(len(stats), context, per_node)
         tokens = expected_tokens(stats, self.max_nodes)
         k, rate = best_rate(tokens, cautious, range(self.max_nodes + 1))
-        if (self.explored + 1) > self.explore_share * self.steps:
+        self._decisions[key] = (version, self.steps, k)
+        if not may_explore:
             return k, False
         width = power_bucket(k + 1)
         buckets = [(0, 0)] if k > 0 else []  # k ranges: plain, the next wider, the narrower
