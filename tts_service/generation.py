@@ -76,12 +76,11 @@ class Generator:
 
     @classmethod
     def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
-        cache = Path(cfg.cost_cache).expanduser() if cfg.cost_cache else None
         return cls(
             load_model(cfg, cache_dir),
             max_model_len=cfg.max_model_len,
             cost_model=cfg.cost_model,
-            cost_cache=cache,
+            cost_cache=cfg.cost_cache_dir,
         )
 
     def surface(self, max_rows: int = 1) -> CostSurface:

@@ -194,7 +194,7 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     model = (model if shard else model.to(device)).eval()
     if cfg.tune_matmul and device.type == "cpu":
-        cache = Path(cfg.cost_cache).expanduser() if cfg.cost_cache else None
+        cache = cfg.cost_cache_dir
         tune_linear_products(model, matmul_cache_file(cache, model) if cache else None)
     return LoadedModel(
         model=model,

@@ -343,7 +343,7 @@ class TrajectoryRunner:
             sub.report.nodes_trace.append((t, rows, nodes))
             sub.report.explored_steps += explored
             if planner is not None:
-                sub.report.cost_surface = planner.report()["cost_surface"]
+                sub.report.cost_surface = planner.source
 
     def _row(self, sub: Submission, req: TrajectoryRequest) -> Row:
         gen = self.generator

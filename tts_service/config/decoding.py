@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -77,6 +78,12 @@ class ModelConfig(StrictConfig):
         description="Directory where learned cost surfaces are kept per (model, device), so the "
         "next process starts from them; null: keep nothing ($TTS_COST_CACHE sets the default).",
     )
+
+    @property
+    def cost_cache_dir(self) -> Path | None:
+        """`cost_cache` as a path (`~` expanded), or None: keep nothing."""
+        return Path(self.cost_cache).expanduser() if self.cost_cache else None
+
     tune_matmul: bool = Field(
         True,
         description="On a CPU, time both matrix products of every linear layer shape at load "

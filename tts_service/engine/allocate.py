@@ -210,8 +210,7 @@ class SpeculationPlanner:
     of the next wider and of the next narrower width bucket where its bold rate beats the
     decision's cautious one; of these, the least well timed, if any is not timed well enough.
     At most `explore_share` of the steps explore, which bounds what exploring can cost; without
-    it a surface that starts wrong would never learn otherwise. Counts are kept for the
-    `speculation` block of the run's report."""
+    it a surface that starts wrong would never learn otherwise."""
 
     surface: CostSurface | None = None
     fixed: StepCost | None = None
@@ -219,7 +218,6 @@ class SpeculationPlanner:
     explore_share: float = 0.01
     z: float = 1.0
     steps: int = 0
-    drafted: int = 0
     explored: int = 0
     last_explored: bool = field(default=False, init=False)
     _lines: dict = field(default_factory=dict, init=False, repr=False)
@@ -237,7 +235,6 @@ class SpeculationPlanner:
             self.last_explored = False
         else:
             k, self.last_explored = self._learned(context, stats, draft_s_per_node)
-        self.drafted += k > 0
         self.explored += self.last_explored
         return k
 
@@ -297,13 +294,10 @@ class SpeculationPlanner:
             return k, False
         return max(options, key=lambda o: sigma[o]), True  # the least known first
 
-    def report(self) -> dict:
-        return {
-            "cost_surface": self.surface.source if self.surface is not None else "fixed",
-            "steps": self.steps,
-            "drafted_steps": self.drafted,
-            "explored_steps": self.explored,
-        }
+    @property
+    def source(self) -> str:
+        """Where the cost comes from (the report's `cost_surface`)."""
+        return self.surface.source if self.surface is not None else "fixed"
 
 
 @torch.inference_mode()

@@ -13,7 +13,6 @@ same products (logits agree within float rounding, ~1e-5).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tts_service.engine.surface import write_json
 
 # rows at which the two forms are timed: 1 row is a matrix-vector product, already fast, and
 # more than 8 favour F.linear (16 rows x 1 token: 117 -> 185 ms for the model the other way)
@@ -80,18 +81,6 @@ def _read_choices(cache: Path | None) -> dict[str, list[int]]:
     return data if ok else {}
 
 
-def _write_choices(cache: Path | None, choices: dict[str, list[int]]) -> None:
-    if cache is None:
-        return
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(choices, sort_keys=True), encoding="utf-8")
-        tmp.replace(cache)
-    except OSError:  # a read-only cache: the next load times again
-        pass
-
-
 def restore_linear_products(model: nn.Module) -> None:
     """Undo `tune_linear_products`: every linear layer uses `F.linear` again (benchmarks run
     the peers on the model as a user would load it)."""
@@ -121,7 +110,8 @@ def tune_linear_products(
                 frozenset(known[key]) if key in known else faster_transposed_rows(layer.weight)
             )
             known[key] = sorted(choice[shape])
-    _write_choices(cache, known)
+    if cache is not None:  # unwritable: the next load times them again
+        write_json(cache, known)
     for layer in layers:
         rows = choice[tuple(layer.weight.shape)]
         if rows:

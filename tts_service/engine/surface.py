@@ -4,9 +4,10 @@ Nobody waits for a calibration. A new surface starts from an analytic roofline o
 (weight and KV bytes read, FLOPs computed) scaled to this device by four timed forwards (a
 fraction of a second), or from the surface an earlier process kept on disk for the same model
 and device. Every step the runner then takes is a timed forward of a known shape, so the
-surface refines itself where the runner works: per shape bucket (rows, width and context,
-each rounded up to a power of two / context bucket) it keeps a decayed mean of log(observed /
-roofline), shrunk toward the mean over every bucket until the bucket has evidence of its own.
+surface refines itself where the runner works: a level (how fast the device is now, which
+load moves for every shape at once) and, per shape bucket (rows and width rounded up to powers
+of two, context to its bucket), a decayed mean offset of log(observed / roofline); a bucket
+with no evidence of its own takes the mean offset (`CostSurface`).
 
 Every estimate comes with an uncertainty: the roofline's (a factor of about 1.5) where nothing
 was timed, shrinking with each recent step of that shape by the steps' own scatter (measured
@@ -191,9 +192,7 @@ class CostSurface:
         key = self.bucket(rows, width, context)
         r = math.log(seconds / self.roofline.time(rows, width, context))
         ev = self.buckets.get(key)
-        if (
-            ev is not None and ev.weight > 0
-        ):  # a surprise on a known shape: the device changed, or noise
+        if ev is not None and ev.weight > 0:  # a known shape: its surprise moves the level
             error = r - self.level - ev.total / ev.weight
             self.surprises += error * error > 4 * self.noise_var
             self.noise_var += 0.05 * (error * error - self.noise_var)
@@ -288,13 +287,8 @@ class CostSurface:
         if self.path is None or (every_s and now - self._saved_at < every_s):
             return
         self._saved_at = now
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.to_dict()), encoding="utf-8")
-            tmp.replace(self.path)
-        except OSError:  # a read-only cache costs the next process four forwards, nothing else
-            self.path = None
+        if not write_json(self.path, self.to_dict()):
+            self.path = None  # a read-only cache costs the next process four forwards, no more
 
 
 @dataclass(frozen=True)
@@ -333,6 +327,19 @@ class SurfaceVerifyCost:
 
 
 # -- where a surface comes from -----------------------------------------------------------
+def write_json(path: Path, data: object) -> bool:
+    """Write `data` to `path` atomically (a reader never sees half a file); False where the
+    cache cannot be written (read-only, full): what is kept there is only ever a head start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        return False
+    return True
+
+
 def hardware(device: torch.device) -> str:
     """The device as timings depend on it: the GPU's name, or the CPU's model and threads."""
     if device.type == "cuda":
