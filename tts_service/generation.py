@@ -48,7 +48,8 @@ class Generator:
     """`cost_model`: `learned` (the step cost surface starts from a roofline prior or the one
     kept in `cost_cache`, and learns from every step) or `measured` (the full grid of batched
     forwards is timed at the first step, as before: seconds to minutes on a CPU). `cost` and
-    `batch_cost` fix both costs instead (tests, replay, tensor-parallel ranks)."""
+    `batch_cost` fix both costs instead (tests, replay, tensor-parallel ranks); `surface`
+    shares another generator's over the same loaded model."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class Generator:
         max_model_len: int | None = None,
         cost_model: str = "learned",
         cost_cache: Path | None = None,
+        surface: CostSurface | None = None,
     ) -> None:
         self.loaded = loaded
         self.max_model_len = max_model_len  # below the model's context, if set
@@ -68,7 +70,7 @@ class Generator:
         self.store = InMemoryNgramStore()  # shared by this generator's single generations
         self.cost_model = cost_model
         self.cost_cache = cost_cache
-        self._surface: CostSurface | None = None
+        self._surface = surface  # another generator's on the same model and device, or opened
         # GT sizing's one-row verify cost: off the surface unless fixed
         self.cost = cost or SurfaceVerifyCost(self.surface)
         self.fixed_batch_cost = batch_cost  # one surface everywhere (tests, replay)

@@ -314,6 +314,11 @@ class SurfaceVerifyCost:
         self.z = z
         self._curves: dict[int, tuple[int, VerifyCost]] = {}
 
+    @property
+    def curves(self) -> dict[int, VerifyCost]:
+        """The curves read so far, per context bucket (as `CostModel.curves`, for reports)."""
+        return {bucket: curve for bucket, (_, curve) in self._curves.items()}
+
     def at(self, context_len: int) -> VerifyCost:
         surface = self._surface()
         bucket = context_bucket(context_len)
