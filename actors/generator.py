@@ -14,12 +14,11 @@ import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+from actors.host import RunnerHost
 from store.base import NgramStore
-from store.factory import open_global_store, open_problem_store
-from tts_service.config import JobConfig, default_max_rows
 from tts_service.engine.batch import BatchDecoder
 from tts_service.generation import Generator
-from tts_service.runner import RunnerLoop, TrajectoryRequest, TrajectoryRunner
+from tts_service.schemas import JobConfig
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,8 @@ class TrajectoryRecord:
 
 class GeneratorActor:
     """`generator` and `decoder` given: a tensor-parallel replica's rank 0 (`actors.tp`), whose
-    loaded shard and mirrored decoder are used as they are; its steps share `token_budget` out
-    over the rows (`speculation="fixed"`): measuring the cost surface would time forwards
-    that the other ranks do not mirror."""
+    loaded shard and mirrored decoder are used as they are (the host shares a fixed token
+    budget over its rows)."""
 
     def __init__(
         self,
@@ -53,18 +51,13 @@ class GeneratorActor:
         decoder: BatchDecoder | None = None,
     ) -> None:
         self.cfg = cfg
-        self.store_url = store_url
-        self.generator = generator or Generator.load(cfg.model)
+        generator = generator or Generator.load(cfg.model)
+        self.host = RunnerHost(
+            generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
+        )
         self.name = f"pid{os.getpid()}"
-        self.global_store = open_global_store(cfg.store, store_url)  # across problems
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
-        self.max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
-        if decoder is not None:
-            runner = TrajectoryRunner(self.generator, self.max_rows, "fixed", decoder=decoder)
-        else:
-            runner = TrajectoryRunner(self.generator, self.max_rows)
-        self.loop = RunnerLoop(runner)
 
     def ready(self) -> str:
         return self.name
@@ -77,8 +70,7 @@ class GeneratorActor:
             self._stores.clear()
         for store in stores:
             store.close()
-        if self.global_store is not None:
-            self.global_store.close()
+        self.host.close()
 
     def _store(self, job_id: str, problem_id: str) -> NgramStore:
         """The problem's store, kept for the few problems in flight (the least recently used
@@ -91,9 +83,7 @@ class GeneratorActor:
             else:
                 if len(self._stores) >= 8:
                     _, dropped = self._stores.popitem(last=False)
-                self._stores[scope_id] = open_problem_store(
-                    self.cfg.store, self.store_url, scope_id, self.global_store
-                )
+                self._stores[scope_id] = self.host.problem_store(scope_id)
             store = self._stores[scope_id]
         if dropped is not None:
             dropped.close()  # outside the lock: it may wait for Redis
@@ -103,25 +93,15 @@ class GeneratorActor:
         """Decode trajectories `indices` of a problem (seeds: sampling.seed + index).
 
         Calls may arrive concurrently (the pool keeps several in flight): their trajectories
-        share the actor's one continuously batched runner."""
-        gen, cfg = self.generator, self.cfg
-        ids = gen.encode(question, chat=cfg.chat)
+        share the host's one continuously batched runner."""
+        cfg = self.cfg
+        ids = self.host.generator.encode(question, chat=cfg.chat)
         store = self._store(job_id, problem_id)
-        requests = [
-            TrajectoryRequest(
-                problem_id,
-                i,
-                ids,
-                cfg.sampling.model_copy(update={"seed": cfg.sampling.seed + i}),
-                cfg.drafter,
-                store,
-                record=cfg.log_trajectories,
-            )
-            for i in indices
-        ]
-        report = self.loop.run(requests)
+        report = self.host.trajectories(
+            problem_id, ids, indices, cfg.sampling, cfg.drafter, store, cfg.log_trajectories
+        )
         records = []
-        for res in sorted(report.results, key=lambda r: r.request.index):
+        for res in report.results:
             o = res.output
             rec = TrajectoryRecord(
                 problem_id,

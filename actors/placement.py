@@ -1,22 +1,26 @@
 """How many GPUs one generator replica needs, and how Ray and accelerate are told about it.
 
 The arithmetic (`plan_placement`, `count_params_from_config`) is pure so it can be checked on a
-box without GPUs. The Ray side (`create_placement_groups`, `scheduling_strategy`) works against
-Ray's *declared* resources, so `ray.init(num_gpus=8)` on a CPU box exercises it for real.
-`ray` is imported lazily: planning must not pay for (or depend on) a Ray import, and nothing
-here touches CUDA at import time.
+box without GPUs; `plan_gpu_replicas` applies it to a job's config, reading the model's
+transformers config (never its weights) and torch's dtype sizes, lazily. The Ray side
+(`create_placement_groups`, `scheduling_strategy`) works against Ray's *declared* resources, so
+`ray.init(num_gpus=8)` on a CPU box exercises it for real. `ray` is imported lazily: planning
+must not pay for (or depend on) a Ray import, and nothing here touches CUDA at import time.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from tts_service.config import ModelConfig
+    from tts_service.schemas import JobConfig
 
 # Fraction of a GPU's memory we let the model (weights + KV cache) use. The rest is for the CUDA
 # context, cuBLAS workspaces and allocator fragmentation, which do not show up in any estimate.
@@ -80,6 +84,37 @@ def plan_placement(
     Raises ValueError if the model does not fit in `max_gpus_per_replica` GPUs or in the
     `num_gpus` available. `num_gpus == 0` plans one CPU replica.
     """
+    _check_placement_args(num_params, dtype_bytes, num_gpus, kv_headroom, max_gpus_per_replica)
+    weights = num_params * dtype_bytes
+    need = math.ceil(weights * (1 + kv_headroom))
+    if num_gpus == 0:
+        return _cpu_plan(weights, need, kv_headroom)
+
+    if gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes must be positive, got {gpu_memory_bytes}")
+    usable = USABLE_GPU_FRACTION * gpu_memory_bytes
+    described = (
+        f"{num_params / 1e9:.1f}B params x {dtype_bytes} B = {weights / 1e9:.1f} GB weights, "
+        f"+{kv_headroom:.0%} KV headroom = {need / 1e9:.1f} GB; "
+        f"{usable / 1e9:.1f} GB usable per GPU ({USABLE_GPU_FRACTION:.0%} of "
+        f"{gpu_memory_bytes / 1e9:.1f} GB)"
+    )
+    gpus = _gpus_per_replica(need, usable, num_gpus, max_gpus_per_replica, described)
+    num_replicas = num_gpus // gpus
+    return PlacementPlan(
+        gpus_per_replica=gpus,
+        num_replicas=num_replicas,
+        bytes_per_replica=need,
+        max_memory=_device_map_budget(usable, weights * kv_headroom, gpus),
+        reason=f"{described} -> {gpus} GPU(s) per replica, {num_replicas} replica(s) "
+        f"on {num_gpus} GPU(s)",
+    )
+
+
+def _check_placement_args(
+    num_params: int, dtype_bytes: int, num_gpus: int, kv_headroom: float, max_gpus_per_replica: int
+) -> None:
+    """`plan_placement`'s arguments, before any arithmetic: ValueError names the bad one."""
     if num_params <= 0 or dtype_bytes <= 0:
         raise ValueError(
             f"num_params and dtype_bytes must be positive: {num_params}, {dtype_bytes}"
@@ -91,62 +126,56 @@ def plan_placement(
     if max_gpus_per_replica < 1:
         raise ValueError(f"max_gpus_per_replica must be >= 1, got {max_gpus_per_replica}")
 
-    weights = num_params * dtype_bytes
-    need = math.ceil(weights * (1 + kv_headroom))
 
-    if num_gpus == 0:
-        return PlacementPlan(
-            gpus_per_replica=0,
-            num_replicas=1,
-            bytes_per_replica=need,
-            max_memory={"cpu": _format_bytes(need, round_up=True)},
-            reason=(
-                f"CPU only (no GPUs): one replica in host memory, "
-                f"{weights / 1e9:.1f} GB weights + {kv_headroom:.0%} KV headroom"
-            ),
-        )
+def _cpu_plan(weights: int, need: int, kv_headroom: float) -> PlacementPlan:
+    """One replica in host memory, its CPU budget the weights plus KV headroom (`need`)."""
+    return PlacementPlan(
+        gpus_per_replica=0,
+        num_replicas=1,
+        bytes_per_replica=need,
+        max_memory={"cpu": _format_bytes(need, round_up=True)},
+        reason=(
+            f"CPU only (no GPUs): one replica in host memory, "
+            f"{weights / 1e9:.1f} GB weights + {kv_headroom:.0%} KV headroom"
+        ),
+    )
 
-    if gpu_memory_bytes <= 0:
-        raise ValueError(f"gpu_memory_bytes must be positive, got {gpu_memory_bytes}")
-    usable = USABLE_GPU_FRACTION * gpu_memory_bytes
+
+def _gpus_per_replica(
+    need: int, usable: float, num_gpus: int, max_gpus_per_replica: int, described: str
+) -> int:
+    """The smallest power of two of GPUs whose `usable` bytes each hold `need`; ValueError
+    (`described` says why) if that is more than `max_gpus_per_replica` or than `num_gpus`."""
     min_gpus = math.ceil(need / usable)
     gpus = 1 << (min_gpus - 1).bit_length()  # next power of two >= min_gpus
-    described = (
-        f"{num_params / 1e9:.1f}B params x {dtype_bytes} B = {weights / 1e9:.1f} GB weights, "
-        f"+{kv_headroom:.0%} KV headroom = {need / 1e9:.1f} GB; "
-        f"{usable / 1e9:.1f} GB usable per GPU ({USABLE_GPU_FRACTION:.0%} of "
-        f"{gpu_memory_bytes / 1e9:.1f} GB)"
-    )
     if gpus > max_gpus_per_replica:
         raise ValueError(
             f"model does not fit: {described}; it needs {gpus} GPUs per replica "
             f"(at least {min_gpus}), more than max_gpus_per_replica={max_gpus_per_replica}"
         )
-    num_replicas = num_gpus // gpus
-    if num_replicas < 1:
+    if num_gpus // gpus < 1:
         raise ValueError(
             f"model does not fit: {described}; it needs {gpus} GPUs per replica "
             f"but only {num_gpus} are available"
         )
+    return gpus
 
-    # Per-GPU weight budget: usable memory minus this GPU's even share of the KV headroom. Because
-    # gpus * usable >= need, this is >= weights / gpus, so an even split fits with slack for
-    # layer granularity, and however accelerate splits it, each GPU keeps its KV share free.
-    # "cpu": 0 - a replica that quietly spills layers to host memory runs orders of magnitude
-    # slower; failing the load is better than that.
-    weight_budget = usable - weights * kv_headroom / gpus
+
+def _device_map_budget(usable: float, kv_bytes: float, gpus: int) -> dict[int | str, str]:
+    """accelerate's `max_memory` for a replica of `gpus` GPUs whose KV headroom is `kv_bytes`.
+
+    Per-GPU weight budget: usable memory minus this GPU's even share of the KV headroom. Because
+    gpus * usable >= need, this is >= weights / gpus, so an even split fits with slack for
+    layer granularity, and however accelerate splits it, each GPU keeps its KV share free.
+    "cpu": 0 - a replica that quietly spills layers to host memory runs orders of magnitude
+    slower; failing the load is better than that.
+    """
+    weight_budget = usable - kv_bytes / gpus
     max_memory: dict[int | str, str] = {
         i: _format_bytes(weight_budget, round_up=False) for i in range(gpus)
     }
     max_memory["cpu"] = "0GiB"
-    return PlacementPlan(
-        gpus_per_replica=gpus,
-        num_replicas=num_replicas,
-        bytes_per_replica=need,
-        max_memory=max_memory,
-        reason=f"{described} -> {gpus} GPU(s) per replica, {num_replicas} replica(s) "
-        f"on {num_gpus} GPU(s)",
-    )
+    return max_memory
 
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)  # ranks of one replica: one node's GPUs, dividing heads
@@ -261,6 +290,74 @@ def count_params_from_config(config: Any) -> int:
     per_layer = attention + mlp + 2 * hidden
     embeddings = vocab * hidden * (1 if tied else 2)
     return embeddings + layers * per_layer + hidden
+
+
+PROMPT_TOKENS = 1024  # a prompt's allowance in the KV estimate when max_model_len is unset
+
+
+def plan_gpu_replicas(cfg: JobConfig, gpus: int) -> PlacementPlan:
+    """The GPU plan of a job's replicas on `gpus` GPUs of `cfg.gpu_memory_gb` each: at most
+    `cfg.replicas` of them (all that fit when unset), sized from the model's config alone.
+
+    `sharding: tensor_parallel` (the default): the smallest rank count, at least
+    `tensor_parallel`, that holds the weights and the KV cache of `max_rows` rows of
+    `max_model_len` tokens (else `max_new_tokens` + PROMPT_TOKENS) and divides the heads.
+    `device_map`: a replica's layers spread over its GPUs (weights + 30% headroom).
+
+    Raises:
+        PlacementError: the model does not fit the GPUs (the planner's reason, chained).
+    """
+    dtype_bytes, config = _model_shape(cfg.model)
+    params = count_params_from_config(config)
+    memory = int(cfg.gpu_memory_gb * 1024**3)
+    try:
+        if cfg.sharding == "device_map":
+            plan = plan_placement(params, dtype_bytes, memory, gpus)
+        else:
+            heads = attention_heads(config)
+            kv = kv_cache_bytes(config, *_kv_rows_and_tokens(cfg), dtype_bytes)
+            plan = plan_tensor_parallel(params, dtype_bytes, kv, memory, gpus, heads)
+            plan = _at_least(plan, cfg.tensor_parallel, gpus)
+    except ValueError as e:  # the model does not fit these GPUs
+        raise PlacementError(str(e)) from e
+    replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
+    return replace(plan, num_replicas=replicas)
+
+
+def _model_shape(model: ModelConfig) -> tuple[int, Any]:
+    """(bytes per parameter, transformers config) of `model`, read without its weights."""
+    import torch
+    from transformers import AutoConfig
+
+    from tts_service.models import model_source
+
+    dtype = torch.bfloat16 if model.dtype == "auto" else getattr(torch, model.dtype)
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    return dtype_bytes, AutoConfig.from_pretrained(model_source(model))
+
+
+def _kv_rows_and_tokens(cfg: JobConfig) -> tuple[int, int]:
+    """The KV cache a replica plans for: `max_rows` rows (else the CUDA default) of
+    `max_model_len` tokens (else `max_new_tokens` + PROMPT_TOKENS)."""
+    from tts_service.config import default_max_rows
+
+    rows = cfg.max_rows or default_max_rows("cuda")
+    tokens = cfg.model.max_model_len or cfg.sampling.max_new_tokens + PROMPT_TOKENS
+    return rows, tokens
+
+
+def _at_least(plan: PlacementPlan, ranks: int, gpus: int) -> PlacementPlan:
+    """The plan with at least the `ranks` the user asked for (more ranks: faster forwards)."""
+    if ranks <= plan.gpus_per_replica:
+        return plan
+    if ranks > gpus:
+        raise ValueError(f"tensor_parallel={ranks} needs {ranks} GPUs; the cluster has {gpus}")
+    return replace(
+        plan,
+        gpus_per_replica=ranks,
+        num_replicas=gpus // ranks,
+        reason=f"{plan.reason}; tensor_parallel={ranks} asked: {gpus // ranks} replica(s)",
+    )
 
 
 def create_placement_groups(

@@ -27,8 +27,9 @@ from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
 from actors.generator import GeneratorActor
 from actors.tp import TensorParallelReplica
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
-from tts_service.config import JobConfig, Problem, default_max_rows
+from tts_service.config import default_max_rows
 from tts_service.generation import InputTooLongError
+from tts_service.schemas import JobConfig, Problem
 
 log = logging.getLogger(__name__)
 RESTART_WAITS = 240  # x 0.5 s: how long a restarting actor (a model load) is waited for
@@ -237,12 +238,7 @@ class TrajectoryPool:
         states, chunks = still_to_run(self.cfg, problems, self.results.load())
         queue = deque(chunks)
         in_flight: dict = {}  # ref -> (chunk, index of its actor)
-        watch = {  # a follower's loop, which ends only when a rank dies -> index of its actor
-            ref: i
-            for i, a in enumerate(self.actors)
-            if isinstance(a, TensorParallelReplica)
-            for ref in a.following
-        }
+        watch = self._follower_loops()
 
         def report_if_done(state: ProblemState) -> None:
             busy = any(c.problem.id == state.problem.id for c, _ in in_flight.values())
@@ -256,18 +252,7 @@ class TrajectoryPool:
             report_if_done(state)
         turn = 0
         while queue or in_flight:
-            while queue and len(in_flight) < calls_per_actor(self.cfg) * len(self.actors):
-                chunk = queue.popleft()
-                if states[chunk.problem.id].stopped_early:
-                    report_if_done(states[chunk.problem.id])
-                    continue
-                # a retried chunk goes to another actor than the one that failed it
-                index = (turn + chunk.attempts) % len(self.actors)
-                turn += 1
-                ref = _leader(self.actors[index]).run.remote(
-                    self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
-                )
-                in_flight[ref] = (chunk, index)
+            turn = self._submit(queue, in_flight, states, turn, report_if_done)
             if not in_flight:
                 continue
             done, _ = ray.wait([*in_flight, *watch], num_returns=1)
@@ -275,25 +260,78 @@ class TrajectoryPool:
                 self._restart(watch[done[0]], [], in_flight, watch, queue, "a rank died")
                 continue
             chunk, index = in_flight.pop(done[0])
-            try:
-                records = ray.get(done[0])
-            except RayError as e:  # actor died, worker crashed, object lost, OOM-killed
-                if isinstance(self.actors[index], TensorParallelReplica) and _rank_failed(e):
-                    self._restart(index, [chunk], in_flight, watch, queue, e)
-                else:
-                    self._retry(chunk, queue, e)
+            records = self._result(done[0], chunk, index, in_flight, watch, queue)
+            if records is None:
                 continue
             state = states[chunk.problem.id]
-            for rec in records:
-                if rec["index"] in state.records:  # a duplicate from a retried call
-                    continue
-                state.records[rec["index"]] = rec
-                self.results.append(rec)
-                if on_trajectory is not None:
-                    on_trajectory(rec)
+            self._record(state, records, on_trajectory)
             stop_early(self.cfg, state)
             report_if_done(state)
         return states
+
+    def _follower_loops(self) -> dict:
+        """A follower's loop, which ends only when a rank dies -> index of its actor."""
+        return {
+            ref: i
+            for i, a in enumerate(self.actors)
+            if isinstance(a, TensorParallelReplica)
+            for ref in a.following
+        }
+
+    def _submit(
+        self,
+        queue: deque,
+        in_flight: dict,
+        states: dict[str, ProblemState],
+        turn: int,
+        report_if_done: Callable[[ProblemState], None],
+    ) -> int:
+        """Send queued chunks until every actor has `calls_per_actor` calls in flight (a chunk
+        of a problem that stopped early is dropped, and the problem reported if done); returns
+        the next `turn` of the round robin."""
+        while queue and len(in_flight) < calls_per_actor(self.cfg) * len(self.actors):
+            chunk = queue.popleft()
+            if states[chunk.problem.id].stopped_early:
+                report_if_done(states[chunk.problem.id])
+                continue
+            # a retried chunk goes to another actor than the one that failed it
+            index = (turn + chunk.attempts) % len(self.actors)
+            turn += 1
+            ref = _leader(self.actors[index]).run.remote(
+                self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
+            )
+            in_flight[ref] = (chunk, index)
+        return turn
+
+    def _result(
+        self, ref, chunk: Chunk, index: int, in_flight: dict, watch: dict, queue: deque
+    ) -> list[dict] | None:
+        """The records of actor `index`'s finished call `ref` for `chunk`, or None if it failed:
+        then the chunk is retried, or its tensor-parallel replica restarted."""
+        try:
+            return ray.get(ref)
+        except RayError as e:  # actor died, worker crashed, object lost, OOM-killed
+            if isinstance(self.actors[index], TensorParallelReplica) and _rank_failed(e):
+                self._restart(index, [chunk], in_flight, watch, queue, e)
+            else:
+                self._retry(chunk, queue, e)
+            return None
+
+    def _record(
+        self,
+        state: ProblemState,
+        records: list[dict],
+        on_trajectory: Callable[[dict], None] | None,
+    ) -> None:
+        """Keep and append each new record of `state`'s problem (a retried call's duplicates
+        are dropped)."""
+        for rec in records:
+            if rec["index"] in state.records:  # a duplicate from a retried call
+                continue
+            state.records[rec["index"]] = rec
+            self.results.append(rec)
+            if on_trajectory is not None:
+                on_trajectory(rec)
 
     def _restart(
         self,

@@ -15,7 +15,9 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from actors.placement import PlacementError
-from tts_service.config import DrafterConfig, JobConfig, ModelConfig, SamplingConfig
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.schemas import JobConfig
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
@@ -97,12 +99,13 @@ class TensorParallelRank:
     def generate(
         self, prompt: str, drafter: DrafterConfig, sampling: SamplingConfig, chat: bool
     ) -> dict:
-        """Rank 0: one generation (`tts generate`'s JSON)."""
-        gen = self.generator
-        ids = gen.encode(prompt, chat)
-        gen.check_fits(ids, sampling)
-        row = self.decoder.new_row(ids, gen.row_drafter(drafter, gen.store, 0), sampling)
-        return gen.output(self.decoder.run([row])[0]).to_dict()
+        """Rank 0: one generation (`tts generate`'s JSON), through a runner over the decoder the
+        other ranks mirror."""
+        from actors.host import RunnerHost
+
+        host = RunnerHost(self.generator, max_rows=1, tp_decoder=self.decoder)
+        ids = self.generator.encode(prompt, chat)
+        return host.generate(ids, drafter, sampling).to_dict()
 
     def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
         """Rank 0 of a job's replica: `GeneratorActor.run` (the pool's call)."""

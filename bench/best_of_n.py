@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import ModelConfig, PlainDrafterConfig, SamplingConfig, StandDrafterConfig
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.base import PlainDrafterConfig
+from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.matmul import restore_linear_products, tune_linear_products
 from tts_service.generation import Generator
 from tts_service.runner import TrajectoryRunner

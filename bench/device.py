@@ -41,16 +41,22 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import DRAFTER_CONFIGS, SamplingConfig, StandDrafterConfig
+from tts_service.config import SamplingConfig
 from tts_service.drafters.base import NoDrafter
-from tts_service.drafters.methods import method_drafter, resolve_method
-from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.drafters.registry import (
+    DRAFTER_CONFIGS,
+    DraftEnv,
+    build_drafter,
+    method_drafter,
+    resolve_method,
+)
+from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.allocate import SlotStats, measure_batch_cost, nodes_for_step
-from tts_service.engine.batch import BatchDecoder, generate
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import CostModel, sync_device
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.matmul import tune_linear_products
-from tts_service.replay import LoggedOracle, LoggedProblem, parse_line
+from tts_service.replay import LoggedBatchDecoder, LoggedOracle, LoggedProblem, parse_line
 
 LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
 
@@ -215,7 +221,7 @@ def timing_replay(model, method: str, problems: list[LoggedProblem], max_nodes: 
     if method != "plain":
         fields = method_drafter(resolve_method(method, device), {}, device)
         drafter_cfg = DRAFTER_CONFIGS[fields["kind"]].model_validate(fields)
-    decoder = BatchDecoder(model, eos_ids=[])
+    decoder = LoggedBatchDecoder(model, eos_ids=[])
     shared: dict = {}
     verify_cost = CostModel.for_model(model, repeats=2)
     stats = SlotStats()
@@ -264,7 +270,12 @@ def greedy_mismatch(model, prompts: list[list[int]], new_tokens: int) -> dict:
     for i, prompt in enumerate(prompts):
         ref = plain_generate(model, prompt, cfg, eos_ids=[]).token_ids
         env = DraftEnv(model.config.vocab_size, InMemoryNgramStore(), i)
-        spec = generate(model, prompt, build_drafter(StandDrafterConfig(), env), cfg, [])
+        decoder = BatchDecoder(model, eos_ids=[])
+        row = decoder.new_row(prompt, build_drafter(StandDrafterConfig(), env), cfg)
+        decoder.join([row])
+        while decoder.active:  # the engine alone, every step drafting the whole tree
+            decoder.step(1024)
+        spec = row.result()
         if spec.token_ids != ref:
             differing += 1
             pairs = enumerate(zip(spec.token_ids, ref, strict=False))

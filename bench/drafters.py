@@ -23,13 +23,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from tts_service.config import (
-    ModelConfig,
-    PlainDrafterConfig,
-    PldDrafterConfig,
-    RecyclingDrafterConfig,
-    SamplingConfig,
-)
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.base import PlainDrafterConfig
+from tts_service.drafters.pld import PldDrafterConfig
+from tts_service.drafters.recycling import RecyclingDrafterConfig
 from tts_service.engine.tree import DraftTree, pack
 from tts_service.generation import Generator
 
@@ -114,8 +111,13 @@ def run_hf(
 
 
 def run_ours(gen: Generator, ids: list[int], cfg: SamplingConfig, method: str) -> dict:
-    out = gen.generate_ids(ids, drafter_for(method), cfg)
-    s = out.stats
+    """One generation through the runner, every step drafting the method's whole tree."""
+    from store.memory import InMemoryNgramStore
+    from tts_service.runner import TrajectoryRunner, trajectory_requests
+
+    runner = TrajectoryRunner(gen, 1, "fixed", token_budget=1025)
+    requests = trajectory_requests("q", ids, [0], cfg, drafter_for(method), InMemoryNgramStore())
+    s = runner.run(requests).results[0].output.stats
     return {
         "new_tokens": s.new_tokens,
         "target_forwards": s.target_forwards,
@@ -210,7 +212,7 @@ def main() -> None:
         file=sys.stderr,
     )
     cost = verify_cost(gen, args.cost_sizes)
-    gen.generate_ids(encoded[0], PlainDrafterConfig(), SamplingConfig(max_new_tokens=8))  # warm-up
+    run_ours(gen, encoded[0], SamplingConfig(max_new_tokens=8), "plain")  # warm-up
     rows = []
     with out.open("w") as f:
         for temp in args.temperatures:

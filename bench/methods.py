@@ -26,8 +26,8 @@ from pydantic import TypeAdapter
 from tqdm import tqdm
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
-from tts_service.drafters.methods import METHODS, method_drafter, resolve_method
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.registry import METHODS, DrafterConfig, method_drafter, resolve_method
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.generation import Generator
 from tts_service.replay import MAX_NODES, sized_fields

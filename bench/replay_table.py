@@ -17,9 +17,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tts_service.config import ReplayRequest
-from tts_service.drafters.methods import REPLAY_METHODS
-from tts_service.replay import TRAJECTORY_INDICES, read_log, replay, replay_drafters
+from tts_service.drafters.registry import REPLAY_METHODS
+from tts_service.replay import TRAJECTORY_INDICES, read_log, replay, replay_config
+from tts_service.schemas import ReplayRequest
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     cells = [(m, n) for m in args.methods for n in args.nodes]
     for method, nodes in tqdm(cells, desc="replay", file=sys.stderr):
         req = ReplayRequest(method=method, trajectories=args.trajectories, nodes=nodes)
-        report = replay(problems, replay_drafters(req, problems), nodes).to_dict()
+        report = replay(problems, replay_config(req), nodes, req.vocab_size).to_dict()
         row = {"method": method, "nodes": nodes, **report}
         rows.append(row)
         with args.out.open("a", encoding="utf-8") as f:

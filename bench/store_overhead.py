@@ -19,7 +19,8 @@ from store.base import NgramRow
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from store.redis_store import RedisLogitNgramStore, RedisScope
-from tts_service.config import ModelConfig, SamplingConfig, StandDrafterConfig
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.generation import Generator
 from tts_service.solve import solve
 

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from store.memory import InMemoryNgramStore
-from tts_service.config import PldDrafterConfig, SamplingConfig
+from tts_service.config import SamplingConfig
+from tts_service.drafters.pld import PldDrafterConfig
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.engine import tp
 from tts_service.engine.batch import BatchDecoder

@@ -29,8 +29,9 @@ from jobs.common import (
     run_missing,
     run_settings,
 )
-from tts_service.config import JobConfig, Problem, read_problems
-from tts_service.drafters.methods import METHOD_NAMES
+from tts_service.drafters.registry import METHOD_NAMES
+from tts_service.engine.metrics import acceptance_length
+from tts_service.schemas import JobConfig, Problem, read_problems
 from tts_service.timing import TIMING_KEYS, process_started, with_setup
 
 
@@ -132,7 +133,7 @@ def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) 
         "accuracy": correct / len(graded) if graded else None,
         "graded": len(graded),
         "total_tokens": tokens,
-        "mean_acceptance_length": tokens / forwards if forwards else 0.0,
+        "mean_acceptance_length": acceptance_length(tokens, forwards),
         **{k: timing[k] for k in TIMING_KEYS},
         "method": cfg.drafter.kind,
         "n": cfg.n,
@@ -152,10 +153,7 @@ def problem_result(state, cfg: JobConfig) -> dict:
         correct = is_correct(vote.answer, state.problem.answer, state.problem.task)
     return {
         "id": state.problem.id,
-        "answer": vote.answer,
-        "votes": vote.votes,
-        "share": vote.share,
-        "no_answer": vote.num_no_answer,
+        **vote.to_dict(),
         "correct": correct,
         "stopped_early": state.stopped_early,
         "trajectories": [
@@ -169,7 +167,7 @@ def problem_result(state, cfg: JobConfig) -> dict:
             "trajectories": len(recs),
             "new_tokens": tokens,
             "target_forwards": forwards,
-            "acceptance_length": tokens / forwards if forwards else 0.0,
+            "acceptance_length": acceptance_length(tokens, forwards),
         },
     }
 

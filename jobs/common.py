@@ -22,8 +22,8 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from tts_service.config import JobConfig, Problem, default_max_rows, load_yaml
-from tts_service.drafters.methods import (
+from tts_service.config import load_yaml
+from tts_service.drafters.registry import (
     DEFAULT_METHOD,
     METHOD_NAMES,
     METHODS,
@@ -31,6 +31,7 @@ from tts_service.drafters.methods import (
     resolve_method,
 )
 from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.schemas import JobConfig, Problem
 from tts_service.timing import phase
 
 if TYPE_CHECKING:
@@ -239,48 +240,16 @@ def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
     return cfg, plan.num_replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
 
 
-PROMPT_TOKENS = 1024  # a prompt's allowance in the KV estimate when max_model_len is unset
-
-
 def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
-    """The GPU plan for `cfg.replicas` (at most what fits) and the config its replicas load.
+    """The GPU plan for `cfg.replicas` (at most what fits; `actors.placement.plan_gpu_replicas`)
+    and the config its replicas load: tensor-parallel ranks set to the plan's, or a sharded
+    `device_map` replica's `max_memory`. A model that does not fit names `gpu_memory_gb`."""
+    from actors.placement import PlacementError, plan_gpu_replicas
 
-    `sharding: tensor_parallel` (the default): the smallest rank count, at least
-    `tensor_parallel`, that holds the weights and the KV cache of `max_rows` rows of
-    `max_model_len` tokens (else `max_new_tokens` + PROMPT_TOKENS) and divides the heads.
-    `device_map`: a replica's layers spread over its GPUs (weights + 30% headroom)."""
-    import torch
-    from transformers import AutoConfig
-
-    from actors.placement import (
-        PlacementError,
-        attention_heads,
-        count_params_from_config,
-        kv_cache_bytes,
-        plan_placement,
-        plan_tensor_parallel,
-    )
-    from tts_service.models import model_source
-
-    dtype = torch.bfloat16 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    dtype_bytes = torch.finfo(dtype).bits // 8
-    config = AutoConfig.from_pretrained(model_source(cfg.model))
-    params = count_params_from_config(config)
-    memory = int(cfg.gpu_memory_gb * 1024**3)
     try:
-        if cfg.sharding == "device_map":
-            plan = plan_placement(params, dtype_bytes, memory, gpus)
-        else:
-            heads = attention_heads(config)
-            rows = cfg.max_rows or default_max_rows("cuda")
-            tokens = cfg.model.max_model_len or cfg.sampling.max_new_tokens + PROMPT_TOKENS
-            kv = kv_cache_bytes(config, rows, tokens, dtype_bytes)
-            plan = plan_tensor_parallel(params, dtype_bytes, kv, memory, gpus, heads)
-            plan = _at_least(plan, cfg.tensor_parallel, gpus)
-    except ValueError as e:  # the model does not fit this cluster's GPUs
+        plan = plan_gpu_replicas(cfg, gpus)
+    except PlacementError as e:  # the model does not fit this cluster's GPUs
         raise PlacementError(f"gpu_memory_gb={cfg.gpu_memory_gb:g}: {e}") from e
-    replicas = min(cfg.replicas or plan.num_replicas, plan.num_replicas)
-    plan = dataclasses.replace(plan, num_replicas=replicas)
     if cfg.sharding == "tensor_parallel":
         cfg = cfg.model_copy(update={"tensor_parallel": plan.gpus_per_replica})
     elif plan.gpus_per_replica > 1:
@@ -288,20 +257,6 @@ def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
         model = cfg.model.model_copy(update={"max_memory": memory_map})
         cfg = cfg.model_copy(update={"model": model})
     return cfg, plan
-
-
-def _at_least(plan: PlacementPlan, ranks: int, gpus: int) -> PlacementPlan:
-    """The plan with at least the `ranks` the user asked for (more ranks: faster forwards)."""
-    if ranks <= plan.gpus_per_replica:
-        return plan
-    if ranks > gpus:
-        raise ValueError(f"tensor_parallel={ranks} needs {ranks} GPUs; the cluster has {gpus}")
-    return dataclasses.replace(
-        plan,
-        gpus_per_replica=ranks,
-        num_replicas=gpus // ranks,
-        reason=f"{plan.reason}; tensor_parallel={ranks} asked: {gpus // ranks} replica(s)",
-    )
 
 
 def run_pool(

@@ -34,10 +34,11 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from actors.placement import PlacementError
 from jobs.common import (
@@ -49,13 +50,16 @@ from jobs.common import (
     run_missing,
 )
 from jobs.endpoint import Endpoint, EndpointError
-from tts_service.config import JobConfig, Problem
-from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
+from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
+from tts_service.schemas import JobConfig, Problem
 from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
 from tts_service.tasks.sandbox import Limits
 from tts_service.timing import TIMING_KEYS, process_started, with_setup
+
+if TYPE_CHECKING:
+    from actors.pool import ResultsFile
 
 ENDPOINT_METHOD = "endpoint"  # the run name of `--endpoint` runs: the server's method is its own
 
@@ -198,46 +202,20 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
     for name in args.method:
         cfg, method = _config(args, name)
         configs[method] = cfg
-    if args.limit is not None and args.limit < 1:
-        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
-    if args.round_items is not None and args.round_items < 1:
-        raise JobInputError(f"--round-items: must be >= 1, got {args.round_items}")
-    if args.test_timeout <= 0:
-        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
+    _check_counts(args)
     source = _source(args)
     endpoint = _endpoint(args)
     release = args.release or DEFAULT_RELEASE
     model = None  # the endpoint's, when there is one
     if endpoint is not None:
         configs = {ENDPOINT_METHOD: next(iter(configs.values()))}
-        try:
-            model = endpoint.model()
-        except EndpointError as e:
-            raise JobInputError(f"--endpoint: {e}") from e
+        model = _endpoint_model(endpoint)
     jobs = []
     for task in args.tasks:
         first = next(iter(configs.values()))
-        try:  # last: the Hub may take a while to answer
-            rows = load_rows(task, source, args.data_files, release)
-            items = build_items(task, rows, first.sampling.seed)
-        except DatasetUnavailable as e:
-            raise JobInputError(f"--data hub: {e}" if source == "hub" else str(e)) from e
-        except ValueError as e:
-            raise JobInputError(str(e)) from e
+        items = _items(task, source, args.data_files, release, first.sampling.seed)
         for method, cfg in configs.items():
-            run_info = {
-                "task": task,
-                "method": method,
-                "drafter": None if endpoint else cfg.drafter.model_dump(mode="json"),
-                "model": model if endpoint else cfg.model.name,
-                "endpoint": endpoint.url if endpoint else None,
-                "n": cfg.n,
-                "sampling": cfg.sampling.model_dump(mode="json"),
-                "chat": cfg.chat,
-                "data": source,
-                "data_files": [str(p) for p in args.data_files or []],
-                "release": release if source == "hub" and task == "lcb" else None,
-            }
+            run_info = _run_info(args, task, method, cfg, source, release, endpoint, model)
             job = EvalJob(
                 cfg,
                 task,
@@ -254,6 +232,64 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
             _check_resumable(job)
             jobs.append(job)
     return jobs
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """--limit, --round-items and --test-timeout are positive when given."""
+    if args.limit is not None and args.limit < 1:
+        raise JobInputError(f"--limit: must be >= 1, got {args.limit}")
+    if args.round_items is not None and args.round_items < 1:
+        raise JobInputError(f"--round-items: must be >= 1, got {args.round_items}")
+    if args.test_timeout <= 0:
+        raise JobInputError(f"--test-timeout: must be > 0, got {args.test_timeout}")
+
+
+def _endpoint_model(endpoint: Endpoint) -> str:
+    """The model the endpoint serves (its answer checks the endpoint before any run)."""
+    try:
+        return endpoint.model()
+    except EndpointError as e:
+        raise JobInputError(f"--endpoint: {e}") from e
+
+
+def _items(
+    task: TaskName, source: DataSource, files: list[Path] | None, release: str, seed: int
+) -> list[EvalItem]:
+    """The task's items, its dataset loaded last in `parse`: the Hub may take a while to
+    answer. A missing or malformed dataset is a JobInputError."""
+    try:
+        rows = load_rows(task, source, files, release)
+        return build_items(task, rows, seed)
+    except DatasetUnavailable as e:
+        raise JobInputError(f"--data hub: {e}" if source == "hub" else str(e)) from e
+    except ValueError as e:
+        raise JobInputError(str(e)) from e
+
+
+def _run_info(
+    args: argparse.Namespace,
+    task: TaskName,
+    method: str,
+    cfg: JobConfig,
+    source: DataSource,
+    release: str,
+    endpoint: Endpoint | None,
+    model: str | None,
+) -> dict:
+    """What run.json records of one task and method: what a resumed run must match."""
+    return {
+        "task": task,
+        "method": method,
+        "drafter": None if endpoint else cfg.drafter.model_dump(mode="json"),
+        "model": model if endpoint else cfg.model.name,
+        "endpoint": endpoint.url if endpoint else None,
+        "n": cfg.n,
+        "sampling": cfg.sampling.model_dump(mode="json"),
+        "chat": cfg.chat,
+        "data": source,
+        "data_files": [str(p) for p in args.data_files or []],
+        "release": release if source == "hub" and task == "lcb" else None,
+    }
 
 
 def _check_resumable(job: EvalJob) -> None:
@@ -313,17 +349,8 @@ def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) 
     conditions and speed as one session in run.json, its wall time from `since` (a
     `time.perf_counter` value) to now."""
     from actors.pool import ResultsFile
-    from tts_service.tasks.grading import grade_item
-    from tts_service.tasks.sandbox import protections
 
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    run_file = job.run_dir / "run.json"
-    before = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
-    info = dict(job.run_info, sandbox=protections() if job.task == "lcb" else None)
-    info["sessions"] = before.get("sessions", [])
-    run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
-    if info["sandbox"]:
-        print(f"[eval] sandbox: {json.dumps(info['sandbox'])}", flush=True)
+    info = _open_run(job)
     graded = ResultsFile(job.run_dir / "items.jsonl", key="id", key_type=str)
     done = {row["id"] for row in graded.load()}
     todo = {item.id: item for item in items if item.id not in done}
@@ -339,6 +366,41 @@ def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) 
         "loadavg_start": _load(),
     }
     progress = Progress(job.cfg.n * len(todo), len(todo))
+    on_problem = _grader(job, todo, graded, progress)
+    if todo and job.endpoint is not None:
+        _run_endpoint(job, list(todo.values()), progress, on_problem)
+    elif todo:
+        _run_actors(job, list(todo.values()), progress, on_problem)
+    progress.close()
+    speed = with_setup(progress.summary(), since)
+    session |= {k: speed[k] for k in ("new_tokens", *TIMING_KEYS)}
+    session["loadavg_end"] = _load()
+    info["sessions"].append(session)
+    (job.run_dir / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+
+
+def _open_run(job: EvalJob) -> dict:
+    """Write the run's run.json (its settings, the sandbox's protections on lcb, the earlier
+    sessions kept) before anything runs, and return it for this session to be added."""
+    from tts_service.tasks.sandbox import protections
+
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    run_file = job.run_dir / "run.json"
+    before = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
+    info = dict(job.run_info, sandbox=protections() if job.task == "lcb" else None)
+    info["sessions"] = before.get("sessions", [])
+    run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
+    if info["sandbox"]:
+        print(f"[eval] sandbox: {json.dumps(info['sandbox'])}", flush=True)
+    return info
+
+
+def _grader(
+    job: EvalJob, todo: dict[str, EvalItem], graded: ResultsFile, progress: Progress
+) -> Callable[[str, list[dict]], None]:
+    """`on_problem(item id, records)`: grade an item whose trajectories are all in, append its
+    row to `graded` (and its samples with `--log-samples`) and print its verdict."""
+    from tts_service.tasks.grading import grade_item
 
     def on_problem(item_id: str, records: list[dict]) -> None:
         progress.problems += 1
@@ -354,27 +416,23 @@ def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) 
             flush=True,
         )
 
-    if todo and job.endpoint is not None:
-        _run_endpoint(job, list(todo.values()), progress, on_problem)
-    elif todo:
-        problems = [
-            Problem(id=i.id, question=i.prompt, task=i.answer_kind, answer=i.answer)
-            for i in todo.values()
-        ]
-        run_missing(
-            job.cfg,
-            problems,
-            job.run_dir / "trajectories.jsonl",
-            job_id_for(job.run_dir),
-            progress,
-            lambda state: on_problem(state.problem.id, list(state.records.values())),
-        )
-    progress.close()
-    speed = with_setup(progress.summary(), since)
-    session |= {k: speed[k] for k in ("new_tokens", *TIMING_KEYS)}
-    session["loadavg_end"] = _load()
-    info["sessions"].append(session)
-    run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
+    return on_problem
+
+
+def _run_actors(job: EvalJob, items: list[EvalItem], progress: Progress, on_problem) -> None:
+    """Every item's n trajectories from this service's actors (resuming from
+    trajectories.jsonl); graded as each item's last one arrives."""
+    problems = [
+        Problem(id=i.id, question=i.prompt, task=i.answer_kind, answer=i.answer) for i in items
+    ]
+    run_missing(
+        job.cfg,
+        problems,
+        job.run_dir / "trajectories.jsonl",
+        job_id_for(job.run_dir),
+        progress,
+        lambda state: on_problem(state.problem.id, list(state.records.values())),
+    )
 
 
 def _run_endpoint(job: EvalJob, items: list[EvalItem], progress: Progress, on_problem) -> None:

@@ -14,9 +14,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
-from tts_service.config import DrafterConfig, RecyclingDrafterConfig, StandDrafterConfig
-from tts_service.drafters.methods import METHODS, method_drafter
-from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.drafters.recycling import RecyclingDrafterConfig
+from tts_service.drafters.registry import (
+    KINDS,
+    METHODS,
+    DraftEnv,
+    DrafterConfig,
+    build_drafter,
+    method_drafter,
+    size_field,
+)
+from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,15 +32,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # learned cost surfaces go to a directory of this session's, not the user's cache
 os.environ.setdefault("TTS_COST_CACHE", tempfile.mkdtemp(prefix="tts-cost-"))
 
-# every registered method with small trees (fast on a tiny model), plus a few variants
+# every registered method (the registry's, `TTS_DRAFTERS` included) with small trees (fast on a
+# tiny model: 16 nodes unless named here), plus a few variants
+_TEST_SIZES = {"pld": 5, "stand_spine": 24, "goose": 24, "gtcp": 48, "stand_dyn": 48}
+_TEST_EXTRA = {"stand": {"tree": "stand-625"}, "stand_spine": {"tree": "stand-625", "min_match": 2}}
 TEST_PRESETS = {
-    "pld": {"num_draft_tokens": 5},
-    "recycling": {"num_nodes": 16},
-    "stand": {"num_nodes": 16, "tree": "stand-625"},
-    "stand_spine": {"num_nodes": 24, "tree": "stand-625", "min_match": 2},
-    "goose": {"num_nodes": 24},
-    "gtcp": {"max_nodes": 48},
-    "stand_dyn": {"num_nodes": 48},
+    kind: {size_field(kind): _TEST_SIZES.get(kind, 16), **_TEST_EXTRA.get(kind, {})}
+    for kind in KINDS
+    if size_field(kind)
 }
 _TEST_FIELDS = {"recycle-gt": {"num_nodes": 40}, "stand-gt": {"num_nodes": 40, "tree": "stand-80"}}
 DRAFTER_CONFIGS = {

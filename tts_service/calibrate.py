@@ -11,13 +11,16 @@ of the result the best tree of that size. See docs/design.md, "STAND drafting".
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
-from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.tree import DraftTree, TreeShape, select_subtree
 from tts_service.engine.verify import Acceptance
+
+BIG_TREE_NODES = 1024  # the calibration tree's cap: the whole 625-node shape is drafted
 
 
 class OnPathCounter:
@@ -42,6 +45,9 @@ class OnPathCounter:
         for node in acc.path:
             self.counts[self._shape_ids[node]] += 1
         self.inner.observe(tree, acc, topk)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        self.inner.observe_root(tokens, topk)
 
 
 @dataclass(frozen=True)
@@ -100,25 +106,27 @@ def _finish(req, counters: list[OnPathCounter], facts: dict) -> CalibratedTree:
 
 def calibrate(generator, req) -> CalibratedTree:
     """Live: `req.n` trajectories per calibration prompt with the big tree, a fresh store per
-    prompt; write the best `req.nodes` nodes to `req.out`."""
+    prompt, one after another through the runner (each drafts from what the earlier ones of
+    its prompt stored); write the best `req.nodes` nodes to `req.out`."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
     from store.memory import InMemoryNgramStore
-    from tts_service.config import StandDrafterConfig
+    from tts_service.runner import TrajectoryRunner, trajectory_requests
 
     prompts = [json.loads(x)["prompt"] for x in req.prompts.read_text().splitlines() if x.strip()]
-    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=1024)
+    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=BIG_TREE_NODES)
     counters: list[OnPathCounter] = []
-    tokens = 0
-    with tqdm(total=len(prompts) * req.n, desc="calibration trajectories") as bar:
-        for p_idx, prompt in enumerate(prompts):
-            counter = OnPathCounter(StandDrafter(cfg, InMemoryNgramStore(), seed=p_idx))
-            counters.append(counter)
-            ids = generator.encode(prompt, chat=req.chat)
-            for i in range(req.n):
-                sampling = req.sampling.model_copy(update={"seed": req.sampling.seed + i})
-                tokens += generator.run(ids, counter, sampling).stats.new_tokens
-                bar.update(1)
+    requests = []
+    for p_idx, prompt in enumerate(prompts):
+        ids = generator.encode(prompt, chat=req.chat)
+        store = InMemoryNgramStore()
+        for r in trajectory_requests(str(p_idx), ids, range(req.n), req.sampling, cfg, store):
+            requests.append(replace(r, wrap=lambda d: _counted(d, counters)))
+    runner = TrajectoryRunner(generator, 1, "fixed", token_budget=BIG_TREE_NODES + 1)
+    with tqdm(total=len(requests), desc="calibration trajectories") as bar:
+        report = runner.run(requests, on_result=lambda _res: bar.update(1))
     facts = {
         "mode": "live",
         "model": req.model.name,
@@ -127,22 +135,24 @@ def calibrate(generator, req) -> CalibratedTree:
         "trajectories_per_prompt": req.n,
         "temperature": req.sampling.temperature,
         "max_new_tokens": req.sampling.max_new_tokens,
-        "generated_tokens": tokens,
+        "generated_tokens": sum(r.output.stats.new_tokens for r in report.results),
     }
     return _finish(req, counters, facts)
 
 
+def _counted(drafter, counters: list[OnPathCounter]) -> OnPathCounter:
+    counter = OnPathCounter(drafter)
+    counters.append(counter)
+    return counter
+
+
 def calibrate_from_log(req, problems) -> CalibratedTree:
     """Replay: the same counts from logged trajectories (deterministic drafting), no model."""
-    from store.memory import InMemoryNgramStore
-    from tts_service.config import StandDrafterConfig
     from tts_service.replay import replay
 
-    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=1024)
-    counters = [
-        OnPathCounter(StandDrafter(cfg, InMemoryNgramStore(), seed=i)) for i in range(len(problems))
-    ]
-    report = replay(problems, lambda i, _: counters[i])
+    cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=BIG_TREE_NODES)
+    counters: list[OnPathCounter] = []
+    report = replay(problems, cfg, BIG_TREE_NODES, wrap=lambda d: _counted(d, counters))
     facts = {
         "mode": "replay",
         "trajectories": str(req.trajectories),

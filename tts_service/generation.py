@@ -1,47 +1,29 @@
-"""One loaded model, text in, text out: the glue the CLI, the actors and the benchmarks share.
+"""One loaded model as the runner uses it (`runner.RunnerModel`): its decoder, its drafters,
+its cost surface, and text in and out.
 
-Drafters are kept per drafter config, so state that is meant to persist (Token Recycling's
-successor table, the hot start) carries over between calls on the same `Generator`.
+What drafters share per loaded model (Token Recycling's successor table: the hot start) lives
+here, so it carries over between every run on the same `Generator`.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 from store.base import NgramStore
-from store.memory import InMemoryNgramStore
-from tts_service.config import DrafterConfig, ModelConfig, SamplingConfig
+from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
-from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
-from tts_service.engine.batch import generate
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
-from tts_service.engine.decode import FinishReason, GenerationResult, OnCommit, plain_generate
-from tts_service.engine.metrics import GenerationStats
+from tts_service.engine.decode import GenerationOutput, GenerationResult
 from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
 from tts_service.models import LoadedModel, encode_prompt, load_model
 
 
 class InputTooLongError(ValueError):
     """The prompt plus max_new_tokens does not fit the model's context."""
-
-
-@dataclass(frozen=True)
-class GenerationOutput:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    stats: GenerationStats
-
-    def to_dict(self) -> dict:
-        return {
-            "text": self.text,
-            "token_ids": list(self.token_ids),
-            "finish_reason": self.finish_reason,
-            "stats": self.stats.to_dict(),
-        }
 
 
 class Generator:
@@ -63,11 +45,9 @@ class Generator:
     ) -> None:
         self.loaded = loaded
         self.max_model_len = max_model_len  # below the model's context, if set
-        self._drafters: dict[str, Drafter] = {}
         self._shared: dict = {}  # what every drafter of this model shares (successor tables)
         # per problem store: what its trajectories share beside the store itself
         self._per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.store = InMemoryNgramStore()  # shared by this generator's single generations
         self.cost_model = cost_model
         self.cost_cache = cost_cache
         self._surface = surface  # another generator's on the same model and device, or opened
@@ -101,44 +81,18 @@ class Generator:
             self._surface = surface
         return self._surface
 
-    def drafter(self, cfg: DrafterConfig) -> Drafter:
-        """The drafter kept for this config, over this generator's own store (Token Recycling's
-        table and single generations' STAND store carry over between calls)."""
-        key = cfg.model_dump_json()
-        if key not in self._drafters:
-            self._drafters[key] = self.row_drafter(cfg, self.store, 0)
-        return self._drafters[key]
+    def new_decoder(self) -> BatchDecoder:
+        """A batch decoder over this model (the runner's, unless it is given one)."""
+        loaded = self.loaded
+        return BatchDecoder(
+            loaded.model, loaded.eos_token_ids, self.decode, cuda_graphs=loaded.cuda_graphs
+        )
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         return encode_prompt(self.loaded.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def generate_ids(
-        self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig
-    ) -> GenerationOutput:
-        return self.run(
-            prompt_ids, None if drafter.kind == "plain" else self.drafter(drafter), sampling
-        )
-
-    def run(
-        self,
-        prompt_ids: list[int],
-        drafter: Drafter | None,
-        sampling: SamplingConfig,
-        on_commit: OnCommit | None = None,
-    ) -> GenerationOutput:
-        """Decode one trajectory: plain decoding when `drafter` is None. `on_commit` sees the
-        tokens of every step (streaming) and cancels by returning False."""
-        self.check_fits(prompt_ids, sampling)
-        args = (self.loaded.model, prompt_ids)
-        eos, decode = self.loaded.eos_token_ids, self.decode
-        if drafter is None:
-            res = plain_generate(*args, sampling, eos, decode, on_commit=on_commit)
-        else:
-            res = generate(*args, drafter, sampling, eos, decode, on_commit=on_commit)
-        return self.output(res)
 
     def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
         """How often each tree slot of this method's trees is accepted (the runner's α̂),
@@ -174,8 +128,3 @@ class Generator:
         if res.stop_text is not None and res.stop_text in text:
             text = text[: text.find(res.stop_text)]
         return GenerationOutput(text, res.token_ids, res.finish_reason, res.stats)
-
-    def generate(
-        self, prompt: str, drafter: DrafterConfig, sampling: SamplingConfig, chat: bool = False
-    ) -> GenerationOutput:
-        return self.generate_ids(self.encode(prompt, chat), drafter, sampling)

@@ -5,7 +5,9 @@ tokens a trajectory commits are exactly the logged trajectory. So a drafter's ac
 length on a log can be computed exactly without the model: draft (deterministic mode), match
 the tree against the true next tokens, commit matched + 1, then feed the drafter what the live
 engine would have fed it at those committed positions (the logged top-k distributions). The
-drafters are the live ones; replay only replaces the target forward.
+drafters are the live ones and so is the loop: replay runs the one runner
+(`runner.TrajectoryRunner`) over a decoder whose acceptance follows the log (`LoggedDecoder`);
+it only replaces the target forward.
 
 Log format (JSON Lines, one problem per line):
     {"prompt_id": str, "prompt_ids": [int], "responses": [[int]],
@@ -20,15 +22,30 @@ from __future__ import annotations
 import gzip
 import json
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
+from store.base import NgramStore
+from store.memory import InMemoryNgramStore
+from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter, method_drafter
+from tts_service.engine.allocate import SlotStats
+from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
+from tts_service.engine.cost import GPU_LIKE_COST, CostModel
+from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
+from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
+from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
+from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
+from tts_service.solve import SolveResult
 
 MAX_NODES = 1024
 TRAJECTORY_INDICES = (1, 2, 4, 8, 16)  # the per-index breakdown: does the store help later ones?
@@ -126,37 +143,6 @@ def read_log(
     return problems, errors
 
 
-class TrajectoryRecorder:
-    """Wraps a drafter and keeps the target's top-k at every committed position."""
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.top_ids: list[list[int]] = []
-        self.top_probs: list[list[float]] = []
-
-    def start(self, prompt_ids: list[int]) -> None:
-        self.top_ids, self.top_probs = [], []
-        self.inner.start(prompt_ids)
-
-    def draft(self, ctx: DraftContext) -> DraftTree:
-        return self.inner.draft(ctx)
-
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from
-        self.top_ids += topk.ids[nodes].tolist()
-        self.top_probs += topk.probs[nodes].tolist()
-        self.inner.observe(tree, acc, topk)
-
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        self.top_ids += topk.ids[:1].tolist()
-        self.top_probs += topk.probs[:1].tolist()
-        self.inner.observe_root(tokens, topk)
-
-    def rows(self, num_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-        """The rows of the generation's tokens (a stop may cut the last block)."""
-        return self.top_ids[:num_tokens], self.top_probs[:num_tokens]
-
-
 class LogWriter:
     """Appends one problem per line, flushed as it goes."""
 
@@ -169,6 +155,20 @@ class LogWriter:
             f.write(problem.to_json() + "\n")
 
 
+def logged_problem(prompt_ids: list[int], result: SolveResult) -> LoggedProblem:
+    """One solved problem as a line of a trajectory log (`top_*` when every trajectory was
+    recorded)."""
+    trajs = result.trajectories
+    recorded = all(t.top_ids is not None for t in trajs)
+    return LoggedProblem(
+        result.problem_id,
+        list(prompt_ids),
+        [list(t.output.token_ids) for t in trajs],
+        [t.top_ids for t in trajs] if recorded else None,  # type: ignore[misc]
+        [t.top_probs for t in trajs] if recorded else None,  # type: ignore[misc]
+    )
+
+
 @dataclass
 class ReplayReport:
     steps: int = 0
@@ -178,28 +178,30 @@ class ReplayReport:
     accepted_at_depth: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
-    def add_step(self, index: int, nodes: int, accepted: int, committed: int) -> None:
-        self.steps += 1
-        self.tokens += committed
-        self.tree_nodes += nodes
+    def add(self, index: int, stats: GenerationStats) -> None:
+        """One replayed trajectory: response `index` of its problem."""
+        self.steps += stats.target_forwards
+        self.tokens += stats.new_tokens
+        self.tree_nodes += stats.tree_nodes
         slot = self.by_index.setdefault(index, [0, 0])
-        slot[0] += committed
-        slot[1] += 1
-        self.accepted_at_depth.extend([0] * (accepted - len(self.accepted_at_depth)))
-        for d in range(accepted):
-            self.accepted_at_depth[d] += 1
+        slot[0] += stats.new_tokens
+        slot[1] += stats.target_forwards
+        depth = stats.accepted_at_depth
+        self.accepted_at_depth.extend([0] * (len(depth) - len(self.accepted_at_depth)))
+        for d, c in enumerate(depth):
+            self.accepted_at_depth[d] += c
 
     def to_dict(self) -> dict:
         return {
-            "acceptance_length": round(self.tokens / self.steps, 4) if self.steps else 0.0,
+            "acceptance_length": round(acceptance_length(self.tokens, self.steps), 4),
             "steps": self.steps,
             "tokens": self.tokens,
             "mean_tree_nodes": round(self.tree_nodes / self.steps, 2) if self.steps else 0.0,
             "acceptance_length_by_index": [
-                round(t / s, 4) for _, (t, s) in sorted(self.by_index.items())
+                round(acceptance_length(t, s), 4) for _, (t, s) in sorted(self.by_index.items())
             ],
             "acceptance_length_at_trajectory": {  # 1-based index within a problem
-                str(i): round(t / s, 4)
+                str(i): round(acceptance_length(t, s), 4)
                 for i in TRAJECTORY_INDICES
                 if i - 1 in self.by_index
                 for t, s in [self.by_index[i - 1]]
@@ -225,9 +227,9 @@ class LoggedOracle:
     """Acceptance that follows logged response `r` of a problem: the deepest tree path that
     matches the logged next tokens, then the logged token after it; the drafter observes the
     logged top-k at the committed positions. Under greedy verification this is exactly what
-    the live engine commits. Offline replay (`replay`) uses it without a model; the device
-    benchmark's timing replay (`bench/device.py`, `BatchDecoder` rows with an oracle) uses it
-    with real forwards, so a device's speed is measured with real trees and real acceptance."""
+    the live engine commits. Offline replay (`replay`, `LoggedDecoder`) uses it without a
+    model; the device benchmark's timing replay (`bench/device.py`, `LoggedBatchDecoder`) with
+    real forwards, so a device's speed is measured with real trees and real acceptance."""
 
     def __init__(self, problem: LoggedProblem, r: int) -> None:
         self.problem, self.r = problem, r
@@ -252,37 +254,152 @@ class LoggedOracle:
         return acc, NodeTopK(ids, probs, known)
 
 
-def _walk(
-    drafter: Drafter, problem: LoggedProblem, r: int, report: ReplayReport, max_nodes: int
-) -> None:
-    prompt, resp = problem.prompt_ids, problem.responses[r]
-    oracle = LoggedOracle(problem, r)
-    drafter.start(list(prompt))
-    tokens, pos = list(prompt), 0
-    while pos < len(resp):
-        tree = drafter.draft(DraftContext(tokens, len(prompt), max_nodes, greedy=True))
-        acc, top = oracle(tree, pos)
-        committed = list(acc.committed[: len(resp) - pos])
-        drafter.observe(tree, acc, top)
-        report.add_step(r, tree.size - 1, min(acc.num_accepted, len(committed)), len(committed))
-        tokens += committed
-        pos += len(committed)
+class LoggedDecoder:
+    """The runner's decoder over a trajectory log (`runner.StepDecoder`): each step drafts
+    every row's tree and takes its acceptance from the row's logged response (no model, no
+    forward). Rows are matched to responses by their request: problem `str(i)` of `problems`,
+    response `index`."""
+
+    def __init__(self, problems: Sequence[LoggedProblem]) -> None:
+        self.problems = problems
+        self.active: list[Row] = []
+        self.forwards = ForwardStats()
+        self.oracles: dict[int, LoggedOracle] = {}  # id(row) -> its response's oracle
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def context_len(self) -> int:
+        return max((len(r.tokens) for r in self.active), default=0)
+
+    def stop_rule(self, cfg: SamplingParams, on_commit: OnCommit | None = None) -> StopRule:
+        return StopRule(cfg, (), None, on_commit)
+
+    def join(self, rows: list[Row]) -> None:
+        for row in rows:
+            req = cast(TrajectoryRow, row).request
+            self.oracles[id(row)] = LoggedOracle(self.problems[int(req.problem_id)], req.index)
+            row.drafter.start(row.tokens)
+        self.active.extend(rows)
+
+    def drop(self, rows: list[Row]) -> None:
+        gone = {id(r) for r in rows}
+        self.active = [r for r in self.active if id(r) not in gone]
+
+    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
+        """Every row drafts (deterministically) and commits what its response says."""
+        batch, total, nodes, width = list(self.active), 0, 0, 1
+        for row in batch:
+            ctx = DraftContext(row.tokens, len(row.prompt_ids), max_nodes, greedy=True)
+            tree = row.drafter.draft(ctx)
+            acc, top = self.oracles[id(row)](tree, len(row.rule.out))
+            committed = row.rule.push(acc.committed)
+            row.tokens.extend(acc.committed[:committed])
+            row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
+            row.drafter.observe(tree, acc, top)
+            if observe is not None:
+                observe(row, tree, acc)
+            total, nodes, width = total + committed, nodes + tree.size - 1, max(width, tree.size)
+        finished = [r for r in batch if r.rule.finish is not None]
+        self.drop(finished)
+        for row in finished:
+            del self.oracles[id(row)]
+        self.forwards.record(len(batch), width, nodes, total, 0.0, 0.0)
+        return finished
+
+
+class LoggedBatchDecoder(BatchDecoder):
+    """Timing replay (`bench/device.py`): real batched forwards, acceptance from the log, so a
+    device is timed on real trees with real acceptance. `new_row` takes the row's oracle."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.oracles: dict[int, LoggedOracle] = {}
+
+    def new_row(self, prompt_ids, drafter, cfg, on_commit=None, oracle=None) -> Row:  # noqa: D102
+        row = super().new_row(prompt_ids, drafter, cfg, on_commit)
+        if oracle is not None:
+            self.oracles[id(row)] = oracle
+        return row
+
+    def verify(self, batch, trees, logits) -> list[Verified]:
+        live = super().verify(batch, trees, logits)
+        return [
+            Verified(*self.oracles[id(row)](tree, len(row.rule.out)))
+            if id(row) in self.oracles
+            else v
+            for row, tree, v in zip(batch, trees, live, strict=True)
+        ]
+
+
+class LoggedTarget:
+    """The runner's model over a trajectory log (`runner.RunnerModel`): drafters as the live
+    service builds them (`Generator.row_drafter`), successor tables shared by the whole log
+    (the hot start), the store and the `problem` state by one problem's trajectories. GT
+    sizing prices nodes with `GPU_LIKE_COST` (fixed, so replay stays model- and machine-free;
+    on it GT keeps nearly every node that has paid, so the cap decides)."""
+
+    fixed_batch_cost = None
+
+    def __init__(self, problems: Sequence[LoggedProblem], vocab_size: int | None = None) -> None:
+        self.problems = problems
+        self.vocab = vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
+        self.cost = CostModel.fixed(GPU_LIKE_COST)
+        self.shared: dict = {}
+        self.per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.slots = SlotStats()
+
+    def new_decoder(self) -> LoggedDecoder:
+        return LoggedDecoder(self.problems)
+
+    def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        pass  # a logged trajectory fitted when it was decoded
+
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
+        env = DraftEnv(
+            self.vocab, store, seed, self.cost, self.shared, self.per_store.setdefault(store, {})
+        )
+        return build_drafter(cfg, env)
+
+    def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
+        return self.slots
+
+    def surface(self, max_rows: int = 1) -> CostSurface:
+        raise NotImplementedError("replay steps are sized by a fixed budget")
+
+    def output(self, res: GenerationResult) -> GenerationOutput:
+        return GenerationOutput("", res.token_ids, res.finish_reason, res.stats)
 
 
 def replay(
-    problems: list[LoggedProblem],
-    drafter_for: Callable[[int, int], Drafter],
+    problems: Sequence[LoggedProblem],
+    cfg: DrafterConfig,
     max_nodes: int = MAX_NODES,
+    vocab_size: int | None = None,
+    wrap: Callable[[Drafter], Drafter] | None = None,
 ) -> ReplayReport:
-    """Replay every response of every problem in order. `drafter_for(problem_index, response)`
-    returns the drafter of that trajectory (`replay_drafters`: one per trajectory over shared
-    state, as the runner builds them); `max_nodes` caps every step's tree, as the engine does."""
-    report = ReplayReport()
+    """Replay every response of every problem, one after another (each drafts from what the
+    earlier ones of its problem stored, as `max_rows = 1` runs live), through the one runner
+    over the log; `max_nodes` caps every step's tree, as the engine does. `wrap` wraps every
+    trajectory's drafter (tree calibration's counters)."""
+    target = LoggedTarget(problems, vocab_size)
+    runner = TrajectoryRunner(target, 1, "fixed", token_budget=max_nodes + 1)
+    requests = []
+    for i, problem in enumerate(problems):
+        store = InMemoryNgramStore()
+        for r, response in enumerate(problem.responses):
+            if not response:
+                continue
+            greedy = SamplingParams(0.0, max_new_tokens=len(response), seed=r, ignore_eos=True)
+            req = TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, cfg, store, wrap=wrap)
+            requests.append(req)
     start = time.perf_counter()
-    for p_idx, problem in enumerate(problems):
-        for r in range(len(problem.responses)):
-            _walk(drafter_for(p_idx, r), problem, r, report, max_nodes)
-    report.seconds = time.perf_counter() - start
+    run = runner.run(requests)
+    report = ReplayReport(seconds=time.perf_counter() - start)
+    for res in sorted(run.results, key=lambda x: (int(x.request.problem_id), x.request.index)):
+        report.add(res.request.index, res.output.stats)
     return report
 
 
@@ -294,49 +411,30 @@ def _max_id(problem: LoggedProblem) -> int:
 
 
 def sized_fields(fields: dict, nodes: int) -> dict:
-    """A method's drafter fields with its size field set to `nodes` (within the field's bound:
-    PLD's chain is at most 64 tokens)."""
-    from tts_service.config import DRAFTER_CONFIGS
+    """A method's drafter fields with its size field (`registry.size_field`) set to `nodes`
+    (within the field's bound: PLD's chain is at most 64 tokens); unchanged for a kind without
+    one (plain: the replay's node cap is all there is)."""
+    from tts_service.drafters.registry import DRAFTER_CONFIGS, size_field
 
-    name = {"pld": "num_draft_tokens", "gtcp": "max_nodes"}.get(fields["kind"], "num_nodes")
+    name = size_field(fields["kind"])
+    if name is None:
+        return dict(fields)
     bound = DRAFTER_CONFIGS[fields["kind"]].model_fields[name].metadata
     return {**fields, name: min([nodes, *(m.le for m in bound if hasattr(m, "le"))])}
 
 
-def replay_drafters(req, problems: list[LoggedProblem]) -> Callable[[int, int], Drafter]:
-    """Drafters as the live service builds them (`Generator.row_drafter`): one per trajectory,
-    seeded by its index, over the method's preset-free fields; successor tables shared by the
-    whole log (the hot start), the store and the `problem` dict (spine index, GT statistics)
-    by one problem's trajectories. GT sizing prices nodes with `GPU_LIKE_COST`
-    (fixed, so replay stays model- and machine-free; on it GT keeps nearly every node that has
-    paid, so the cap decides).
+def replay_config(req) -> DrafterConfig:
+    """The drafter config a `tts replay` request names: the method's preset-free fields, sized
+    by `req.nodes`, on `req.tree`.
 
     Raises:
         ValidationError: a field the method does not take (`--tree` for PLD, say).
     """
     from pydantic import TypeAdapter
 
-    from store.memory import InMemoryNgramStore
-    from tts_service.config import DrafterConfig
-    from tts_service.drafters.methods import method_drafter
-    from tts_service.drafters.registry import DraftEnv, build_drafter
-    from tts_service.engine.cost import GPU_LIKE_COST, CostModel
-
     fields = method_drafter(req.method, {})
     if req.nodes:
         fields = sized_fields(fields, req.nodes)
     if req.tree:
         fields["tree"] = req.tree
-    cfg = TypeAdapter(DrafterConfig).validate_python(fields)
-    vocab = req.vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
-    cost, generator = CostModel.fixed(GPU_LIKE_COST), {}
-    per_problem: dict[int, tuple] = {}
-
-    def drafter_for(p_idx: int, r: int) -> Drafter:
-        if p_idx not in per_problem:
-            per_problem.clear()  # the previous problem is done
-            per_problem[p_idx] = (InMemoryNgramStore(), {})
-        store, problem = per_problem[p_idx]
-        return build_drafter(cfg, DraftEnv(vocab, store, r, cost, generator, problem))
-
-    return drafter_for
+    return TypeAdapter(DrafterConfig).validate_python(fields)

@@ -1,5 +1,7 @@
-"""The one trajectory runner: every edge (CLI `solve`, the generator actor, Serve, evaluation)
-decodes its trajectories here.
+"""The one trajectory runner: the only thing that steps a batch decoder. Every path decodes
+here: `tts solve` and `tts generate` (plain included), the generator actor, Serve, evaluation,
+tree calibration, tensor-parallel ranks and trajectory replay (over a decoder whose acceptance
+follows a log, `tts_service.replay`).
 
 Trajectory requests wait in a queue; up to `max_rows` of them decode together in one batch
 (`engine.batch.BatchDecoder`). When a row finishes, the next waiting trajectory joins at the
@@ -23,17 +25,22 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+import torch
 
 from store.base import NgramStore
-from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.engine.allocate import SlotStats, SpeculationPlanner
-from tts_service.engine.batch import BatchDecoder, Row
-from tts_service.engine.decode import OnCommit
-from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.config import SamplingConfig
+from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.engine.allocate import SlotStats, SpeculationPlanner, StepCost
+from tts_service.engine.batch import Row, StepObserver
+from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
+from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
+from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
-from tts_service.generation import GenerationOutput, Generator
-from tts_service.replay import TrajectoryRecorder
 
 MAX_NODES = 64  # the most draft nodes a row may get in one step
 
@@ -41,16 +48,154 @@ MAX_NODES = 64  # the most draft nodes a row may get in one step
 @dataclass(frozen=True)
 class TrajectoryRequest:
     """One trajectory to decode: trajectory `index` of problem `problem_id`, seeded by
-    `sampling.seed` (the caller's convention: the problem's seed + index)."""
+    `sampling.seed` (the host's convention: the problem's seed + index)."""
 
     problem_id: str
     index: int
     prompt_ids: list[int]
-    sampling: SamplingConfig
+    sampling: SamplingConfig | SamplingParams
     drafter: DrafterConfig
     store: NgramStore
     record: bool = False  # keep the target's top-k at every token (trajectory logs)
     on_commit: OnCommit | None = None  # sees every step's tokens; False cancels the row
+    wrap: Callable[[Drafter], Drafter] | None = None  # around the row's drafter (calibration)
+
+
+class RunnerModel(Protocol):
+    """What the runner asks of the model it decodes with: `generation.Generator` (a loaded
+    model), or replay's `LoggedTarget` (a trajectory log)."""
+
+    fixed_batch_cost: StepCost | None  # a fixed step cost instead of the learned surface
+
+    def new_decoder(self) -> StepDecoder:
+        """The batch decoder the runner steps when none is given."""
+
+    def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        """Raise ValueError when the request cannot run (too long for the context)."""
+
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
+        """A fresh drafter for one row, sharing what its model and problem share."""
+
+    def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
+        """The allocator's acceptance statistics of one drafter config."""
+
+    def surface(self, max_rows: int = 1) -> CostSurface:
+        """The step cost surface the allocator prices trees on."""
+
+    def output(self, res: GenerationResult) -> GenerationOutput:
+        """The finished row as the edges report it (its text)."""
+
+
+class StepDecoder(Protocol):
+    """A batch of rows stepped together: `engine.batch.BatchDecoder` (one forward per step),
+    or replay's decoder (acceptance from a log)."""
+
+    active: list[Row]
+    forwards: ForwardStats
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def context_len(self) -> int: ...
+
+    def stop_rule(self, cfg: SamplingParams, on_commit: OnCommit | None = None) -> StopRule: ...
+
+    def join(self, rows: list[Row]) -> None: ...
+
+    def drop(self, rows: list[Row]) -> None: ...
+
+    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class TrajectoryRow(Row):
+    """A request's row in the batch: whose it is, and the allocator's statistics of its
+    drafter (looked up once: the allocator reads them every step)."""
+
+    submission: Submission
+    request: TrajectoryRequest
+    slots: SlotStats
+
+
+Waiting = Sequence[tuple["Submission", TrajectoryRequest]]
+
+
+class Admission(Protocol):
+    """Which waiting request joins the batch next."""
+
+    def __call__(self, waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+        """The index in `waiting` of the request that joins next, or None (none does now).
+        `held`: rows each submission holds, by `id`; `full`: no row is free."""
+
+
+def fifo(waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+    """Submission order, into free rows only (jobs, `tts solve`: throughput)."""
+    return None if full or not waiting else 0
+
+
+def nodes_per_row(token_budget: int, active_rows: int) -> int:
+    """Draft nodes each row may send: a fixed token budget shared out, root included."""
+    return max(0, token_budget // max(active_rows, 1) - 1)
+
+
+class TrajectoryRecorder:
+    """Wraps a drafter and keeps the target's top-k at every committed position (the
+    trajectory log's `top_ids`/`top_probs`)."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.top_ids: list[list[int]] = []
+        self.top_probs: list[list[float]] = []
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.top_ids, self.top_probs = [], []
+        self.inner.start(prompt_ids)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        return self.inner.draft(ctx)
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from
+        self.top_ids += topk.ids[nodes].tolist()
+        self.top_probs += topk.probs[nodes].tolist()
+        self.inner.observe(tree, acc, topk)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        self.top_ids += topk.ids[:1].tolist()
+        self.top_probs += topk.probs[:1].tolist()
+        self.inner.observe_root(tokens, topk)
+
+    def rows(self, num_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The rows of the generation's tokens (a stop may cut the last block)."""
+        return self.top_ids[:num_tokens], self.top_probs[:num_tokens]
+
+
+def trajectory_requests(
+    problem_id: str,
+    prompt_ids: list[int],
+    indices: Iterable[int],
+    sampling: SamplingConfig,
+    drafter: DrafterConfig,
+    store: NgramStore,
+    record: bool = False,
+    on_commit: Callable[[int], OnCommit | None] | None = None,
+) -> list[TrajectoryRequest]:
+    """Trajectories `indices` of one problem, the one seeding convention: trajectory i samples
+    with `sampling.seed + i`. `on_commit(i)` gives trajectory i's step callback."""
+    return [
+        TrajectoryRequest(
+            problem_id,
+            i,
+            prompt_ids,
+            sampling.model_copy(update={"seed": sampling.seed + i}),
+            drafter,
+            store,
+            record,
+            None if on_commit is None else on_commit(i),
+        )
+        for i in indices
+    ]
 
 
 @dataclass(frozen=True)
@@ -116,7 +261,7 @@ def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: f
         "wall_s": round(wall_s, 4),
         "tokens_per_s": round(new_tokens / wall_s, 3) if wall_s > 0 else 0.0,
         "mean_rows_per_forward": round(forwards.mean_rows_per_forward, 3),
-        "acceptance_length": round(new_tokens / row_forwards, 4) if row_forwards else 0.0,
+        "acceptance_length": round(acceptance_length(new_tokens, row_forwards), 4),
         "tree_nodes": sum(r.tree_nodes for r in rows),
         "accepted_at_depth": depth,
         "draft_s": round(forwards.draft_s, 4),
@@ -173,47 +318,38 @@ class Submission:
 
 
 class TrajectoryRunner:
-    """Continuous batching over one `Generator` (one model on one device).
+    """Continuous batching over one model (`RunnerModel`: a loaded `Generator`, or a log).
 
     `speculation="cost"` sizes every step's trees on the generator's cost surface (learned
     from every step, `engine.surface`) or its fixed `batch_cost`; `"fixed"` shares a constant
     `token_budget` per forward out over the rows (tensor-parallel ranks, whose forwards this
     process cannot time alone).
 
-    `admission="fifo"` fills free rows in submission order (jobs: throughput); `"fair"` (Serve)
-    gives the next free row to the submission holding the fewest rows, and lets a submission
-    holding none join a full batch, so a short request never waits behind a long one.
+    `admission` picks which waiting request joins next: `fifo` (the default) fills free rows in
+    submission order (jobs: throughput); Serve passes its own policy.
 
-    `decoder`: the batch decoder to step (a tensor-parallel leader's, `engine.tp`); default one
-    over the generator's model."""
+    `decoder`: the batch decoder to step (a tensor-parallel leader's, `engine.tp`; replay's);
+    default the model's own."""
 
     def __init__(
         self,
-        generator: Generator,
+        generator: RunnerModel,
         max_rows: int,
         speculation: str = "cost",
         token_budget: int = 64,
-        admission: str = "fifo",
-        decoder: BatchDecoder | None = None,
+        admission: Admission | None = None,
+        decoder: StepDecoder | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
         if speculation not in ("cost", "fixed"):
             raise ValueError(f"speculation must be 'cost' or 'fixed', not {speculation!r}")
-        if admission not in ("fifo", "fair"):
-            raise ValueError(f"admission must be 'fifo' or 'fair', not {admission!r}")
-        self.admission = admission
+        self.admission = admission or fifo
         self.generator = generator
         self.max_rows = max_rows
         self.speculation = speculation
         self.token_budget = token_budget
-        gen = generator
-        self.decoder = decoder or BatchDecoder(
-            gen.loaded.model,
-            gen.loaded.eos_token_ids,
-            gen.decode,
-            cuda_graphs=gen.loaded.cuda_graphs,
-        )
+        self.decoder = decoder or generator.new_decoder()
         self.queue: deque[tuple[Submission, TrajectoryRequest]] = deque()
         self.start = time.perf_counter()
         self.planner: SpeculationPlanner | None = None  # at the first step that may draft
@@ -256,7 +392,7 @@ class TrajectoryRunner:
     def fail(self, error: BaseException) -> None:
         """Everything running or waiting ends with `error` (the engine failed)."""
         subs = {id(s): s for s, _ in self.queue}
-        subs |= {id(r.tag[0]): r.tag[0] for r in self.decoder.active}
+        subs |= {id(r.submission): r.submission for r in self._rows()}
         self.queue.clear()
         self.decoder.drop(list(self.decoder.active))
         for sub in subs.values():
@@ -266,11 +402,11 @@ class TrajectoryRunner:
     def tick(self) -> None:
         """Drop skipped rows, fill free rows from the queue, run one step."""
         decoder = self.decoder
-        dropped = [r for r in decoder.active if r.tag[0].skipped(r.tag[1])]
-        decoder.drop(dropped)
+        dropped = [r for r in self._rows() if r.submission.skipped(r.request)]
+        decoder.drop(list(dropped))
         for row in dropped:
-            row.tag[0].settle(None)
-        joining: list[Row] = []
+            row.submission.settle(None)
+        joining: list[TrajectoryRow] = []
         while (i := self._next(joining)) is not None:
             sub, req = self.queue[i]
             del self.queue[i]
@@ -283,40 +419,36 @@ class TrajectoryRunner:
                 sub.finish(e)
         if joining:
             t0 = time.perf_counter()
-            decoder.join(joining)
-            for sub in {id(r.tag[0]): r.tag[0] for r in joining}.values():
+            decoder.join(list(joining))
+            for sub in {id(r.submission): r.submission for r in joining}.values():
                 sub.report.forwards.prefill_s += time.perf_counter() - t0
         if not decoder.active:
             return
         nodes = self._nodes()
-        batch = list(decoder.active)
+        batch = self._rows()
         before = decoder.forwards.forwards
-        finished = decoder.step(nodes, observe=self._observe)
+        finished = cast(list[TrajectoryRow], decoder.step(nodes, observe=self._observe))
         self._account(batch, nodes, decoder.forwards, before)
         for row in finished:
-            row.tag[0].settle(self._result(row))
+            row.submission.settle(self._result(row))
         if self.planner is not None and self.planner.surface is not None:
             self.planner.surface.save(every_s=0.0 if self.idle else 30.0)
 
-    def _next(self, joining: list[Row]) -> int | None:
-        """The queue index of the request that joins next, or None."""
-        full = len(self.decoder.active) + len(joining) >= self.max_rows
-        if not self.queue or (full and self.admission == "fifo"):
-            return None
-        if self.admission == "fifo":
-            return 0
-        held = Counter(id(r.tag[0]) for r in (*self.decoder.active, *joining))
-        best, fewest, seen = None, 0, set()
-        for i, (sub, _) in enumerate(self.queue):  # each submission's oldest request
-            if id(sub) in seen:
-                continue
-            seen.add(id(sub))
-            rows = held[id(sub)]
-            if (not full or rows == 0) and (best is None or rows < fewest):
-                best, fewest = i, rows
-        return best
+    def _rows(self) -> list[TrajectoryRow]:
+        """The batch's rows (the runner joins only its own)."""
+        return cast(list[TrajectoryRow], list(self.decoder.active))
 
-    def _account(self, batch: list[Row], nodes: int, f: ForwardStats, before: int) -> None:
+    def _next(self, joining: list[TrajectoryRow]) -> int | None:
+        """The queue index of the request that joins next, or None."""
+        if not self.queue:
+            return None
+        full = len(self.decoder.active) + len(joining) >= self.max_rows
+        held = Counter(id(r.submission) for r in (*self._rows(), *joining))
+        return self.admission(self.queue, held, full)
+
+    def _account(
+        self, batch: list[TrajectoryRow], nodes: int, f: ForwardStats, before: int
+    ) -> None:
         """Teach the cost surface the step's time, and credit the step to every submission
         with a row in it."""
         if f.forwards == before:
@@ -327,9 +459,9 @@ class TrajectoryRunner:
             planner.surface.record(rows, width, f.last_context, f.last_forward_s)
         explored = planner is not None and planner.last_explored
         t = round(time.perf_counter() - self.start, 4)
-        subs = {id(r.tag[0]): r.tag[0] for r in batch}
+        subs = {id(r.submission): r.submission for r in batch}
         for sub in subs.values():
-            mine = [r for r in batch if r.tag[0] is sub]
+            mine = [r for r in batch if r.submission is sub]
             sub.report.forwards.record(
                 rows,
                 width,
@@ -345,22 +477,33 @@ class TrajectoryRunner:
             if planner is not None:
                 sub.report.cost_surface = planner.source
 
-    def _row(self, sub: Submission, req: TrajectoryRequest) -> Row:
+    def _row(self, sub: Submission, req: TrajectoryRequest) -> TrajectoryRow:
         gen = self.generator
+        if not req.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
         gen.check_fits(req.prompt_ids, req.sampling)
         drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
+        if req.wrap is not None:
+            drafter = req.wrap(drafter)
         if req.record:
             drafter = TrajectoryRecorder(drafter)
-        slots = gen.slot_stats(req.drafter)  # looked up once: the allocator reads it every step
-        return self.decoder.new_row(
-            req.prompt_ids, drafter, req.sampling, req.on_commit, tag=(sub, req, slots)
+        params = SamplingParams.of(req.sampling)
+        return TrajectoryRow(
+            list(req.prompt_ids),
+            drafter,
+            params,
+            self.decoder.stop_rule(params, req.on_commit),
+            self.decoder.device,
+            submission=sub,
+            request=req,
+            slots=gen.slot_stats(req.drafter),
         )
 
     def _nodes(self) -> int:
-        rows = self.decoder.active
+        rows = self._rows()
         if self.speculation == "fixed":
-            return max(0, self.token_budget // len(rows) - 1)
-        if all(r.tag[1].drafter.kind == "plain" for r in rows):
+            return nodes_per_row(self.token_budget, len(rows))
+        if all(r.request.drafter.kind == "plain" for r in rows):
             return 0
         if self.planner is None:
             gen = self.generator
@@ -371,17 +514,17 @@ class TrajectoryRunner:
             )
         f = self.decoder.forwards
         per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
-        stats: list[SlotStats] = [r.tag[2] for r in rows]
+        stats = [r.slots for r in rows]
         for s in {id(s): s for s in stats}.values():
             s.tick()
         return self.planner.plan(self.decoder.context_len, stats, per_node)
 
     def _observe(self, row: Row, tree: DraftTree, acc: Acceptance) -> None:
         if self.speculation == "cost":
-            row.tag[2].record(tree, acc)
+            cast(TrajectoryRow, row).slots.record(tree, acc)
 
-    def _result(self, row: Row) -> TrajectoryResult:
-        req = row.tag[1]
+    def _result(self, row: TrajectoryRow) -> TrajectoryResult:
+        req = row.request
         out = self.generator.output(row.result())
         if isinstance(row.drafter, TrajectoryRecorder):
             ids, probs = row.drafter.rows(len(out.token_ids))

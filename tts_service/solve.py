@@ -11,14 +11,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from store.base import NgramStore
 from tts_service.aggregate import extract_answer, majority_vote
-from tts_service.config import DrafterConfig, SamplingConfig
-from tts_service.engine.decode import OnCommit
-from tts_service.generation import GenerationOutput, Generator
-from tts_service.replay import LoggedProblem
-from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryResult, TrajectoryRunner
+from tts_service.config import SamplingConfig
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.engine.decode import GenerationOutput, OnCommit
+from tts_service.engine.metrics import acceptance_length
+from tts_service.generation import Generator
+from tts_service.runner import (
+    RunReport,
+    TrajectoryRequest,
+    TrajectoryResult,
+    TrajectoryRunner,
+    trajectory_requests,
+)
+
+Skip = Callable[[TrajectoryRequest], bool]
+
+
+class Runs(Protocol):
+    """What runs the requests: a `TrajectoryRunner`, its thread (`RunnerLoop`) or a host."""
+
+    def run(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Skip | None = None,
+    ) -> RunReport: ...
 
 
 @dataclass(frozen=True)
@@ -53,25 +74,8 @@ class SolveResult:
 
     def vote(self, task: str) -> dict:
         """The aggregator's majority vote over the trajectories' answers."""
-        vote = majority_vote([extract_answer(t.output.text, task) for t in self.trajectories], task)
-        return {
-            "answer": vote.answer,
-            "votes": vote.votes,
-            "share": vote.share,
-            "no_answer": vote.num_no_answer,
-            "winner_indices": list(vote.winner_indices),
-        }
-
-    def logged(self, prompt_id: str, prompt_ids: list[int]) -> LoggedProblem:
-        """This problem as one line of a trajectory log (see `tts_service.replay`)."""
-        recorded = all(t.top_ids is not None for t in self.trajectories)
-        return LoggedProblem(
-            prompt_id,
-            list(prompt_ids),
-            [list(t.output.token_ids) for t in self.trajectories],
-            [t.top_ids for t in self.trajectories] if recorded else None,
-            [t.top_probs for t in self.trajectories] if recorded else None,
-        )
+        answers = [extract_answer(t.output.text, task) for t in self.trajectories]
+        return majority_vote(answers, task).to_dict()
 
     def to_dict(self, task: str | None = None) -> dict:
         tokens = sum(t.output.stats.new_tokens for t in self.trajectories)
@@ -83,7 +87,7 @@ class SolveResult:
                 "num_trajectories": len(self.trajectories),
                 "new_tokens": tokens,
                 "row_forwards": forwards,
-                "acceptance_length": round(tokens / forwards, 4) if forwards else 0.0,
+                "acceptance_length": round(acceptance_length(tokens, forwards), 4),
                 "acceptance_length_by_index": [
                     round(t.output.stats.acceptance_length, 4) for t in self.trajectories
                 ],
@@ -113,7 +117,7 @@ class SolveRun:
 
 
 def solve_problems(
-    runner: TrajectoryRunner,
+    runner: Runs,
     problems: Sequence[ProblemInput],
     n: int,
     drafter: DrafterConfig,
@@ -121,7 +125,7 @@ def solve_problems(
     on_trajectory: Callable[[str, Trajectory], None] | None = None,
     record: bool = False,
     on_commit: OnCommit | None = None,
-    skip: Callable[[TrajectoryRequest], bool] | None = None,
+    skip: Skip | None = None,
 ) -> SolveRun:
     """Run `n` trajectories of every problem through `runner`, problem after problem in the
     queue; `on_trajectory(problem_id, trajectory)` sees each one as it finishes."""
@@ -130,19 +134,13 @@ def solve_problems(
     results = {p.problem_id: SolveResult(p.problem_id) for p in problems}
     if len(results) != len(problems):
         raise ValueError("problem ids must be unique")
+    each = None if on_commit is None else (lambda _i: on_commit)
     requests = [
-        TrajectoryRequest(
-            p.problem_id,
-            i,
-            p.prompt_ids,
-            sampling.model_copy(update={"seed": sampling.seed + i}),
-            drafter,
-            p.store,
-            record,
-            on_commit,
-        )
+        req
         for p in problems
-        for i in range(n)
+        for req in trajectory_requests(
+            p.problem_id, p.prompt_ids, range(n), sampling, drafter, p.store, record, each
+        )
     ]
 
     def collect(res: TrajectoryResult) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from tests.unit.test_replay import _synthetic_log
-from tts_service.replay import read_log, replay, replay_drafters
+from tts_service.replay import read_log, replay, replay_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +30,6 @@ def test_the_table_has_every_cell_and_the_replay_figures(tmp_path):
     ]
     problems, _ = read_log(log)
     req = SimpleNamespace(method="stand-dyn", nodes=16, tree=None, vocab_size=None)
-    direct = replay(problems, replay_drafters(req, problems), 16).to_dict()
+    direct = replay(problems, replay_config(req), 16, req.vocab_size).to_dict()
     assert rows[3]["acceptance_length"] == direct["acceptance_length"]
     assert f"| stand-dyn | 16 | {direct['mean_tree_nodes']:.1f} |" in res.stdout

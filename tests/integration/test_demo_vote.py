@@ -9,7 +9,7 @@ import pytest
 from jobs.common import load_config
 from store.memory import InMemoryNgramStore
 from tts_service.aggregate import extract_answer, is_correct, majority_vote
-from tts_service.config import read_problems
+from tts_service.schemas import read_problems
 from tts_service.solve import solve
 
 pytestmark = pytest.mark.slow

@@ -17,25 +17,19 @@ import torch
 from pydantic import TypeAdapter
 from scipy.stats import chisquare
 
-import actors.generator
-import tts_service.serve.engine
+import actors.host
 from actors.generator import GeneratorActor
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
 from tests.conftest import FLAT_COST, save_tiny_model
 from tests.unit.engine.test_allocate import FLAT
-from tts_service.config import (
-    DrafterConfig,
-    JobConfig,
-    ModelConfig,
-    SamplingConfig,
-    ServeConfig,
-)
-from tts_service.drafters.methods import method_drafter
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine.cost import CostModel
 from tts_service.engine.sampling import target_probs
 from tts_service.generation import Generator
 from tts_service.models import load_model
+from tts_service.schemas import JobConfig, ServeConfig
 from tts_service.serve.api import CompletionRequest
 from tts_service.serve.engine import ServeEngine
 from tts_service.solve import solve
@@ -149,8 +143,7 @@ def skewed_problem_stores(monkeypatch, prompt, exact):
     def open_skewed(*args, **kwargs):
         return skewed_store(prompt, exact)
 
-    monkeypatch.setattr(actors.generator, "open_problem_store", open_skewed)
-    monkeypatch.setattr(tts_service.serve.engine, "open_problem_store", open_skewed)
+    monkeypatch.setattr(actors.host, "open_problem_store", open_skewed)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -136,7 +136,7 @@ def serve_app(ray_local, tiny_model_dir):
     from ray import serve
 
     from store.local_server import free_port
-    from tts_service.config import ServeConfig
+    from tts_service.schemas import ServeConfig
     from tts_service.serve.app import build_app
 
     port = free_port()

@@ -16,7 +16,7 @@ from actors.pool import ResultsFile, TrajectoryPool, start_actors
 from jobs.best_of_n import main as job_main
 from jobs.best_of_n import run as run_job
 from tests.integration.conftest import refuse_to_start
-from tts_service.config import JobConfig, Problem
+from tts_service.schemas import JobConfig, Problem
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

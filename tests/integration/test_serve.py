@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from store.local_server import free_port
-from tts_service.config import ServeConfig
+from tts_service.schemas import ServeConfig
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 
 from store.local_server import free_port
 from tests.integration.test_serve_metrics import scrape
-from tts_service.config import ServeConfig
+from tts_service.schemas import ServeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -249,7 +249,7 @@ def test_a_client_gone_stops_the_rest_of_an_n_gt_1_request(tiny_model_dir):
     cfg = ServeConfig(model={"name": str(tiny_model_dir), "device": "cpu"}, max_tokens_cap=400)
     engine = ServeEngine(cfg)
     job = engine.prepare(ChatCompletionRequest.model_validate({**LONG, "n": 8}))
-    decoder = engine.runner.runner.decoder
+    decoder = engine.host.runner.decoder
     cancel, out = threading.Event(), {}
     worker = threading.Thread(target=lambda: out.setdefault("r", engine.complete(job, cancel)))
     worker.start()

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from store.local_server import free_port
 from tests.integration.test_serve import call
-from tts_service.config import ServeConfig
+from tts_service.schemas import ServeConfig
 
 pytestmark = pytest.mark.slow
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_service.config import (
-    GooseDrafterConfig,
-    PldDrafterConfig,
-    RecyclingDrafterConfig,
-    SamplingConfig,
-)
+from tts_service.config import SamplingConfig
+from tts_service.drafters.goose import GooseDrafterConfig
+from tts_service.drafters.pld import PldDrafterConfig
+from tts_service.drafters.recycling import RecyclingDrafterConfig
 from tts_service.engine.decode import plain_generate
 
 pytestmark = pytest.mark.slow
@@ -48,9 +46,16 @@ def references(smollm2):
 
 @pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d.kind)
 def test_smollm2_greedy_is_token_identical(smollm2, references, drafter):
+    """Through the runner, every step drafting (a fixed budget, not the cost surface's)."""
+    from store.memory import InMemoryNgramStore
+    from tts_service.runner import TrajectoryRunner, trajectory_requests
+
+    runner = TrajectoryRunner(smollm2, 1, "fixed", token_budget=1025)
     forwards = tokens = 0
     for ids, ref in references:
-        out = smollm2.generate_ids(ids, drafter, GREEDY)
+        store = InMemoryNgramStore()
+        (res,) = runner.run(trajectory_requests("q", ids, [0], GREEDY, drafter, store)).results
+        out = res.output
         assert out.token_ids == ref
         forwards += out.stats.target_forwards
         tokens += out.stats.new_tokens

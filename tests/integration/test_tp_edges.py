@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from tts_service.cli import main
-from tts_service.config import ServeConfig
+from tts_service.schemas import ServeConfig
 from tts_service.serve.api import CompletionRequest
 from tts_service.serve.engine import ServeEngine
 

@@ -11,9 +11,10 @@ import pytest
 from actors.pool import ResultsFile, TrajectoryPool, close_actors, kill_replicas, start_replicas
 from jobs.best_of_n import main as job_main
 from jobs.best_of_n import run as run_job
-from tts_service.config import JobConfig, ModelConfig, Problem
+from tts_service.config import ModelConfig
 from tts_service.engine.decode import plain_generate
 from tts_service.generation import Generator
+from tts_service.schemas import JobConfig, Problem
 
 pytestmark = pytest.mark.slow
 PROBLEM = Problem(id="p1", question="What is 1 + 1? Put the answer in \\boxed{}.", answer="2")

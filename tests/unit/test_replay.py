@@ -9,25 +9,15 @@ import random
 import pytest
 import torch
 
-from store.memory import InMemoryNgramStore
 from tests.conftest import make_drafter, tiny_llama
-from tts_service.config import (
-    PldDrafterConfig,
-    ReplayRequest,
-    SamplingConfig,
-    StandDrafterConfig,
-)
-from tts_service.drafters.methods import REPLAY_METHODS
-from tts_service.drafters.registry import DraftEnv, build_drafter
-from tts_service.engine.batch import generate
-from tts_service.replay import (
-    LoggedProblem,
-    TrajectoryRecorder,
-    parse_line,
-    read_log,
-    replay,
-    replay_drafters,
-)
+from tests.engine_loop import generate
+from tts_service.config import SamplingConfig
+from tts_service.drafters.pld import PldDrafterConfig
+from tts_service.drafters.registry import REPLAY_METHODS
+from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.replay import LoggedProblem, parse_line, read_log, replay, replay_config
+from tts_service.runner import TrajectoryRecorder
+from tts_service.schemas import ReplayRequest
 
 
 def _write(path, problems) -> None:
@@ -56,8 +46,7 @@ def test_replay_of_a_logged_greedy_run_equals_the_live_acceptance(cfg):
             live.append((res.stats.new_tokens, res.stats.target_forwards))
         problems.append(LoggedProblem(f"p{p}", prompt, responses, ids, probs))
     problems = [parse_line(p.to_json()) for p in problems]  # through the JSON format
-    drafters = [make_drafter(cfg, 128) for _ in problems]  # one per problem, as logged
-    report = replay(problems, lambda i, _: drafters[i])
+    report = replay(problems, cfg, vocab_size=128)  # each problem's trajectories share a store
     assert report.tokens == sum(t for t, _ in live)
     assert report.steps == sum(f for _, f in live)  # exactly, step for step
     assert report.tokens / report.steps > 1.2
@@ -67,8 +56,7 @@ def test_pld_replay_on_a_hand_made_repeat():
     # step 1: no earlier n-gram for the suffix -> commit "5" alone
     # step 2: suffix [5] matched at 0 -> draft 6 7 8 5; the response ends after 6 7 8
     problem = LoggedProblem("h", [5, 6, 7, 8], [[5, 6, 7, 8]])
-    shared = build_drafter(PldDrafterConfig(), DraftEnv(16))
-    report = replay([problem], lambda *_: shared)
+    report = replay([problem], PldDrafterConfig(), vocab_size=16)
     assert (report.tokens, report.steps) == (4, 2)
     assert report.accepted_at_depth == [1, 1, 1]
 
@@ -77,8 +65,7 @@ def test_stand_replay_on_a_hand_made_repeat():
     one_hot = [[[3], [4], [5]], [[1.0], [1.0], [1.0]]]
     problem = LoggedProblem("h", [1, 2], [[3, 4, 5], [3, 4, 5]], [one_hot[0]] * 2, [one_hot[1]] * 2)
     cfg = StandDrafterConfig(tree="stand-625", num_nodes=8)
-    store = InMemoryNgramStore()  # one problem's trajectories share it
-    report = replay([problem], lambda *_: build_drafter(cfg, DraftEnv(8, store)))
+    report = replay([problem], cfg, vocab_size=8)  # one problem's trajectories share a store
     # response 0: empty store, 3 steps of 1 token; response 1: the chain 3 4 5 in one step
     assert report.to_dict()["acceptance_length_by_index"] == [1.0, 3.0]
     assert (report.tokens, report.steps) == (6, 4)
@@ -131,15 +118,14 @@ def _recording(draft, sizes: list):
 def _run(path, method: str, nodes: int | None = None, sizes: list | None = None) -> dict:
     req = ReplayRequest(method=method, trajectories=path, nodes=nodes, vocab_size=32)
     problems, errors = read_log(req.trajectories, req.vocab_size, strict=True)
-    drafter_for = replay_drafters(req, problems)
 
-    def recorded(p: int, r: int):
-        drafter = drafter_for(p, r)
+    def recorded(drafter):
         if sizes is not None:
             drafter.draft = _recording(drafter.draft, sizes)
         return drafter
 
-    report = replay(problems, recorded, nodes or 1024).to_dict()
+    report = replay(problems, replay_config(req), nodes or 1024, req.vocab_size, recorded)
+    report = report.to_dict()
     return {k: v for k, v in report.items() if k != "seconds"}
 
 

@@ -127,8 +127,7 @@ def test_auto_at_many_rows_on_a_steep_surface_is_plain_decoding(tiny_model, monk
     every forward is one token per row, the tokens are plain decoding's, and the store still
     learns from every step (at the cost bench/auto_speed.py shows)."""
     from tests.unit.engine.test_allocate import STEEP
-    from tts_service.config import StandDynDrafterConfig
-    from tts_service.drafters.stand_dyn import StandDynDrafter
+    from tts_service.drafters.stand_dyn import StandDynDrafter, StandDynDrafterConfig
 
     calls = []
     draft = StandDynDrafter.draft

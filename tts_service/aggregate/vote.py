@@ -30,6 +30,16 @@ class Vote:
     num_no_answer: int
     winner_indices: tuple[int, ...]
 
+    def to_dict(self) -> dict:
+        """The vote as every report shows it (CLI, jobs, Serve)."""
+        return {
+            "answer": self.answer,
+            "votes": self.votes,
+            "share": self.share,
+            "no_answer": self.num_no_answer,
+            "winner_indices": list(self.winner_indices),
+        }
+
 
 @dataclass
 class _Class:

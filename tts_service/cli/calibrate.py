@@ -8,7 +8,7 @@ import json
 from pydantic import ValidationError
 
 from tts_service.cli.common import UsageError, add_field, field_error, load, with_default
-from tts_service.config import CalibrateTreeRequest
+from tts_service.schemas import CalibrateTreeRequest
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

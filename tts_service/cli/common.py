@@ -12,15 +12,15 @@ from typing import Any, NoReturn
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from tts_service.config import (
+from tts_service.config import load_yaml
+from tts_service.drafters.registry import (
+    DEFAULT_METHOD,
     DRAFTER_CONFIGS,
-    CalibrateTreeRequest,
-    GenerateRequest,
-    ServeConfig,
-    SolveRequest,
-    load_yaml,
+    METHOD_NAMES,
+    method_drafter,
+    size_field,
 )
-from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES, method_drafter
+from tts_service.schemas import CalibrateTreeRequest, GenerateRequest, ServeConfig, SolveRequest
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -101,13 +101,17 @@ def add_common_flags(p: argparse.ArgumentParser, model: type[BaseModel]) -> None
     for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
         add_field(p, model, f"sampling.{name}", preset.get("sampling", {}))
     add_field(p, model, "sampling.stop", preset.get("sampling", {}), action="append")  # repeatable
-    p.add_argument("--num-nodes", type=int, help="draft tree size (recycle, stand, goose)")
+    p.add_argument(
+        "--num-nodes",
+        type=int,
+        help="draft size: the method's size field (tree nodes; PLD: chain length; GTCP: cap)",
+    )
     p.add_argument("--tree", help="tree shape name or JSON path (recycle, stand)")
-    p.add_argument("--deterministic", action="store_true", help="stand: top-k, not Gumbel")
+    p.add_argument("--deterministic", action="store_true", help="stand, gtcp: top-k, not Gumbel")
     p.add_argument(
         "--harvest-rejected",
         action="store_true",
-        help="stand: also store distributions at rejected tree nodes",
+        help="stand, gtcp, stand-dyn: also store distributions at rejected tree nodes",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -124,14 +128,7 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
         drafter = method_drafter(method, preset.get("drafters", {}), device)
     except ValueError as e:
         raise UsageError(f"--method: {e}") from e
-    fields = DRAFTER_CONFIGS[drafter["kind"]].model_fields  # a flag applies where it is a field
-    flags = {
-        "num_nodes": args.num_nodes,
-        "tree": args.tree,
-        "stochastic": False if args.deterministic else None,
-        "harvest_rejected": True if args.harvest_rejected else None,
-    }
-    drafter.update({k: v for k, v in flags.items() if v is not None and k in fields})
+    drafter.update(drafter_flags(args, drafter["kind"], method))
     model = dict(preset.get("model", {}))
     model.update({k: getattr(args, k) for k in ("device", "dtype") if getattr(args, k)})
     if args.model is not None:
@@ -145,7 +142,34 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
     try:
         return model_cls.model_validate(raw)
     except ValidationError as e:
-        raise UsageError(field_error(e)) from e
+        message, size = field_error(e), (size_field(drafter["kind"]) or "").replace("_", "-")
+        if args.num_nodes is not None and size and message.startswith(f"--{size}: "):
+            message = "--num-nodes: " + message.removeprefix(f"--{size}: ")  # the flag given
+        raise UsageError(message) from e
+
+
+def drafter_flags(args: argparse.Namespace, kind: str, method: str) -> dict:
+    """The drafter fields the flags set: `--num-nodes` the kind's size field, the others the
+    field of their name. A flag given for a kind without its field is a usage error."""
+    fields = DRAFTER_CONFIGS[kind].model_fields
+    given = {
+        "--tree": ("tree", args.tree),
+        "--deterministic": ("stochastic", False if args.deterministic else None),
+        "--harvest-rejected": ("harvest_rejected", True if args.harvest_rejected else None),
+    }
+    out = {}
+    if args.num_nodes is not None:
+        name = size_field(kind)
+        if name is None:
+            raise UsageError(f"--num-nodes: method {method!r} has no draft size to set")
+        out[name] = args.num_nodes
+    for flag, (name, value) in given.items():
+        if value is None:
+            continue
+        if name not in fields:
+            raise UsageError(f"{flag}: method {method!r} takes no {name}")
+        out[name] = value
+    return out
 
 
 def check_tensor_parallel(req: GenerateRequest | SolveRequest | ServeConfig) -> None:

@@ -14,7 +14,7 @@ from tts_service.cli.common import (
     load,
     request,
 )
-from tts_service.config import GenerateRequest
+from tts_service.schemas import GenerateRequest
 from tts_service.timing import phase, process_started, with_setup
 
 
@@ -39,9 +39,13 @@ def run(args: argparse.Namespace) -> int:
         if req.tensor_parallel > 1:
             result = _generate_tensor_parallel(req)
         else:
+            from actors.host import RunnerHost
+
             with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
                 gen = load(req)
-            result = gen.generate(req.prompt, req.drafter, req.sampling, chat=req.chat).to_dict()
+            host = RunnerHost(gen, max_rows=1)
+            ids = gen.encode(req.prompt, req.chat)
+            result = host.generate(ids, req.drafter, req.sampling).to_dict()
     except InputTooLongError as e:
         raise UsageError(f"prompt: {e}") from e
     result["stats"] = with_setup(result["stats"], process_started())

@@ -9,8 +9,8 @@ import sys
 from pydantic import ValidationError
 
 from tts_service.cli.common import UsageError, field_error
-from tts_service.config import ReplayRequest
-from tts_service.drafters.methods import REPLAY_METHODS
+from tts_service.drafters.registry import REPLAY_METHODS
+from tts_service.schemas import ReplayRequest
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,13 +38,7 @@ def run(args: argparse.Namespace) -> int:
         req = ReplayRequest.model_validate({k: v for k, v in raw.items() if v is not None})
     except ValidationError as e:
         raise UsageError(field_error(e)) from e
-    from tts_service.replay import (
-        MAX_NODES,
-        LogFormatError,
-        read_log,
-        replay,
-        replay_drafters,
-    )
+    from tts_service.replay import MAX_NODES, LogFormatError, read_log, replay, replay_config
 
     try:
         problems, errors = read_log(req.trajectories, req.vocab_size, req.strict)
@@ -53,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
     for err in errors:
         print(f"tts replay: skipped {err}", file=sys.stderr)
     try:
-        drafters = replay_drafters(req, problems)
+        cfg = replay_config(req)
     except ValidationError as e:
         raise UsageError(field_error(e)) from e
-    report = replay(problems, drafters, req.nodes or MAX_NODES)
+    report = replay(problems, cfg, req.nodes or MAX_NODES, req.vocab_size)
     out = {
         "method": req.method,
         "problems": len(problems),

@@ -22,7 +22,8 @@ from tts_service.cli.common import (
     field_error,
     with_default,
 )
-from tts_service.config import ServeConfig, load_yaml
+from tts_service.config import load_yaml
+from tts_service.schemas import ServeConfig
 from tts_service.timing import phase
 
 SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")

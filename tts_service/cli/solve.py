@@ -24,7 +24,7 @@ from tts_service.cli.common import (
     request,
 )
 from tts_service.cli.store import store_flags, store_server
-from tts_service.config import SolveRequest, default_max_rows, read_problems
+from tts_service.schemas import SolveRequest, read_problems
 from tts_service.timing import phase, process_started, status, with_setup
 
 if TYPE_CHECKING:
@@ -85,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
     with store_server(req.store) as url:  # a store that does not answer fails before the load
         problems, solved = _solve(req, questions, url, record=args.log is not None)
     if args.log is not None:
-        from tts_service.replay import LogWriter
+        from tts_service.replay import LogWriter, logged_problem
 
         writer = LogWriter(Path(args.log))
         for problem, result in zip(problems, solved.problems, strict=True):
-            writer.write(result.logged(problem.problem_id, problem.prompt_ids))
+            writer.write(logged_problem(problem.prompt_ids, result))
     out = solved.to_dict(req.task)
     out["stats"] = with_setup(out["stats"], process_started())
     if args.json:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None, record: bool):
     """Load the model (this process as rank 0 of `--tensor-parallel` ranks, the others Ray
-    actors) and run every question's trajectories; (problem inputs, results)."""
+    actors) and run every question's trajectories on one host; (problem inputs, results)."""
     if req.tensor_parallel == 1:
         with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
             gen = load(req)
@@ -130,38 +130,32 @@ def _solve(req: SolveRequest, questions: list[tuple[str, str]], url: str | None,
 
 def _solve_with(
     gen: Generator,
-    decoder: BatchDecoder | None,
+    tp_decoder: BatchDecoder | None,
     req: SolveRequest,
     questions: list[tuple[str, str]],
     url: str | None,
     record: bool,
 ):
-    """Every question's trajectories through one runner over `gen` (and a tensor-parallel
-    leader's `decoder`, whose steps share a fixed token budget: the cost surface would time
-    forwards the other ranks do not mirror)."""
-    from store.factory import open_global_store, open_problem_store, problem_id
+    """Every question's trajectories on one `RunnerHost` over `gen` (and a tensor-parallel
+    leader's decoder)."""
+    from actors.host import RunnerHost
+    from store.factory import problem_id
     from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
-    from tts_service.runner import TrajectoryRunner
-    from tts_service.solve import ProblemInput, solve_problems
+    from tts_service.solve import ProblemInput
 
     progress = TokenProgress(req.n * len(questions), req.sampling.max_new_tokens)
-    max_rows = req.max_rows or default_max_rows(str(gen.loaded.device))
     try:
         try:
-            global_store = open_global_store(req.store, url)
+            host = RunnerHost(gen, req.store, url, req.max_rows, tp_decoder=tp_decoder)
             problems = []
             for pid, question in questions:
                 ids = gen.encode(question, chat=req.chat)
-                store = open_problem_store(req.store, url, problem_id(ids), global_store)
-                problems.append(ProblemInput(pid, ids, store))
+                problems.append(ProblemInput(pid, ids, host.problem_store(problem_id(ids))))
         except StoreUnavailableError as e:
             raise UsageError(f"--store: {e}") from e
-        try:  # solve_problems closes the problem stores
-            solved = solve_problems(
-                TrajectoryRunner(gen, max_rows)
-                if decoder is None
-                else TrajectoryRunner(gen, max_rows, "fixed", decoder=decoder),
+        try:  # the host's solve closes the problem stores
+            solved = host.solve(
                 problems,
                 req.n,
                 req.drafter,
@@ -171,8 +165,7 @@ def _solve_with(
                 on_commit=progress.commit,
             )
         finally:  # while a local-redis server still runs
-            if global_store is not None:
-                global_store.close()
+            host.close()
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
     finally:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
+from tts_service.config import StrictConfig
+from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.tree import DraftTree, TreeShape
 from tts_service.engine.verify import Acceptance
 
@@ -91,3 +93,16 @@ class NoDrafter:
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
         pass
+
+
+class PlainDrafterConfig(StrictConfig):
+    """No drafting: every step verifies the root only (plain decoding through the engine)."""
+
+    kind: Literal["plain"] = "plain"
+
+
+SPEC = DrafterSpec(
+    PlainDrafterConfig,
+    lambda cfg, env: NoDrafter(),
+    methods=(Method("plain", "plain decoding through the engine (the baseline)"),),
+)

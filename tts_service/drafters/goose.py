@@ -23,16 +23,42 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator
 
-from tts_service.config import GooseDrafterConfig
+from tts_service.config import StrictConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
+from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
 BIGRAM_CAPACITY = 200_000
+
+
+class GooseDrafterConfig(StrictConfig):
+    """Goose (anisotropic spine trees): a context-match spine with Token Recycling branches."""
+
+    kind: Literal["goose"] = "goose"
+    num_nodes: int = Field(59, ge=1, le=1024, description="Draft nodes (the paper's B = 60).")
+    max_depth: int = Field(6, ge=1, le=64, description="Branch depth from the branching point.")
+    k: int = Field(10, ge=1, le=10, description="Successors kept per token.")
+    ngram_orders: tuple[int, ...] = Field((3, 4, 5), description="Context-match n-gram lengths.")
+    max_spine: int = Field(20, ge=1, le=256, description="Longest spine continuation.")
+    bypass_len: int = Field(8, ge=1, description="A match this long is drafted as a chain.")
+    spine_branch_ratio: float = Field(0.5, ge=0, le=1, description="ρ: spine vs root branches.")
+    min_score: float = Field(0.01, ge=0, le=1, description="Successors below this are pruned.")
+    ema: float = Field(0.3, gt=0, le=1, description="Smoothing of the spine acceptance p̂_s.")
+    initial_spine_rate: float = Field(0.3, ge=0, le=1)
+
+    @field_validator("ngram_orders")
+    @classmethod
+    def _orders(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or min(v) < 1 or max(v) > 16:
+            raise ValueError("n-gram lengths must be in 1..16")
+        return v
 
 
 class AdjacencyTable:
@@ -178,3 +204,20 @@ class GooseDrafter:
                 on_spine += 1
             rate = on_spine / len(self._spine)
             self.spine_rate = (1 - self.cfg.ema) * self.spine_rate + self.cfg.ema * rate
+
+
+SUCCESSORS: Shared[GooseDrafterConfig, AdjacencyTable] = Shared(
+    "goose.successors",
+    "model",
+    lambda cfg, vocab: AdjacencyTable(vocab, cfg.k),
+    key=lambda cfg: cfg.k,
+)
+"""The successor table, one per loaded model and width: the hot start."""
+
+SPEC = DrafterSpec(
+    GooseDrafterConfig,
+    lambda cfg, env: GooseDrafter(cfg, env.shared(SUCCESSORS, cfg)),
+    methods=(Method("goose", "Goose: context-match spine with successor branches"),),
+    size_field="num_nodes",
+    shared=(SUCCESSORS,),
+)

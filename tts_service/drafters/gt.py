@@ -1,7 +1,8 @@
 """GTCP's Greater-Than principle applied to our drafters (engine/cost.py;
 docs/design.md, "GT sizing and GTCP").
 
-Two ways, both driven by the verify cost measured on the running device:
+Two ways, both driven by the verify cost measured on the running device (the second in
+`drafters/gtcp.py`):
 
 * `GtSizedDrafter` prunes a static tree (STAND's, Token Recycling's). α̂ of a shape node is
   its on-path frequency: the calibrated `on_path_frequency` of the tree file (or 0.5^depth)
@@ -22,16 +23,21 @@ decision to stop may depend on earlier draws only.
 
 from __future__ import annotations
 
-import heapq
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
-from store.base import NgramStore
-from tts_service.config import GtcpDrafterConfig
-from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
-from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
-from tts_service.engine.cost import VerifyCostSource, gt_count, worth_growing
-from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, select_subtree
+from tts_service.config import resolve_tree_path
+from tts_service.drafters.base import (
+    DraftContext,
+    Drafter,
+    NodeTopK,
+    StaticTreeDrafter,
+    shape_prefix,
+)
+from tts_service.drafters.spec import DraftEnv, Shared
+from tts_service.engine.cost import VerifyCostSource, gt_count
+from tts_service.engine.tree import DraftTree, select_subtree
 from tts_service.engine.verify import Acceptance
 
 PRIOR_WEIGHT = 1.0  # the prior frequency counts as one draft: evidence takes over at once
@@ -122,79 +128,31 @@ class GtSizedDrafter:
         self.inner.observe_root(tokens, topk)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """An opened node: its children in drawing order, the normalised stored q, and q's
-    probabilities best first (slot j's score, fixed before child j is drawn)."""
+def new_gt_stats(cfg: Any) -> OnPathStats:
+    """Fresh on-path statistics for a static tree (`cfg.tree`): its calibrated frequency as the
+    prior, or 0.5^depth for a tree file without one (Token Recycling's template)."""
+    data = json.loads(resolve_tree_path(cfg.tree).read_text(encoding="utf-8"))
+    freq = data.get("on_path_frequency")
+    if isinstance(freq, list):
+        return OnPathStats([float(f) for f in freq])
+    depth = [0]
+    for p in data["parents"][1:]:
+        depth.append(depth[p] + 1)
+    return OnPathStats([0.5**d for d in depth])
 
-    drawn: list[int]
-    q: dict[int, float]
-    ranked: list[float]
+
+GT_STATS: Shared[Any, OnPathStats] = Shared(
+    "gt_stats",
+    "problem",
+    lambda cfg, vocab: new_gt_stats(cfg),
+    key=lambda cfg: cfg.model_dump_json(),
+)
+"""GT sizing's on-path statistics: one per problem and static-tree config."""
 
 
-class GtTreeDrafter:
-    """Dynamic best-first trees over the logit n-gram store, sized by the GT rule."""
-
-    def __init__(
-        self, cfg: GtcpDrafterConfig, store: NgramStore, cost: VerifyCostSource, seed: int = 0
-    ) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.cost = cost
-        self.noise = GumbelNoise(cfg.noise_buffer, seed)
-        self._tails: list[tuple[int, ...]] = []
-
-    def start(self, prompt_ids: list[int]) -> None:
-        """Trajectories share the store; nothing is per-trajectory."""
-
-    def draft(self, ctx: DraftContext) -> DraftTree:
-        order = self.store.max_order
-        cost = self.cost.at(len(ctx.tokens))
-        limit = min(self.cfg.max_nodes, ctx.max_nodes)
-        stochastic = self.cfg.stochastic and not ctx.greedy
-        builder = TreeBuilder(ctx.tokens[-1])
-        self._tails = [tuple(ctx.tokens[-order:])]
-        alpha = [1.0]
-        plans: dict[int, _Plan] = {}
-        heap: list[tuple[float, int, int]] = []  # (-α̂ of the slot, node, child rank)
-
-        def open_node(node: int) -> None:
-            entry = self.store.lookup(self._tails[node])
-            if entry is None:
-                return
-            cands = [(i, p) for i, p in zip(entry.ids, entry.probs, strict=True) if p > 0]
-            if not cands:
-                return
-            ids, probs = [i for i, _ in cands], [p for _, p in cands]
-            if stochastic:  # the whole Gumbel order at once: any prefix is a valid draw
-                drawn = gumbel_top_k(ids, probs, len(ids), self.noise.take(len(ids)))
-                builder.set_q(node, SparseDist(entry.ids, entry.probs))
-            else:
-                drawn = ids
-            scale = sum(probs)
-            q = {i: p / scale for i, p in cands}
-            plans[node] = _Plan(drawn, q, sorted(q.values(), reverse=True))
-            heapq.heappush(heap, (-alpha[node] * plans[node].ranked[0], node, 0))
-
-        open_node(0)
-        expected = 1.0
-        while heap and len(builder) - 1 < limit:
-            neg, node, rank = heapq.heappop(heap)
-            if not worth_growing(cost, len(builder), expected, -neg, limit + 1):
-                break
-            plan = plans[node]
-            token = plan.drawn[rank]
-            child = builder.add(node, token, sampled=stochastic)
-            self._tails.append((*self._tails[node], token)[-order:])
-            alpha.append(alpha[node] * plan.q[token])
-            expected += alpha[child]
-            if rank + 1 < len(plan.drawn):
-                heapq.heappush(heap, (-alpha[node] * plan.ranked[rank + 1], node, rank + 1))
-            open_node(child)
-        return builder.build()
-
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        feed_store(self.store, self._tails, tree, acc, topk, self.cfg.harvest_rejected)
-
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        feed_root(self.store, tokens, topk)
+def gt_sized(inner: StaticTreeDrafter, cfg: Any, env: DraftEnv) -> Drafter:
+    """A static-tree drafter pruned by the GT rule when `cfg.sizing` is "gt" (its on-path
+    statistics shared by the problem's trajectories), else `inner` itself."""
+    if cfg.sizing == "fixed":
+        return inner
+    return GtSizedDrafter(inner, env.need_cost(cfg.kind), env.shared(GT_STATS, cfg))

@@ -4,12 +4,25 @@ occurrence of the context's suffix n-gram, longest n first, over prompt + genera
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
-from tts_service.config import PldDrafterConfig
+from pydantic import Field
+
+from tts_service.config import StrictConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
+from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
+
+
+class PldDrafterConfig(StrictConfig):
+    """Prompt Lookup Decoding (Saxena 2023): copy the continuation of the latest n-gram match."""
+
+    kind: Literal["pld"] = "pld"
+    max_ngram: int = Field(3, ge=1, le=8, description="Longest suffix n-gram tried first.")
+    min_ngram: int = Field(1, ge=1, le=8, description="Shortest suffix n-gram tried last.")
+    num_draft_tokens: int = Field(6, ge=1, le=64, description="Chain length drafted per step.")
 
 
 class PromptLookupDrafter:
@@ -39,3 +52,11 @@ class PromptLookupDrafter:
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
         """Likewise: the next `draft` indexes what was committed meanwhile."""
+
+
+SPEC = DrafterSpec(
+    PldDrafterConfig,
+    lambda cfg, env: PromptLookupDrafter(cfg),
+    methods=(Method("pld", "Prompt Lookup Decoding: copy after the latest n-gram match"),),
+    size_field="num_draft_tokens",
+)

@@ -21,14 +21,28 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
-from tts_service.config import PtdDrafterConfig
+from pydantic import Field
+
+from tts_service.config import StrictConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
 Trie = dict[int, "Trie"]
+
+
+class PtdDrafterConfig(StrictConfig):
+    """PTD: the target drafts for itself from a progressive perturbation tree."""
+
+    kind: Literal["ptd"] = "ptd"
+    max_depth: int = Field(6, ge=2, le=32, description="The perturbation tree steps past this.")
+    max_children: int = Field(4, ge=1, le=16, description="Children per node (width limit).")
+    perturbation_nodes: int = Field(16, ge=1, le=512, description="Perturbation tree size cap.")
+    candidate_nodes: int = Field(16, ge=1, le=512, description="Candidate nodes verified.")
 
 
 @dataclass
@@ -156,3 +170,16 @@ class PtdDrafter:
             if sub:
                 into = self.pool.setdefault(self.tree.nodes[v].token, {})
                 merge_trie(into, sub, self.cfg.max_depth)
+
+
+SPEC = DrafterSpec(
+    PtdDrafterConfig,
+    lambda cfg, env: PtdDrafter(cfg, env.seed),
+    methods=(
+        Method(
+            "ptd",
+            "PTD: the target drafts for itself by input perturbation",
+            drafts_with_target=True,
+        ),
+    ),
+)

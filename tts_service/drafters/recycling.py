@@ -6,13 +6,32 @@ rejected), drafted over a static template tree. The table persists across trajec
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from types import MappingProxyType
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from tts_service.config import RecyclingDrafterConfig, resolve_tree_path
+from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
 from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.gt import GT_STATS, gt_sized
+from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
+
+
+class RecyclingDrafterConfig(StrictConfig):
+    """Token Recycling (Luo et al. 2024): top-k successor table refreshed from every forward."""
+
+    kind: Literal["recycling"] = "recycling"
+    k: int = Field(8, ge=1, le=10, description="Successors kept per token (table width).")
+    tree: TreeName = Field(
+        "recycling-80", description="Tree shape: a name in configs/trees or a path."
+    )
+    num_nodes: int = Field(
+        16, ge=1, le=1024, description="Use the first N nodes (BFS) of the tree."
+    )
+    sizing: Sizing = "fixed"
 
 
 class TokenRecyclingDrafter:
@@ -62,3 +81,28 @@ class TokenRecyclingDrafter:
         k = min(self.cfg.k, topk.ids.shape[1])
         rows = list(range(tree.size)) if topk.known is None else list(topk.known)
         self.table[torch.tensor([tree.tokens[v] for v in rows]), :k] = topk.ids[rows, :k]
+
+
+SUCCESSORS: Shared[RecyclingDrafterConfig, torch.Tensor] = Shared(
+    "recycling.successors",
+    "model",
+    lambda cfg, vocab: torch.full((vocab, cfg.k), -1, dtype=torch.long),  # -1: none known yet
+    key=lambda cfg: cfg.k,
+)
+"""The successor table, one per loaded model and width: the hot start."""
+
+_GT_CAP = MappingProxyType({"sizing": "gt", "num_nodes": 80})  # the whole tree is the cap
+
+SPEC = DrafterSpec(
+    RecyclingDrafterConfig,
+    lambda cfg, env: gt_sized(
+        TokenRecyclingDrafter(cfg, env.vocab_size, env.shared(SUCCESSORS, cfg)), cfg, env
+    ),
+    methods=(
+        Method("recycle", "Token Recycling: successor table over a static tree"),
+        Method("recycle-gt", "Token Recycling, GT-sized by the measured cost", _GT_CAP),
+    ),
+    size_field="num_nodes",
+    needs_cost=True,
+    shared=(SUCCESSORS, GT_STATS),
+)

@@ -1,175 +1,163 @@
-"""Every drafter family once: its config model, its factory and the shared resources it needs
-(`KINDS`). The names users pick are in `drafters/methods.py`; each names a family here.
+"""The one list of drafter families (`SPECS`) and everything derived from it: the config union
+the edges validate (`DrafterConfig`), the names users pick (`METHODS`: CLI `--method`, jobs, the
+HTTP API's `spec_method`, Serve's default, the tests' parameters), the factory
+(`build_drafter`) and the size knob of each kind (`size_field`).
 
-Adding a family: a config model in `tts_service/config.py` (a member of `DrafterConfig`), its
-factory and a `DrafterKind` entry below, and a `Method` in `drafters/methods.py`.
+Adding a method: one drafter module declaring a `SPEC` (`drafters/spec.py`; docs/design.md,
+"Adding a method") and its line in `DRAFTER_MODULES` below. A module outside this repository
+is named in `TTS_DRAFTERS` instead (comma-separated importable module paths, each with a
+`SPEC`), read once when this module is imported (it says which code is loaded, so every
+process, Ray's workers included, must see the same value); a drafter module must not import
+this one.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+import importlib
+import os
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union
 
-import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from store.base import NgramStore
-from tts_service.config import (
-    GooseDrafterConfig,
-    GtcpDrafterConfig,
-    PlainDrafterConfig,
-    PldDrafterConfig,
-    PtdDrafterConfig,
-    RecyclingDrafterConfig,
-    StandDrafterConfig,
-    StandDynDrafterConfig,
-    StandSpineDrafterConfig,
-    resolve_tree_path,
+from tts_service.drafters.base import Drafter
+from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
+
+__all__ = [
+    "AUTO_METHOD",
+    "DEFAULT_METHOD",
+    "DRAFTER_CONFIGS",
+    "DraftEnv",
+    "DrafterConfig",
+    "DrafterSpec",
+    "KINDS",
+    "METHODS",
+    "METHOD_NAMES",
+    "Method",
+    "MethodName",
+    "REPLAY_METHODS",
+    "DRAFTER_MODULES",
+    "SPECS",
+    "build_drafter",
+    "method_drafter",
+    "resolve_method",
+    "size_field",
+]
+
+DRAFTER_MODULES: tuple[str, ...] = (
+    "tts_service.drafters.base",  # plain
+    "tts_service.drafters.pld",
+    "tts_service.drafters.recycling",
+    "tts_service.drafters.stand",
+    "tts_service.drafters.stand_spine",
+    "tts_service.drafters.goose",
+    "tts_service.drafters.ptd",
+    "tts_service.drafters.gtcp",
+    "tts_service.drafters.stand_dyn",
 )
-from tts_service.drafters.base import Drafter, NoDrafter
-from tts_service.drafters.goose import AdjacencyTable, GooseDrafter
-from tts_service.drafters.gt import GtSizedDrafter, GtTreeDrafter, OnPathStats
-from tts_service.drafters.matching import ExactMatchIndex, SuffixCounts
-from tts_service.drafters.pld import PromptLookupDrafter
-from tts_service.drafters.ptd import PtdDrafter
-from tts_service.drafters.recycling import TokenRecyclingDrafter
-from tts_service.drafters.stand import StandDrafter
-from tts_service.drafters.stand_dyn import (
-    SUFFIX_ORDERS,
-    AcceptanceCalibration,
-    StandDynDrafter,
-)
-from tts_service.drafters.stand_spine import StandSpineDrafter
-from tts_service.engine.cost import VerifyCostSource
-
-SPINE_ORDERS = (8, 6, 5, 4, 3, 2)  # StandSpineDrafterConfig.min_match is 2..8
+"""The in-tree drafter modules, in the order the edges list their methods."""
 
 
-@dataclass(frozen=True)
-class DraftEnv:
-    """What a drafter may share beyond its own per-trajectory state.
+def load_specs(modules: str | Sequence[str]) -> tuple[DrafterSpec, ...]:
+    """The `SPEC` of each module named in `modules` (import paths, or one string of them
+    separated by commas, as `TTS_DRAFTERS` holds them).
 
-    `generator` lives as long as the loaded model (Token Recycling's and Goose's successor
-    tables: the hot start); `problem` is shared by one problem's trajectories (STAND + spine's
-    exact-match index, GT sizing's on-path statistics). Fresh dicts share nothing."""
-
-    vocab_size: int
-    store: NgramStore | None = None  # the problem's logit n-gram store
-    seed: int = 0  # the trajectory's seed: drafters derive their own stream from it
-    cost: VerifyCostSource | None = None  # the verify cost (GT sizing, GTCP)
-    generator: dict = field(default_factory=dict)
-    problem: dict = field(default_factory=dict)
-
-    def need_store(self, kind: str) -> NgramStore:
-        if self.store is None:
-            raise ValueError(f"the {kind} drafter needs a logit n-gram store")
-        return self.store
-
-    def need_cost(self, kind: str) -> VerifyCostSource:
-        if self.cost is None:
-            raise ValueError(f"the {kind} drafter needs a measured verify cost (GT sizing)")
-        return self.cost
+    Raises:
+        ImportError: a module is missing or has no `SPEC`.
+    """
+    names = modules.split(",") if isinstance(modules, str) else modules
+    specs = []
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        spec = getattr(importlib.import_module(name), "SPEC", None)
+        if not isinstance(spec, DrafterSpec):
+            raise ImportError(f"{name} has no SPEC (a tts_service.drafters.spec.DrafterSpec)")
+        specs.append(spec)
+    return tuple(specs)
 
 
-def new_gt_stats(cfg: RecyclingDrafterConfig | StandDrafterConfig) -> OnPathStats:
-    """Fresh on-path statistics for a static tree: its calibrated frequency as the prior, or
-    0.5^depth for a tree file without one (Token Recycling's template)."""
-    data = json.loads(resolve_tree_path(cfg.tree).read_text(encoding="utf-8"))
-    freq = data.get("on_path_frequency")
-    if isinstance(freq, list):
-        return OnPathStats([float(f) for f in freq])
-    depth = [0]
-    for p in data["parents"][1:]:
-        depth.append(depth[p] + 1)
-    return OnPathStats([0.5**d for d in depth])
+SPECS: tuple[DrafterSpec, ...] = load_specs(DRAFTER_MODULES)
+"""The in-tree drafter families' specs."""
 
 
-def _gt_sized(
-    inner: StandDrafter | TokenRecyclingDrafter,
-    cfg: RecyclingDrafterConfig | StandDrafterConfig,
-    env: DraftEnv,
-) -> Drafter:
-    """A static-tree drafter pruned by the GT rule, its on-path statistics per problem."""
-    if cfg.sizing == "fixed":
-        return inner
-    key = ("gt_stats", cfg.model_dump_json())
-    if key not in env.problem:
-        env.problem[key] = new_gt_stats(cfg)
-    return GtSizedDrafter(inner, env.need_cost(cfg.kind), env.problem[key])
+def _index(specs: tuple[DrafterSpec, ...]) -> dict[str, DrafterSpec]:
+    """kind -> spec, refusing two families with one kind, one method name or one shared-state
+    name."""
+    kinds: dict[str, DrafterSpec] = {}
+    methods: set[str] = {"auto"}
+    shared: dict[str, Shared] = {}
+    for spec in specs:
+        if spec.kind in kinds:
+            raise ValueError(f"drafter kind {spec.kind!r} is registered twice")
+        kinds[spec.kind] = spec
+        for m in spec.methods:
+            if m.name in methods:
+                raise ValueError(f"method {m.name!r} is registered twice")
+            methods.add(m.name)
+        for s in spec.shared:
+            if shared.setdefault(s.name, s) is not s:
+                raise ValueError(f"shared state {s.name!r} is declared by two drafters")
+    return kinds
 
 
-def _recycling(cfg: RecyclingDrafterConfig, env: DraftEnv) -> Drafter:
-    key = ("recycling", cfg.k)
-    if key not in env.generator:  # -1: no successor known yet
-        env.generator[key] = torch.full((env.vocab_size, cfg.k), -1, dtype=torch.long)
-    return _gt_sized(TokenRecyclingDrafter(cfg, env.vocab_size, env.generator[key]), cfg, env)
+KINDS: dict[str, DrafterSpec] = _index(SPECS + load_specs(os.environ.get("TTS_DRAFTERS", "")))
+"""Drafter kind -> its spec: the in-tree families, then those named in `TTS_DRAFTERS`."""
+
+DRAFTER_CONFIGS: dict[str, type[BaseModel]] = {k: s.config for k, s in KINDS.items()}
+"""Drafter kind -> its config model (which flags and preset fields a kind takes)."""
+
+DrafterConfig = Annotated[
+    Union[tuple(DRAFTER_CONFIGS.values())],  # type: ignore[valid-type]  # noqa: UP007
+    Field(discriminator="kind"),
+]
+"""Any drafter's config, told apart by `kind` (what requests, jobs and presets carry)."""
+
+METHODS: dict[str, Method] = {m.name: m for s in KINDS.values() for m in s.methods}
+"""Method name -> its drafter kind and the fields it sets over the kind's preset."""
+REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.drafts_with_target)
+"""The methods `tts replay` measures: they draft without the model, deterministically."""
+AUTO_METHOD = {"cpu": "stand-dyn", "cuda": "stand-dyn"}
+"""What `auto` runs per device type (docs/benchmarks.md, "Every method" and §9): the same
+method everywhere; the measured verify cost sizes its trees for the device."""
+METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
+DEFAULT_METHOD = "auto"
+"""What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
+MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
 
 
-def _stand(cfg: StandDrafterConfig, env: DraftEnv) -> Drafter:
-    return _gt_sized(StandDrafter(cfg, env.need_store(cfg.kind), env.seed), cfg, env)
+def resolve_method(method: str, device: str) -> str:
+    """`auto` -> the method measured best for the device ('auto', 'cpu', 'cuda:0' ...)."""
+    if method != "auto":
+        return method
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AUTO_METHOD["cuda" if device.startswith("cuda") else "cpu"]
 
 
-def _stand_spine(cfg: StandSpineDrafterConfig, env: DraftEnv) -> Drafter:
-    if "spine_index" not in env.problem:
-        env.problem["spine_index"] = ExactMatchIndex(SPINE_ORDERS)
-    return StandSpineDrafter(cfg, env.need_store(cfg.kind), env.problem["spine_index"], env.seed)
+def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") -> dict:
+    """The raw drafter fields of a method: the preset of its kind, then the method's own.
+
+    Raises:
+        ValueError: unknown method.
+    """
+    if method not in METHOD_NAMES:
+        raise ValueError(f"unknown method {method!r} (choose {', '.join(METHOD_NAMES)})")
+    entry = METHODS[resolve_method(method, device)]
+    return {"kind": entry.kind, **presets.get(entry.kind, {}), **entry.fields}
 
 
-def _goose(cfg: GooseDrafterConfig, env: DraftEnv) -> Drafter:
-    key = ("goose", cfg.k)
-    if key not in env.generator:
-        env.generator[key] = AdjacencyTable(env.vocab_size, cfg.k)
-    return GooseDrafter(cfg, env.generator[key])
+def size_field(kind: str) -> str | None:
+    """The field `--num-nodes` (replay's `--nodes`) sets for `kind`; None: it has none."""
+    return KINDS[kind].size_field
 
 
-def _gtcp(cfg: GtcpDrafterConfig, env: DraftEnv) -> Drafter:
-    return GtTreeDrafter(cfg, env.need_store(cfg.kind), env.need_cost(cfg.kind), env.seed)
-
-
-def _stand_dyn(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
-    """Suffix counts per problem; the successor table and the calibration per loaded model
-    (what a candidate's acceptance rate is depends on the model, not the problem)."""
-    if "suffix_counts" not in env.problem:
-        env.problem["suffix_counts"] = SuffixCounts(SUFFIX_ORDERS)
-    if "stand_dyn" not in env.generator:
-        env.generator["stand_dyn"] = (AdjacencyTable(env.vocab_size, 10), AcceptanceCalibration())
-    successors, calibration = env.generator["stand_dyn"]
-    cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
-    store = env.need_store(cfg.kind)
-    return StandDynDrafter(cfg, store, env.problem["suffix_counts"], successors, calibration, cost)
-
-
-@dataclass(frozen=True)
-class DrafterKind:
-    """One drafter family: its config model and its factory."""
-
-    config: type[BaseModel]
-    build: Callable[[Any, DraftEnv], Drafter]
-    uses_store: bool = False  # drafts from the problem's logit n-gram store
-
-
-KINDS: dict[str, DrafterKind] = {
-    k.config.model_fields["kind"].default: k
-    for k in (
-        DrafterKind(PlainDrafterConfig, lambda cfg, env: NoDrafter()),
-        DrafterKind(PldDrafterConfig, lambda cfg, env: PromptLookupDrafter(cfg)),
-        DrafterKind(RecyclingDrafterConfig, _recycling),
-        DrafterKind(StandDrafterConfig, _stand, uses_store=True),
-        DrafterKind(StandSpineDrafterConfig, _stand_spine, uses_store=True),
-        DrafterKind(GooseDrafterConfig, _goose),
-        DrafterKind(PtdDrafterConfig, lambda cfg, env: PtdDrafter(cfg, env.seed)),
-        DrafterKind(GtcpDrafterConfig, _gtcp, uses_store=True),
-        DrafterKind(StandDynDrafterConfig, _stand_dyn, uses_store=True),
-    )
-}
-
-
-def build_drafter(cfg: BaseModel, env: DraftEnv) -> Drafter:
+def build_drafter(cfg: Any, env: DraftEnv) -> Drafter:
     """The drafter for `cfg`, sharing what `env` holds.
 
     Raises:
         ValueError: a resource the drafter needs is missing from `env`.
     """
-    return KINDS[cfg.kind].build(cfg, env)  # type: ignore[attr-defined]
+    return KINDS[cfg.kind].build(cfg, env)

@@ -15,15 +15,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Sequence
+from types import MappingProxyType
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from store.base import NgramRow, NgramStore
-from tts_service.config import StandDrafterConfig, resolve_tree_path
+from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
 from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.gt import GT_STATS, gt_sized
+from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
+
+
+class StandDrafterConfig(StrictConfig):
+    """STAND (Song et al. 2025): stochastic trees drawn from a shared logit n-gram store."""
+
+    kind: Literal["stand"] = "stand"
+    tree: TreeName = Field("stand-80", description="A name in configs/trees or a JSON path.")
+    num_nodes: int = Field(16, ge=1, le=1024, description="Use the tree's first N nodes.")
+    stochastic: bool = Field(True, description="Gumbel-Top-K children; False: top-k (ablation).")
+    harvest_rejected: bool = Field(
+        False, description="Also store the target's distributions at rejected tree nodes."
+    )
+    noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
+    sizing: Sizing = "fixed"
 
 
 class GumbelNoise:
@@ -167,3 +186,21 @@ def feed_store(
     store.add(
         [NgramRow(tails[v], tuple(i), tuple(p)) for v, i, p in zip(nodes, ids, probs, strict=True)]
     )
+
+
+SPEC = DrafterSpec(
+    StandDrafterConfig,
+    lambda cfg, env: gt_sized(StandDrafter(cfg, env.need_store(cfg.kind), env.seed), cfg, env),
+    methods=(
+        Method("stand", "STAND: stochastic trees from the shared logit n-gram store"),
+        Method(
+            "stand-gt",
+            "STAND, GT-sized by the measured verify cost",
+            MappingProxyType({"sizing": "gt", "num_nodes": 80}),  # the whole tree is the cap
+        ),
+    ),
+    size_field="num_nodes",
+    needs_cost=True,
+    uses_store=True,
+    shared=(GT_STATS,),
+)

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+from pydantic import Field
 
 from store.base import NgramStore
-from tts_service.config import StandDynDrafterConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.config import Sizing, StrictConfig
+from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
+from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.drafters.stand import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.tree import DraftTree, TreeBuilder
@@ -43,6 +46,18 @@ SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2)
 MIN_SUFFIX = 4  # shorter suffix matches are the store's job
 TAIL = max(SUFFIX_ORDERS)
 STORE, BACKOFF, SUFFIX, SUCCESSOR = range(4)  # a candidate's source
+
+
+class StandDynDrafterConfig(StrictConfig):
+    """STAND, dynamic: best-first trees over the store, candidates ranked by an acceptance
+    rate learned online; the whole budget, or what the measured verify cost pays for."""
+
+    kind: Literal["stand_dyn"] = "stand_dyn"
+    num_nodes: int = Field(80, ge=1, le=1024, description="Draft nodes per step (the cap).")
+    sizing: Sizing = "gt"
+    harvest_rejected: bool = Field(
+        False, description="Also store the target's distributions at rejected nodes."
+    )
 
 
 class Candidate(NamedTuple):
@@ -208,3 +223,40 @@ class StandDynDrafter:
             self.successors.update(
                 [-1] * len(rows), [tree.tokens[v] for v in rows], topk.ids[rows], topk.probs[rows]
             )
+
+
+MODEL_STATE: Shared[StandDynDrafterConfig, tuple[AdjacencyTable, AcceptanceCalibration]] = Shared(
+    "stand_dyn.model",
+    "model",
+    lambda cfg, vocab: (AdjacencyTable(vocab, 10), AcceptanceCalibration()),
+)
+"""The successor table and the calibration, per loaded model (what a candidate's acceptance
+rate is depends on the model, not the problem)."""
+SUFFIX_COUNTS: Shared[StandDynDrafterConfig, SuffixCounts] = Shared(
+    "stand_dyn.suffix_counts", "problem", lambda cfg, vocab: SuffixCounts(SUFFIX_ORDERS)
+)
+"""Suffix counts over one problem's trajectories."""
+
+
+def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
+    successors, calibration = env.shared(MODEL_STATE, cfg)
+    cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
+    store = env.need_store(cfg.kind)
+    counts = env.shared(SUFFIX_COUNTS, cfg)
+    return StandDynDrafter(cfg, store, counts, successors, calibration, cost)
+
+
+SPEC = DrafterSpec(
+    StandDynDrafterConfig,
+    _build,
+    methods=(
+        Method(
+            "stand-dyn",
+            "STAND, dynamic: best-first over the store, calibrated acceptance, GT-sized",
+        ),
+    ),
+    size_field="num_nodes",
+    needs_cost=True,
+    uses_store=True,
+    shared=(MODEL_STATE, SUFFIX_COUNTS),
+)

@@ -19,14 +19,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from store.base import NgramStore
-from tts_service.config import StandSpineDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
-from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.spec import DrafterSpec, Method, Shared
+from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
+
+SPINE_ORDERS = (8, 6, 5, 4, 3, 2)  # StandSpineDrafterConfig.min_match is 2..8
+
+
+class StandSpineDrafterConfig(StandDrafterConfig):
+    """STAND's branches off a spine copied from an exact match in the problem's trajectories."""
+
+    kind: Literal["stand_spine"] = "stand_spine"  # type: ignore[assignment]
+    min_match: int = Field(4, ge=2, le=8, description="Shortest suffix match that lays a spine.")
+    max_spine: int = Field(8, ge=1, le=64, description="Longest spine copied.")
+    spine_share: float = Field(0.5, gt=0, le=1, description="At most this share of the nodes.")
+    consensus_k: int = Field(
+        3, ge=1, le=10, description="The spine's first token must be in the store's top k."
+    )
+
+    @field_validator("sizing")
+    @classmethod
+    def _fixed_only(cls, v: str) -> str:
+        if v != "fixed":
+            raise ValueError("stand_spine trees are sized by num_nodes (use gtcp for GT sizing)")
+        return v
 
 
 def spine_budget(num_nodes: int, spine_len: int, share: float) -> tuple[int, list[int]]:
@@ -89,3 +113,20 @@ class StandSpineDrafter:
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
         self.stand.observe_root(tokens, topk)
+
+
+SPINE_INDEX: Shared[StandSpineDrafterConfig, ExactMatchIndex] = Shared(
+    "stand_spine.index", "problem", lambda cfg, vocab: ExactMatchIndex(SPINE_ORDERS)
+)
+"""The exact-match index over one problem's trajectories (the spines' source)."""
+
+SPEC = DrafterSpec(
+    StandSpineDrafterConfig,
+    lambda cfg, env: StandSpineDrafter(
+        cfg, env.need_store(cfg.kind), env.shared(SPINE_INDEX, cfg), env.seed
+    ),
+    methods=(Method("stand+spine", "STAND branches off an exact-match spine"),),
+    size_field="num_nodes",
+    uses_store=True,
+    shared=(SPINE_INDEX,),
+)

@@ -23,19 +23,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats
-from tts_service.engine.sampling import store_probs, target_probs
+from tts_service.engine.sampling import SamplingParams, store_probs, target_probs
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, ancestor_mask
 from tts_service.engine.verify import (
@@ -47,35 +45,24 @@ from tts_service.engine.verify import (
 )
 
 
-class Oracle(Protocol):
-    """Decides a row's acceptance instead of the target: timing replay, where the forwards are
-    real and acceptance follows a logged trajectory (`tts_service.replay.LoggedOracle`)."""
-
-    def __call__(self, tree: DraftTree, position: int) -> tuple[Acceptance, NodeTopK]:
-        """The acceptance of `tree` drafted after `position` generated tokens, and the top-k
-        its drafter observes."""
-        ...
-
-
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One trajectory in the batch. `tag` is the caller's handle (the runner's request)."""
+    """One trajectory in the batch. The runner's rows extend it with their request
+    (`runner.TrajectoryRow`)."""
 
     prompt_ids: list[int]
     drafter: Drafter
-    cfg: SamplingConfig
+    cfg: SamplingParams
     rule: StopRule
     device: torch.device  # the verifier's random stream lives where the target's logits do
-    tag: Any = None
-    oracle: Oracle | None = None
     tokens: list[int] = field(init=False)
-    gen: torch.Generator = field(init=False)
+    stream: torch.Generator = field(init=False)  # the verifier's random stream
     stats: GenerationStats = field(default_factory=GenerationStats)
     joined_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
-        self.gen = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
+        self.stream = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -86,13 +73,8 @@ class Row:
 StepObserver = Callable[[Row, DraftTree, Acceptance], None]
 
 
-def nodes_per_row(token_budget: int, active_rows: int) -> int:
-    """Draft nodes each row may send: a fixed token budget shared out, root included."""
-    return max(0, token_budget // max(active_rows, 1) - 1)
-
-
 @dataclass
-class _Verified:
+class Verified:
     """What the host learned from one step's single device copy, for one row."""
 
     acc: Acceptance
@@ -140,27 +122,24 @@ class BatchDecoder:
         """Slots in use: what attention spans (before the step's tokens)."""
         return self.cache.length
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def stop_rule(self, cfg: SamplingParams, on_commit: OnCommit | None = None) -> StopRule:
+        """Where a row of this model stops (its EOS ids, stop strings through its tokenizer)."""
+        return StopRule(cfg, self.eos_ids, self.decode, on_commit)
+
     def new_row(
         self,
         prompt_ids: list[int],
         drafter: Drafter,
-        cfg: SamplingConfig,
+        cfg: SamplingParams,
         on_commit: OnCommit | None = None,
-        tag: Any = None,
-        oracle: Oracle | None = None,
     ) -> Row:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        rule = StopRule(cfg, self.eos_ids, self.decode, on_commit)
-        return Row(list(prompt_ids), drafter, cfg, rule, self.model.device, tag, oracle)
-
-    @torch.inference_mode()
-    def run(self, rows: list[Row], token_budget: int = 64) -> list[GenerationResult]:
-        """Decode `rows` to completion together, `token_budget` tokens per forward."""
-        self.join(rows)
-        while self.active:
-            self.step(nodes_per_row(token_budget, len(self.active)))
-        return [r.result() for r in rows]
+        return Row(list(prompt_ids), drafter, cfg, self.stop_rule(cfg, on_commit), self.device)
 
     @torch.inference_mode()
     def join(self, rows: list[Row]) -> None:
@@ -292,14 +271,7 @@ class BatchDecoder:
         contexts = [list(r.tokens) for r in batch] if plain else []
         # 1. draft, one tree per row
         t0 = time.perf_counter()
-        trees = (
-            [DraftTree.root_only(r.tokens[-1]) for r in batch]
-            if plain
-            else [
-                r.drafter.draft(DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy))
-                for r in batch
-            ]
-        )
+        trees = self._draft(batch, max_nodes)
         t1 = time.perf_counter()
         # 2-3. pack and one forward for the whole batch
         start = self.cache.length
@@ -309,16 +281,56 @@ class BatchDecoder:
         ids, pos, mask = self._pack(trees, [len(r.tokens) - 1 for r in batch], shape)
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
         # 4-5. verify (on the device, one copy back) and accept, row by row
-        verified = self._verify(batch, trees, logits)
-        keeps, still, done, committed_total = [], [], [], 0
+        verified = self.verify(batch, trees, logits)
+        keeps, committed = self._accept(batch, trees, verified)
+        # 6. compact KV: each row keeps root + accepted path at the front of the new region
+        finished = self._keep(start, keeps)
+        t2 = time.perf_counter()
+        # 7. observe: every drafter learns from the target's distributions at its nodes
         for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
+            if plain:
+                row.drafter.observe_root(contexts[b], v.top)
+                continue
+            row.drafter.observe(tree, v.acc, v.top)
+            if observe is not None:
+                observe(row, tree, v.acc)
+        t3 = time.perf_counter()
+        for row in batch:  # one forward for all: each row is booked an equal share
+            row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
+            row.stats.verify_s += (t2 - t1) / len(batch)
+        for row in finished:
+            row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
+        nodes = sum(t.size - 1 for t in trees)
+        self.forwards.record(len(batch), width, nodes, committed, t1 - t0, t2 - t1, t3 - t2, start)
+        return finished
+
+    def _draft(self, batch: list[Row], max_nodes: int) -> list[DraftTree]:
+        """Every row's tree: its drafter's, or the root alone on a plain step."""
+        if max_nodes == 0:
+            return [DraftTree.root_only(r.tokens[-1]) for r in batch]
+        return [
+            r.drafter.draft(DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy))
+            for r in batch
+        ]
+
+    def _accept(
+        self, batch: list[Row], trees: list[DraftTree], verified: list[Verified]
+    ) -> tuple[list[list[int]], int]:
+        """Commit every row's accepted tokens (up to its stop); the tree nodes each row keeps
+        (root + accepted path) and the tokens committed in all."""
+        keeps, total = [], 0
+        for row, tree, v in zip(batch, trees, verified, strict=True):
             committed = row.rule.push(v.acc.committed)
-            committed_total += committed
+            total += committed
             row.tokens.extend(v.acc.committed[:committed])
             keeps.append([0, *v.acc.path])
             row.stats.record_step(tree.size - 1, min(v.acc.num_accepted, committed), committed)
-            (still if row.rule.finish is None else done).append(b)
-        # 6. compact KV: each row keeps root + accepted path at the front of the new region
+        return keeps, total
+
+    def _keep(self, start: int, keeps: list[list[int]]) -> list[Row]:
+        """Keep each row's `keeps` at the front of the step's region, let finished rows leave
+        and compact when holes outnumber entries; returns the finished rows."""
+        batch = self.active
         m = max(len(k) for k in keeps)
         idx = torch.zeros(len(batch), m, dtype=torch.long)
         new_valid = torch.zeros(len(batch), m, dtype=torch.bool)
@@ -327,39 +339,20 @@ class BatchDecoder:
             new_valid[b, : len(keep)] = True
         self.cache.keep_region(start, idx)
         self.cache.set_region_valid(start, new_valid)
-        finished = [batch[b] for b in done]
-        if done:  # finished rows leave the batch
-            self._keep_rows(still)
+        finished = [r for r in batch if r.rule.finish is not None]
+        if finished:  # finished rows leave the batch
+            self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
         valid = self.cache.active_valid()
         if self.active and valid.shape[1] > 2 * int(valid.sum(1).max()) + self.compact_slack:
             self._compact()
-        t2 = time.perf_counter()
-        # 7. observe: every drafter learns from the target's distributions at its nodes
-        if plain:
-            for row, context, v in zip(batch, contexts, verified, strict=True):
-                row.drafter.observe_root(context, v.top)
-        else:
-            for row, tree, v in zip(batch, trees, verified, strict=True):
-                row.drafter.observe(tree, v.acc, v.top)
-                if observe is not None:
-                    observe(row, tree, v.acc)
-        t3 = time.perf_counter()
-        for row in batch:  # one forward for all: each row is booked an equal share
-            row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
-            row.stats.verify_s += (t2 - t1) / len(batch)
-        for row in finished:
-            row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
-        nodes = sum(t.size - 1 for t in trees)
-        self.forwards.record(
-            len(batch), width, nodes, committed_total, t1 - t0, t2 - t1, t3 - t2, start
-        )
         return finished
 
-    def _verify(
+    def verify(
         self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor
-    ) -> list[_Verified]:
+    ) -> list[Verified]:
         """Every row's acceptance and top-k, from one device-to-host copy (plus node-by-node
-        walks for trees with sampled children)."""
+        walks for trees with sampled children). Timing replay overrides it (acceptance that
+        follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
         k = min(STORE_TOPK, logits.shape[-1])
         ids, probs, draws = [], [], []
         for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
@@ -367,8 +360,8 @@ class BatchDecoder:
             top = torch.topk(store_probs(row_logits, row.cfg), k, dim=-1)
             ids.append(torch.cat([row_logits.argmax(-1, keepdim=True), top.indices], dim=1))
             probs.append(top.values)
-            if not row.cfg.greedy and row.oracle is None and not any(tree.sampled):
-                draws.append(draw_match(tree, target_probs(row_logits, row.cfg), row.gen))
+            if not row.cfg.greedy and not any(tree.sampled):
+                draws.append(draw_match(tree, target_probs(row_logits, row.cfg), row.stream))
         host_ids = torch.cat(ids).cpu()  # the step's one synchronisation
         host_probs = torch.cat(probs).cpu()
         host_draws = torch.cat(draws).cpu().tolist() if draws else []
@@ -376,17 +369,15 @@ class BatchDecoder:
         for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
             n = tree.size
             top = NodeTopK(host_ids[at : at + n, 1:], host_probs[at : at + n])
-            if row.oracle is not None:
-                acc, top = row.oracle(tree, len(row.rule.out))
-            elif row.cfg.greedy:
+            if row.cfg.greedy:
                 acc = accept_greedy(tree, host_ids[at : at + n, 0].tolist())
             elif not any(tree.sampled):
                 acc = accept_match(tree, host_draws[drawn_at : drawn_at + 3 * n - 2])
                 drawn_at += 3 * n - 2
             else:
                 p = target_probs(logits[b, :n], row.cfg)
-                acc = verify_sampling(tree, p, row.gen)
-            out.append(_Verified(acc, top))
+                acc = verify_sampling(tree, p, row.stream)
+            out.append(Verified(acc, top))
             at += n
         return out
 
@@ -444,24 +435,3 @@ class BatchDecoder:
             idx[b, width - len(slots) :] = slots
             new_valid[b, width - len(slots) :] = True
         self.cache.gather_slots(idx, new_valid)
-
-
-@torch.inference_mode()
-def generate(
-    model: PreTrainedModel,
-    prompt_ids: Sequence[int],
-    drafter: Drafter,
-    cfg: SamplingConfig,
-    eos_ids: Sequence[int],
-    decode: Callable[[list[int]], str] | None = None,
-    max_nodes: int = 1024,
-    on_commit: OnCommit | None = None,
-) -> GenerationResult:
-    """Speculative tree decoding of one sequence (a batch of one row); commits exactly what
-    `decode.plain_generate` would (greedy), or the same distribution (sampling)."""
-    decoder = BatchDecoder(model, eos_ids, decode)
-    row = decoder.new_row(list(prompt_ids), drafter, cfg, on_commit)
-    decoder.join([row])
-    while decoder.active:
-        decoder.step(max_nodes)
-    return row.result()

@@ -19,12 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.engine.tree import DraftTree, pack
+
+if TYPE_CHECKING:  # transformers only where a model is timed: drafters import this module
+    from transformers import PreTrainedModel
 
 Curve = TypeVar("Curve")
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -139,6 +141,8 @@ def measure_verify_cost(
     The trees are chains packed exactly like a real verify step (4-D mask, explicit positions);
     sizes are interleaved across repeats so drift hits them all alike, and the median is kept.
     """
+    from transformers import DynamicCache
+
     device = model.device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size

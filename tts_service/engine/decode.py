@@ -17,9 +17,8 @@ from typing import Literal
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tts_service.config import SamplingConfig
 from tts_service.engine.metrics import GenerationStats
-from tts_service.engine.sampling import sample, target_probs
+from tts_service.engine.sampling import SamplingParams, sample, target_probs
 from tts_service.engine.streams import Stream, stream_generator
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -37,6 +36,25 @@ class GenerationResult:
     stop_text: str | None = None  # the stop string that ended generation, if any
 
 
+@dataclass(frozen=True)
+class GenerationOutput:
+    """A finished generation as the edges report it: the result with its text (cut before
+    the stop string that ended it)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
 class StopRule:
     """Appends tokens one at a time and says when plain decoding would have stopped.
 
@@ -46,7 +64,7 @@ class StopRule:
 
     def __init__(
         self,
-        cfg: SamplingConfig,
+        cfg: SamplingParams,
         eos_ids: Sequence[int],
         decode: Callable[[list[int]], str] | None = None,
         on_commit: OnCommit | None = None,
@@ -95,7 +113,7 @@ def _new_cache(model: PreTrainedModel) -> DynamicCache:
 def plain_generate(
     model: PreTrainedModel,
     prompt_ids: Sequence[int],
-    cfg: SamplingConfig,
+    cfg: SamplingParams,
     eos_ids: Sequence[int],
     decode: Callable[[list[int]], str] | None = None,
     on_commit: OnCommit | None = None,

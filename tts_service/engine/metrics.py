@@ -9,7 +9,17 @@ rows' walls.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+TRACE_LEN = 4096
+"""Forwards `ForwardStats.trace` keeps: a Serve replica's decoder lives for days."""
+
+
+def acceptance_length(tokens: int, forwards: int) -> float:
+    """Committed tokens per target forward, the bonus token included (plain decoding: 1.0);
+    0.0 before the first forward. The one definition every report uses."""
+    return tokens / forwards if forwards else 0.0
 
 
 @dataclass
@@ -33,7 +43,7 @@ class GenerationStats:
 
     @property
     def acceptance_length(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        return acceptance_length(self.new_tokens, self.target_forwards)
 
     @property
     def tokens_per_s(self) -> float:
@@ -69,7 +79,8 @@ class ForwardStats:
     forward_s: float = 0.0  # pack, forward, verify, accept and KV compaction
     observe_s: float = 0.0  # drafters and the allocator learning from the step
     prefill_s: float = 0.0
-    trace: list[tuple[int, int]] = field(default_factory=list)  # per forward: (rows, width)
+    # per forward: (rows, width), the last TRACE_LEN forwards
+    trace: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=TRACE_LEN))
     last_draft_s: float = 0.0
     last_forward_s: float = 0.0
     last_observe_s: float = 0.0

@@ -7,12 +7,40 @@ plain decoding can never disagree on temperature, top-k, top-p or min-p (docs/de
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Any
+
 import torch
 
-from tts_service.config import SamplingConfig
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one trajectory's next token is chosen, as the engine reads it: exactly what plain
+    decoding samples from, plus where it stops. A frozen copy of the edge's validated
+    `SamplingConfig` (`of`), so nothing below the runner depends on the request schema."""
+
+    temperature: float = 1.0  # 0: greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # 0 disables
+    max_new_tokens: int = 256
+    seed: int = 0  # seeds the trajectory's sampling and drafting streams
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def of(cls, cfg: Any) -> SamplingParams:
+        """The engine's copy of a validated config (any object with these attributes)."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
-def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """Turn logits into the sampling distribution `p`, row-wise.
 
     Args:
@@ -43,7 +71,7 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return p
 
 
-def store_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+def store_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """The distribution drafters learn from: `p` when sampling, softmax(logits) under greedy."""
     if cfg.greedy:
         return torch.softmax(logits.to(torch.float64), dim=-1)

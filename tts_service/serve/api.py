@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tts_service.drafters.methods import MethodName
+from tts_service.drafters.registry import MethodName
 
 
 class StreamOptions(BaseModel):

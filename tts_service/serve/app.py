@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tts_service.config import ServeConfig
+from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
     ChatCompletionRequest,

@@ -10,30 +10,22 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from actors.host import RunnerHost
 from store.base import NgramStore
-from store.factory import open_global_store, open_problem_store, problem_id
+from store.factory import problem_id
 from store.redis_store import StoreUnavailableError
 from tts_service.aggregate import Task, extract_answer, majority_vote
-from tts_service.config import (
-    DrafterConfig,
-    SamplingConfig,
-    ServeConfig,
-    default_max_rows,
-)
-from tts_service.drafters.methods import method_drafter
+from tts_service.config import SamplingConfig
+from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import (
-    RunnerLoop,
-    RunReport,
-    TrajectoryRequest,
-    TrajectoryResult,
-    TrajectoryRunner,
-)
+from tts_service.runner import RunReport, TrajectoryResult, Waiting
+from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
     ChatCompletionRequest,
@@ -76,6 +68,21 @@ class Job:
         }
 
 
+def fair_admission(waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+    """Serve's admission: the next row goes to the waiting submission holding the fewest rows,
+    and a submission holding none may join a full batch, so a short request never waits
+    behind a long one."""
+    best, fewest, seen = None, 0, set()
+    for i, (sub, _) in enumerate(waiting):  # each submission's oldest request
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        rows = held[id(sub)]
+        if (not full or rows == 0) and (best is None or rows < fewest):
+            best, fewest = i, rows
+    return best
+
+
 class ServeEngine:
     """With `tensor_parallel` G > 1 this process is rank 0 of G (`actors.tp`): its steps share
     a fixed token budget and GT-sized methods a fixed GPU-like verify cost (a measurement would
@@ -93,18 +100,17 @@ class ServeEngine:
             self.generator = Generator.load(cfg.model)
         self.served_name = cfg.served_model_name or cfg.model.name
         self.created = now()
-        self.store_url = cfg.store.url
-        self.global_store = open_global_store(cfg.store, self.store_url)
-        max_rows = cfg.max_rows or default_max_rows(str(self.generator.loaded.device))
         # concurrent requests share the batch; a short one joins while a long one decodes
-        if self.tp is not None:
-            runner = TrajectoryRunner(
-                self.generator, max_rows, "fixed", admission="fair", decoder=self.tp.decoder
-            )
-        else:  # the cost surface's prior (or the one kept on disk) before the first request
-            self.generator.surface(max_rows)
-            runner = TrajectoryRunner(self.generator, max_rows, admission="fair")
-        self.runner = RunnerLoop(runner)
+        self.host = RunnerHost(
+            self.generator,
+            cfg.store,
+            cfg.store.url,
+            cfg.max_rows,
+            admission=fair_admission,
+            tp_decoder=None if self.tp is None else self.tp.decoder,
+            threaded=True,
+            warm=True,
+        )
 
     def model_card(self) -> dict:
         """The served model as OpenAI's `/v1/models` lists it."""
@@ -205,49 +211,45 @@ class ServeEngine:
     # -- execution -----------------------------------------------------------------------
     def _store(self, job: Job) -> NgramStore:
         try:
-            return open_problem_store(
-                self.cfg.store, self.store_url, problem_id(job.prompt_ids), self.global_store
-            )
+            return self.host.problem_store(problem_id(job.prompt_ids))
         except StoreUnavailableError as e:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
     def close(self) -> None:
         """The replica's end: the global store pushes what it queued (a bounded wait); a
         tensor-parallel replica's other ranks stop."""
-        if self.global_store is not None:
-            self.global_store.close()
+        self.host.close()
         if self.tp is not None:
             self.tp.close()
 
-    def _requests(
-        self, job: Job, store: NgramStore, cancel: threading.Event, on_commit=None
-    ) -> list[TrajectoryRequest]:
-        """The request's n trajectories (seeds: seed + index), each stopping at its next step
-        once `cancel` is set (the client went away)."""
-        return [
-            TrajectoryRequest(
-                "request",
-                i,
-                job.prompt_ids,
-                job.sampling.model_copy(update={"seed": job.sampling.seed + i}),
-                job.drafter,
-                store,
-                on_commit=(lambda _t: not cancel.is_set())
-                if on_commit is None
-                else (lambda t, i=i: on_commit(i, t)),
-            )
-            for i in range(job.n)
-        ]
+    def _run(
+        self,
+        job: Job,
+        store: NgramStore,
+        cancel: threading.Event,
+        on_commit: Callable[[int, Sequence[int]], bool] | None = None,
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+    ) -> RunReport:
+        """The request's n trajectories (in index order) on the replica's host, each stopping
+        at its next step once `cancel` is set (the client went away)."""
+        return self.host.trajectories(
+            "request",
+            job.prompt_ids,
+            range(job.n),
+            job.sampling,
+            job.drafter,
+            store,
+            on_commit=on_commit or (lambda _i, _t: not cancel.is_set()),
+            on_result=on_result,
+            skip=lambda _r: cancel.is_set(),
+        )
 
     def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
-        """Every trajectory of the request, in index order, through the replica's runner."""
+        """Every trajectory of the request, or `Cancelled`."""
         with contextlib.closing(self._store(job)) as store:  # the request's end is its store's
-            report = self.runner.run(
-                self._requests(job, store, cancel), skip=lambda _r: cancel.is_set()
-            )
+            report = self._run(job, store, cancel)
         if cancel.is_set():
             raise Cancelled
-        report.results.sort(key=lambda r: r.request.index)
         return report
 
     def _extension(self, job: Job, report: RunReport) -> dict:
@@ -259,14 +261,7 @@ class ServeEngine:
         }
         if job.aggregate:
             vote = majority_vote([extract_answer(o.text, job.task) for o in outs], job.task)
-            ext["aggregate"] = {
-                "method": "majority",
-                "answer": vote.answer,
-                "votes": vote.votes,
-                "share": vote.share,
-                "no_answer": vote.num_no_answer,
-                "winner_indices": list(vote.winner_indices),
-            }
+            ext["aggregate"] = {"method": "majority", **vote.to_dict()}
         return ext
 
     def complete(self, job: Job, cancel: threading.Event) -> dict:
@@ -312,66 +307,18 @@ class ServeEngine:
         (interleaved, as OpenAI streams n > 1) and ends with its finish chunk; with
         `include_usage`, a last chunk with no choices carries `usage`; `emit(None)` ends the
         stream. Returns the usage (a cancelled stream's: the tokens it decoded)."""
-        cid, created = new_id("chatcmpl" if job.chat else "cmpl"), now()
-        hold = max((len(s) for s in job.sampling.stop), default=0)
-
-        def send(choices: list[dict], **usage) -> None:
-            emit(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk" if job.chat else "text_completion",
-                    "created": created,
-                    "model": self.served_name,
-                    "choices": choices,
-                    **usage,
-                }
-            )
-
-        def chunk(index: int, text: str | None, finish: str | None, first: bool = False):
-            if job.chat:
-                delta = {"role": "assistant"} if first else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": index, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish}
-            send([choice], **({"usage": None} if job.include_usage else {}))
-
-        ids: list[list[int]] = [[] for _ in range(job.n)]
-        final: dict[int, int] = {}  # index -> its output's tokens, once it has ended
-        sent = [0] * job.n
-
-        def on_commit(i: int, tokens) -> bool:
-            ids[i].extend(tokens)
-            text = self.generator.decode(ids[i])
-            for s in job.sampling.stop:  # never stream a stop string or what follows
-                if s in text:
-                    text = text[: text.index(s)]
-            safe = len(text) - hold
-            while safe > sent[i] and text[safe - 1] == "\ufffd":
-                safe -= 1
-            if safe > sent[i]:
-                chunk(i, text[sent[i] : safe], None)
-                sent[i] = safe
-            return not cancel.is_set()
-
-        def on_result(res: TrajectoryResult) -> None:
-            i, out = res.request.index, res.output
-            final[i] = len(out.token_ids)
-            if len(out.text) > sent[i]:
-                chunk(i, out.text[sent[i] :], None)
-            chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
-
+        out = ChoiceStream(job, self.served_name, self.generator.decode, emit)
         try:
             with contextlib.closing(self._store(job)) as store:
-                requests = self._requests(job, store, cancel, on_commit)
                 for i in range(job.n):
-                    chunk(i, None, None, first=True)
-                self.runner.run(requests, on_result, skip=lambda _r: cancel.is_set())
-            usage = job.usage(sum(final.get(i, len(ids[i])) for i in range(job.n)))
-            if job.include_usage:
-                send([], usage=usage)
-            return usage
+                    out.chunk(i, None, None, first=True)
+
+                def on_commit(i: int, tokens: Sequence[int]) -> bool:
+                    out.commit(i, tokens)
+                    return not cancel.is_set()
+
+                self._run(job, store, cancel, on_commit, out.finish)
+            return out.end()
         finally:
             emit(None)
 
@@ -404,3 +351,74 @@ class ServeEngine:
                 for i, o in enumerate(outs)
             ]
         return body
+
+
+class ChoiceStream:
+    """One streamed response's chunks: each choice's text as it decodes, never a stop string
+    or a partial character (held back until the text after it is known), then its finish."""
+
+    def __init__(
+        self,
+        job: Job,
+        model: str,
+        decode: Callable[[list[int]], str],
+        emit: Callable[[dict | None], None],
+    ) -> None:
+        self.job, self.model, self.decode, self.emit = job, model, decode, emit
+        self.id, self.created = new_id("chatcmpl" if job.chat else "cmpl"), now()
+        self.hold = max((len(s) for s in job.sampling.stop), default=0)
+        self.ids: list[list[int]] = [[] for _ in range(job.n)]
+        self.final: dict[int, int] = {}  # index -> its output's tokens, once it has ended
+        self.sent = [0] * job.n
+
+    def send(self, choices: list[dict], **usage) -> None:
+        self.emit(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk" if self.job.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **usage,
+            }
+        )
+
+    def chunk(self, index: int, text: str | None, finish: str | None, first: bool = False):
+        if self.job.chat:
+            delta = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish}
+        self.send([choice], **({"usage": None} if self.job.include_usage else {}))
+
+    def commit(self, i: int, tokens: Sequence[int]) -> None:
+        """Choice i's step: send the text that can no longer change."""
+        self.ids[i].extend(tokens)
+        text = self.decode(self.ids[i])
+        for s in self.job.sampling.stop:  # never stream a stop string or what follows
+            if s in text:
+                text = text[: text.index(s)]
+        safe = len(text) - self.hold
+        while safe > self.sent[i] and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe > self.sent[i]:
+            self.chunk(i, text[self.sent[i] : safe], None)
+            self.sent[i] = safe
+
+    def finish(self, res: TrajectoryResult) -> None:
+        """Choice i ended: the rest of its text, then its finish chunk."""
+        i, out = res.request.index, res.output
+        self.final[i] = len(out.token_ids)
+        if len(out.text) > self.sent[i]:
+            self.chunk(i, out.text[self.sent[i] :], None)
+        self.chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
+
+    def end(self) -> dict:
+        """The usage (a cancelled stream's: the tokens it decoded), sent last when asked."""
+        n = self.job.n
+        usage = self.job.usage(sum(self.final.get(i, len(self.ids[i])) for i in range(n)))
+        if self.job.include_usage:
+            self.send([], usage=usage)
+        return usage

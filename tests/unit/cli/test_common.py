@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from store.local_server import free_port
 from tts_service.cli import main, make_parser
 from tts_service.cli.common import request
-from tts_service.config import CalibrateTreeRequest, GenerateRequest, SolveRequest
+from tts_service.schemas import CalibrateTreeRequest, GenerateRequest, SolveRequest
 
 BAD = [
     (["generate", ""], "--prompt"),
@@ -26,6 +26,12 @@ BAD = [
     (["generate", "--seed", "-3", "hi"], "--seed"),
     (["generate", "--method", "recycle", "--num-nodes", "0", "hi"], "--num-nodes"),
     (["generate", "--method", "recycle", "--tree", "nope", "hi"], "--tree"),
+    (["generate", "--method", "ptd", "--num-nodes", "8", "hi"], "--num-nodes"),  # no size field
+    (["generate", "--method", "plain", "--num-nodes", "8", "hi"], "--num-nodes"),
+    (["generate", "--method", "pld", "--num-nodes", "65", "hi"], "--num-nodes"),  # PLD: <= 64
+    (["generate", "--method", "pld", "--tree", "stand-80", "hi"], "--tree"),
+    (["generate", "--method", "goose", "--deterministic", "hi"], "--deterministic"),
+    (["generate", "--method", "pld", "--harvest-rejected", "hi"], "--harvest-rejected"),
     (["generate", "--dtype", "int8", "hi"], "--dtype"),
     (["generate", "--config", "/no/such.yaml", "hi"], "--config"),
     (["generate", "--stop", "", "hi"], "--stop"),
@@ -103,8 +109,9 @@ def test_auto_is_the_one_default_method(tmp_path):
 
     from jobs.best_of_n import parse as best_of_n
     from jobs.evaluate import parse as evaluate
-    from tts_service.config import ServeConfig, load_yaml
-    from tts_service.drafters.methods import DEFAULT_METHOD, METHODS, resolve_method
+    from tts_service.config import load_yaml
+    from tts_service.drafters.registry import DEFAULT_METHOD, METHODS, resolve_method
+    from tts_service.schemas import ServeConfig
 
     assert DEFAULT_METHOD == "auto"
     runs = METHODS[resolve_method("auto", "auto")]
@@ -166,3 +173,14 @@ def test_store_actions_have_their_own_help(capsys):
         main(["store", "stats", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: tts store stats") and "--scope" in out
+
+
+@pytest.mark.parametrize(
+    "method,field", [("recycle", "num_nodes"), ("pld", "num_draft_tokens"), ("gtcp", "max_nodes")]
+)
+def test_num_nodes_sets_the_methods_size_field(method, field):
+    from tts_service.drafters.registry import size_field
+
+    argv = ["generate", "--method", method, "--num-nodes", "7", "hi"]
+    req = request(make_parser().parse_args(argv), GenerateRequest, {"prompt": "hi"})
+    assert size_field(req.drafter.kind) == field and getattr(req.drafter, field) == 7

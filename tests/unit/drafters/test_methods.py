@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 from tests.conftest import DRAFTER_CONFIGS
-from tts_service.drafters.methods import (
+from tts_service.drafters.registry import (
     AUTO_METHOD,
     METHOD_NAMES,
     METHODS,

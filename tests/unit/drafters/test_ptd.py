@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tts_service.config import PtdDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
-from tts_service.drafters.ptd import ProgressiveTree, PtdDrafter, merge_trie
+from tts_service.drafters.ptd import ProgressiveTree, PtdDrafter, PtdDrafterConfig, merge_trie
 from tts_service.engine.verify import Acceptance
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from tests.unit.drafters.test_pld import _ctx
-from tts_service.config import RecyclingDrafterConfig
 from tts_service.drafters.base import NodeTopK
-from tts_service.drafters.recycling import TokenRecyclingDrafter
+from tts_service.drafters.recycling import RecyclingDrafterConfig, TokenRecyclingDrafter
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

@@ -7,9 +7,8 @@ import pytest
 
 from store.memory import InMemoryNgramStore
 from tests.conftest import DRAFTER_CONFIGS
-from tts_service.config import DRAFTER_CONFIGS as CONFIG_MODELS
-from tts_service.drafters.methods import METHODS
-from tts_service.drafters.registry import KINDS, DraftEnv, build_drafter
+from tts_service.drafters.registry import DRAFTER_CONFIGS as CONFIG_MODELS
+from tts_service.drafters.registry import KINDS, METHODS, DraftEnv, build_drafter
 from tts_service.engine.cost import CostModel, VerifyCost
 
 
@@ -45,3 +44,87 @@ def test_shared_resources_are_shared_where_the_env_says():
     assert s1.index is s2.index  # one exact-match index per problem
     other = build_drafter(DRAFTER_CONFIGS["stand+spine"], DraftEnv(32, InMemoryNgramStore()))
     assert other.index is not s1.index
+
+
+def test_each_kind_names_the_field_num_nodes_sets():
+    from tts_service.drafters.registry import SPECS, size_field
+
+    sizes = {s.kind: size_field(s.kind) for s in SPECS}
+    assert sizes == {
+        "plain": None,
+        "pld": "num_draft_tokens",
+        "recycling": "num_nodes",
+        "stand": "num_nodes",
+        "stand_spine": "num_nodes",
+        "goose": "num_nodes",
+        "ptd": None,
+        "gtcp": "max_nodes",
+        "stand_dyn": "num_nodes",
+    }
+
+
+OUT_OF_TREE = """
+from typing import Literal
+
+from tts_service.config import StrictConfig
+from tts_service.drafters.base import NoDrafter
+from tts_service.drafters.spec import DrafterSpec, Method, Shared
+
+class EchoConfig(StrictConfig):
+    kind: Literal["echo"] = "echo"
+    num_nodes: int = 4
+
+COUNTER = Shared("echo.counter", "problem", lambda cfg, vocab: [0])
+
+def build(cfg, env):
+    env.shared(COUNTER, cfg)[0] += 1
+    return NoDrafter()
+
+SPEC = DrafterSpec(EchoConfig, build, (Method("echo", "echo"),), "num_nodes", shared=(COUNTER,))
+"""
+
+
+def test_an_out_of_tree_module_is_one_spec_named_by_its_import_path(tmp_path, monkeypatch):
+    from tts_service.drafters.registry import SPECS, _index, load_specs
+
+    (tmp_path / "echo_drafter.py").write_text(OUT_OF_TREE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (spec,) = load_specs(" echo_drafter, ")
+    kinds = _index(SPECS + (spec,))
+    assert kinds["echo"] is spec and spec.methods[0].kind == "echo"
+    env = DraftEnv(8)
+    spec.build(spec.config(), env)
+    spec.build(spec.config(), env)
+    assert list(env.problem.values()) == [[2]]  # made once, shared through the env
+    with pytest.raises(ImportError, match="no SPEC"):
+        load_specs("json")
+    with pytest.raises(ValueError, match="registered twice"):
+        _index(SPECS + (spec, spec))
+
+
+def test_a_spec_is_checked_against_its_config():
+    from tts_service.drafters.pld import PldDrafterConfig, PromptLookupDrafter
+    from tts_service.drafters.spec import DrafterSpec, Method
+
+    with pytest.raises(TypeError, match="no size field"):
+        DrafterSpec(PldDrafterConfig, lambda c, e: PromptLookupDrafter(c), size_field="num_nodes")
+    with pytest.raises(TypeError, match="unknown fields"):
+        DrafterSpec(PldDrafterConfig, lambda c, e: None, (Method("x", "x", {"tree": "a"}),))
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_what_a_spec_declares_it_needs_is_needed(name):
+    from tts_service.drafters.registry import KINDS
+
+    cfg, spec = DRAFTER_CONFIGS[name], KINDS[METHODS[name].kind]
+    cost = CostModel.fixed(VerifyCost((1, 2), (1.0, 1.1), 64))
+    if spec.uses_store:
+        with pytest.raises(ValueError, match="logit n-gram store"):
+            build_drafter(cfg, DraftEnv(32, None, 0, cost))
+    else:
+        build_drafter(cfg, DraftEnv(32, None, 0, cost))
+    if spec.needs_cost and getattr(cfg, "sizing", "gt") == "gt":  # GTCP: GT always
+        with pytest.raises(ValueError, match="verify cost"):
+            build_drafter(cfg, DraftEnv(32, InMemoryNgramStore()))
+    else:
+        build_drafter(cfg, DraftEnv(32, InMemoryNgramStore()))

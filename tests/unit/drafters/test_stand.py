@@ -12,10 +12,10 @@ from scipy.stats import chisquare
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
 from tests.conftest import tiny_llama
-from tts_service.config import SamplingConfig, StandDrafterConfig
+from tests.engine_loop import generate
+from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
-from tts_service.drafters.stand import GumbelNoise, StandDrafter, gumbel_top_k
-from tts_service.engine.batch import generate
+from tts_service.drafters.stand import GumbelNoise, StandDrafter, StandDrafterConfig, gumbel_top_k
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance

@@ -8,7 +8,6 @@ import torch
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
-from tts_service.config import StandDynDrafterConfig
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
@@ -18,6 +17,7 @@ from tts_service.drafters.stand_dyn import (
     SUFFIX_ORDERS,
     AcceptanceCalibration,
     StandDynDrafter,
+    StandDynDrafterConfig,
     candidate_kind,
     suffix_flag,
 )

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext
-from tts_service.engine.batch import BatchDecoder, nodes_per_row
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.runner import nodes_per_row
 
 VOCAB = 64
 
@@ -38,7 +40,7 @@ def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_c
     decoder = BatchDecoder(tiny_model, eos_ids=[eos], compact_slack=0, full_view=full_view)
     drafters = [make_drafter(drafter_config, VOCAB) for _ in prompts]
     rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
-    results = decoder.run(rows, token_budget=48)
+    results = decode_rows(decoder, rows, 48)
     for i, (res, ref) in enumerate(zip(results, refs, strict=True)):
         assert res.token_ids == ref.token_ids, f"row {i}"
         assert res.finish_reason == ref.finish_reason
@@ -94,7 +96,8 @@ def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards(full_vi
     ]
     spy = _Spy(model, eos_ids=[], compact_slack=0, full_view=full_view)
     drafters = [_Recording(make_drafter(DRAFTER_CONFIGS[n], VOCAB), spy) for n in names]
-    spy.run(
+    decode_rows(
+        spy,
         [spy.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)],
         token_budget=60,
     )

@@ -8,8 +8,9 @@ import torch
 from scipy.stats import chisquare
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import decode_rows, generate
 from tts_service.config import SamplingConfig
-from tts_service.engine.batch import BatchDecoder, generate
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
@@ -68,6 +69,6 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
     decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
     rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c) for p, c in pairs]
-    results = decoder.run(rows, token_budget=24)
+    results = decode_rows(decoder, rows, 24)
     assert [r.token_ids for r in results] == refs
     assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs

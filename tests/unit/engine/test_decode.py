@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.engine.batch import generate
 from tts_service.engine.decode import plain_generate
 
 NEW = 40

@@ -11,9 +11,9 @@ import torch
 from scipy.stats import chisquare
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
 from tts_service.engine import verify
-from tts_service.engine.batch import generate
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
@@ -146,6 +146,7 @@ def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
 
 def test_a_row_inside_a_batch_matches_the_exact_distribution(model, exact):
     """The middle row of a 3-row batch, its neighbours with other prompts and drafters."""
+    from tests.engine_loop import decode_rows
     from tts_service.engine.batch import BatchDecoder
 
     decoder = BatchDecoder(model, eos_ids=[])
@@ -156,7 +157,7 @@ def test_a_row_inside_a_batch_matches_the_exact_distribution(model, exact):
     for seed in range(SAMPLES):
         cfgs = [CFG.model_copy(update={"seed": 3 * seed + i}) for i in range(3)]
         rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
-        res = decoder.run(rows, token_budget=24)[1]
+        res = decode_rows(decoder, rows, 24)[1]
         samples.append(res.token_ids)
         accepted += res.stats.new_tokens - res.stats.target_forwards
     assert accepted / SAMPLES > 0.05

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.engine.batch import generate
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.matmul import _Choice, faster_transposed_rows, tune_linear_products
 

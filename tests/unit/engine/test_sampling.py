@@ -11,8 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.engine.batch import generate
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
@@ -98,6 +98,7 @@ def test_speculative_sampling_with_min_p_matches_the_exact_distribution(model, e
 def test_a_batched_row_with_min_p_matches_the_exact_distribution(model, exact):
     """The runner's path (Serve's): a row of a 2-row batch, its neighbour sampled without
     min-p."""
+    from tests.engine_loop import decode_rows
     from tts_service.engine.batch import BatchDecoder
 
     decoder = BatchDecoder(model, eos_ids=[])
@@ -109,5 +110,5 @@ def test_a_batched_row_with_min_p_matches_the_exact_distribution(model, exact):
             CFG.model_copy(update={"seed": 2 * seed + 1, "min_p": 0.0}),
         ]
         rows = [decoder.new_row(PROMPT, d, c) for d, c in zip(drafters, cfgs, strict=True)]
-        samples.append(tuple(decoder.run(rows, token_budget=16)[0].token_ids))
+        samples.append(tuple(decode_rows(decoder, rows, 16)[0].token_ids))
     _check(samples, exact)

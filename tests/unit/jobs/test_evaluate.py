@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs.evaluate import main, parse, schedule
-from tts_service.drafters.methods import METHOD_NAMES, METHODS, resolve_method
+from tts_service.drafters.registry import METHOD_NAMES, METHODS, resolve_method
 
 FIXTURES = ["--task", "gpqa", "--data", "fixtures"]
 

@@ -9,15 +9,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from store.config import StoreConfig
-from tts_service.config.base import ExistingFile, StrictConfig, Text
-from tts_service.config.decoding import MaxRows, ModelConfig, SamplingConfig
-from tts_service.config.drafters import (
-    DrafterConfig,
-    PldDrafterConfig,
-    StandDrafterConfig,
+from tts_service.config import (
+    ExistingFile,
+    MaxRows,
+    ModelConfig,
+    SamplingConfig,
+    StrictConfig,
+    Text,
     TreeName,
 )
-from tts_service.drafters.methods import REPLAY_METHODS
+from tts_service.drafters.pld import PldDrafterConfig
+from tts_service.drafters.registry import REPLAY_METHODS, DrafterConfig
+from tts_service.drafters.stand import StandDrafterConfig
 
 ReplayMethod = Literal[REPLAY_METHODS]  # type: ignore[valid-type]
 

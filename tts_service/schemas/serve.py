@@ -5,9 +5,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from store.config import StoreConfig
-from tts_service.config.base import StrictConfig
-from tts_service.config.decoding import MaxRows, ModelConfig
-from tts_service.drafters.methods import DEFAULT_METHOD, METHOD_NAMES
+from tts_service.config import MaxRows, ModelConfig, StrictConfig
+from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES
 
 
 class ServeConfig(StrictConfig):
@@ -15,7 +14,7 @@ class ServeConfig(StrictConfig):
 
     model: ModelConfig = ModelConfig()
     served_model_name: str | None = Field(None, description="Name in /v1/models (default: model).")
-    default_method: str = Field(DEFAULT_METHOD, description="A method name (drafters/methods.py).")
+    default_method: str = Field(DEFAULT_METHOD, description="A method name (drafters/registry.py).")
     drafters: dict[str, dict] = Field(
         default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
     )

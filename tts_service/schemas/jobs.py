@@ -8,9 +8,9 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from store.config import StoreConfig
-from tts_service.config.base import StrictConfig
-from tts_service.config.decoding import MaxRows, ModelConfig, SamplingConfig
-from tts_service.config.drafters import DrafterConfig, StandDrafterConfig
+from tts_service.config import MaxRows, ModelConfig, SamplingConfig, StrictConfig
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.drafters.stand import StandDrafterConfig
 
 
 class Problem(StrictConfig):

@@ -1,0 +1,148 @@
+"""`RunnerHost`: one loaded model and its one runner, and what every edge does around them.
+
+`tts solve`, a Serve replica and a generator actor (a job's) each hold one host. It opens the
+problems' stores (Redis when configured, so that every process of a job shares them), builds
+the seeded requests (`runner.trajectory_requests`), chooses how steps are sized (the learned
+cost surface; a fixed token budget on a tensor-parallel leader, whose forwards this process
+cannot time alone), and runs them: in the caller's thread, or in a thread of its own that
+concurrent callers share (`threaded`). The edges only validate, call it and format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from store.base import NgramStore
+from store.config import StoreConfig
+from store.factory import open_global_store, open_problem_store
+from store.memory import InMemoryNgramStore
+from tts_service.config import SamplingConfig, default_max_rows
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.engine.decode import GenerationOutput
+from tts_service.runner import (
+    Admission,
+    RunnerLoop,
+    RunReport,
+    TrajectoryRequest,
+    TrajectoryResult,
+    TrajectoryRunner,
+    trajectory_requests,
+)
+from tts_service.solve import ProblemInput, SolveRun, Trajectory, solve_problems
+
+if TYPE_CHECKING:
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.generation import Generator
+
+Skip = Callable[[TrajectoryRequest], bool]
+
+
+class RunnerHost:
+    """`tp_decoder`: a tensor-parallel leader's decoder (`actors.tp`), whose steps share
+    `token_budget` out over the rows. `admission`: which waiting request joins next (default
+    FIFO: jobs, `tts solve`; Serve passes its fair policy). `max_rows` unset: the
+    device's default (16 on a CPU, 64 on a GPU). `warm`: open the cost surface now, not at
+    the first step that may draft (a replica waiting for requests)."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        store: StoreConfig | None = None,
+        store_url: str | None = None,
+        max_rows: int | None = None,
+        admission: Admission | None = None,
+        tp_decoder: BatchDecoder | None = None,
+        threaded: bool = False,
+        warm: bool = False,
+    ) -> None:
+        self.generator = generator
+        self.store_cfg = store or StoreConfig()
+        self.store_url = store_url
+        self.max_rows = max_rows or default_max_rows(str(generator.loaded.device))
+        if tp_decoder is not None:
+            self.runner = TrajectoryRunner(
+                generator, self.max_rows, "fixed", admission=admission, decoder=tp_decoder
+            )
+        else:
+            if warm:  # the cost surface's prior (or the one on disk) before the first request
+                generator.surface(self.max_rows)
+            self.runner = TrajectoryRunner(generator, self.max_rows, admission=admission)
+        self.loop = RunnerLoop(self.runner) if threaded else None
+        self.global_store = open_global_store(self.store_cfg, store_url)  # across problems
+        self.scratch = InMemoryNgramStore()  # single generations' (`generate`)
+
+    # -- stores ---------------------------------------------------------------------------
+    def problem_store(self, scope_id: str) -> NgramStore:
+        """The store a problem's trajectories share, read before the global scope.
+
+        Raises:
+            StoreUnavailableError: Redis does not answer.
+        """
+        return open_problem_store(self.store_cfg, self.store_url, scope_id, self.global_store)
+
+    def close(self) -> None:
+        """The host's end: the global store pushes what it queued (a bounded wait)."""
+        if self.global_store is not None:
+            self.global_store.close()
+
+    # -- running ----------------------------------------------------------------------------
+    def run(
+        self,
+        requests: list[TrajectoryRequest],
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Skip | None = None,
+    ) -> RunReport:
+        """Decode `requests` (beside other callers' when threaded)."""
+        target = self.loop or self.runner
+        return target.run(requests, on_result, skip)
+
+    def trajectories(
+        self,
+        problem_id: str,
+        prompt_ids: list[int],
+        indices: Sequence[int],
+        sampling: SamplingConfig,
+        drafter: DrafterConfig,
+        store: NgramStore,
+        record: bool = False,
+        on_commit: Callable[[int, Sequence[int]], bool] | None = None,
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Skip | None = None,
+    ) -> RunReport:
+        """Trajectories `indices` of one problem (seeds: `sampling.seed + i`), their results in
+        index order; `on_commit(i, tokens)` sees trajectory i's steps."""
+        per_index = None
+        if on_commit is not None:
+            per_index = lambda i: lambda tokens: on_commit(i, tokens)  # noqa: E731
+        requests = trajectory_requests(
+            problem_id, prompt_ids, indices, sampling, drafter, store, record, per_index
+        )
+        report = self.run(requests, on_result, skip)
+        report.results.sort(key=lambda r: r.request.index)
+        return report
+
+    def solve(
+        self,
+        problems: Sequence[ProblemInput],
+        n: int,
+        drafter: DrafterConfig,
+        sampling: SamplingConfig,
+        on_trajectory: Callable[[str, Trajectory], None] | None = None,
+        record: bool = False,
+        on_commit: Callable[[Sequence[int]], bool] | None = None,
+    ) -> SolveRun:
+        """Best-of-`n` for every problem (`solve.solve_problems`); closes their stores."""
+        return solve_problems(
+            self, problems, n, drafter, sampling, on_trajectory, record, on_commit
+        )
+
+    def generate(
+        self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig
+    ) -> GenerationOutput:
+        """One generation (`tts generate`): one row, drafting from this host's scratch store
+        (and what the model's drafters share: the successor tables carry over)."""
+        report = self.run(
+            trajectory_requests("generate", prompt_ids, [0], sampling, drafter, self.scratch)
+        )
+        return report.results[0].output
