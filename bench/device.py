@@ -234,7 +234,7 @@ def timing_replay(model, method: str, problems: list[LoggedProblem], max_nodes: 
         rows = []
         for r, resp in enumerate(problem.responses):
             cfg = SamplingConfig(temperature=0, max_new_tokens=len(resp), ignore_eos=True, seed=r)
-            env = DraftEnv(vocab, store, r, verify_cost, generator=shared, problem=per_problem)
+            env = DraftEnv(vocab, store, r, verify_cost, per_model=shared, per_problem=per_problem)
             drafter = NoDrafter() if drafter_cfg is None else build_drafter(drafter_cfg, env)
             oracle = LoggedOracle(problem, r)
             rows.append(decoder.new_row(problem.prompt_ids, drafter, cfg, oracle=oracle))

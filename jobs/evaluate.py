@@ -8,7 +8,7 @@ a plain local run), or of any OpenAI-compatible server.
         [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
 
 `--tasks` takes one or more names, comma-separated (lm-eval's `gpqa_diamond` is `gpqa`).
-`--method` is one or more names in `tts_service.drafters.methods.METHODS` (default auto);
+`--method` is one or more names in `tts_service.drafters.registry.METHODS` (default auto);
 `auto` runs, and names the run after, the method it resolves to on the model's device. Several
 methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
 alternates, so that their speeds are measured under the same conditions: the report divides

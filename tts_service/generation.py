@@ -108,8 +108,8 @@ class Generator:
             store,
             seed,
             self.cost,
-            generator=self._shared,
-            problem=self._per_store.setdefault(store, {}),
+            per_model=self._shared,
+            per_problem=self._per_store.setdefault(store, {}),
         )
         return build_drafter(cfg, env)
 

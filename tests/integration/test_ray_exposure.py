@@ -130,7 +130,7 @@ import sys
 import ray
 
 from jobs.common import init_ray
-from tts_service.config import JobConfig
+from tts_service.schemas import JobConfig
 
 init_ray(JobConfig(replicas=1, cpus_per_replica=1))
 

@@ -37,6 +37,7 @@ from tts_service.drafters.base import (
 )
 from tts_service.drafters.spec import DraftEnv, Shared
 from tts_service.engine.cost import VerifyCostSource, gt_count
+from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.tree import DraftTree, select_subtree
 from tts_service.engine.verify import Acceptance
 
@@ -64,7 +65,7 @@ class OnPathStats:
     def alphas(self) -> list[float]:
         """α̂ per shape node (the root's is 1)."""
         return [
-            (h + PRIOR_WEIGHT * p) / (o + PRIOR_WEIGHT)
+            smoothed_rate(h, o, p, PRIOR_WEIGHT)
             for h, o, p in zip(self.hits, self.drafted, self.prior, strict=True)
         ]
 

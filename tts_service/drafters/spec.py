@@ -47,20 +47,20 @@ class Shared(Generic[C, T]):
 class DraftEnv:
     """What a drafter may share beyond its own per-trajectory state.
 
-    `generator` and `problem` hold the `Shared` state of the loaded model and of one problem;
-    their owner decides how long each lives (fresh dicts share nothing). Drafters read them
-    through `shared`, never by key."""
+    `per_model` and `per_problem` hold the `Shared` state of the loaded model and of one
+    problem; their owner decides how long each lives (fresh dicts share nothing). Drafters read
+    them through `shared`, never by key."""
 
     vocab_size: int
     store: NgramStore | None = None  # the problem's logit n-gram store
     seed: int = 0  # the trajectory's seed: drafters derive their own stream from it
     cost: VerifyCostSource | None = None  # the verify cost (GT sizing, GTCP)
-    generator: dict = field(default_factory=dict)
-    problem: dict = field(default_factory=dict)
+    per_model: dict = field(default_factory=dict)
+    per_problem: dict = field(default_factory=dict)
 
     def shared(self, state: Shared[C, T], cfg: C) -> T:
         """`state` for `cfg` in its scope, made on first use."""
-        holder = self.generator if state.scope == "model" else self.problem
+        holder = self.per_model if state.scope == "model" else self.per_problem
         key = (state.name, state.key(cfg))
         if key not in holder:
             holder[key] = state.make(cfg, self.vocab_size)

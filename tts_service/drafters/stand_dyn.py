@@ -39,6 +39,7 @@ from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.drafters.stand import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
+from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
@@ -82,8 +83,8 @@ class AcceptanceCalibration:
 
     def rate(self, kind: int, q: float) -> float:
         key = self._key(kind, q)
-        prior = self.prior_weight * self.prior_scale * q
-        return (self.hits.get(key, 0.0) + prior) / (self.drawn.get(key, 0.0) + self.prior_weight)
+        hits, drawn = self.hits.get(key, 0.0), self.drawn.get(key, 0.0)
+        return smoothed_rate(hits, drawn, self.prior_scale * q, self.prior_weight)
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
         key = self._key(kind, q)

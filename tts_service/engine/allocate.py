@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.surface import CostSurface, power_bucket
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -86,8 +87,7 @@ class SlotStats:
 
     def alphas(self) -> torch.Tensor:
         """`[depth, rank]` α̂, monotone (non-increasing) in both."""
-        w = self.prior_weight
-        a = (self.hits + w * self.prior) / (self.drafted + w)
+        a = smoothed_rate(self.hits, self.drafted, self.prior, self.prior_weight)
         a[0, :] = 1.0  # the root is always "accepted"
         a = torch.cummin(a, dim=0).values
         return torch.cummin(a, dim=1).values

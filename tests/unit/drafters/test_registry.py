@@ -35,9 +35,9 @@ def test_missing_resources_are_named():
 
 def test_shared_resources_are_shared_where_the_env_says():
     gen, problem = {}, {}
-    env = DraftEnv(32, InMemoryNgramStore(), generator=gen, problem=problem)
+    env = DraftEnv(32, InMemoryNgramStore(), per_model=gen, per_problem=problem)
     a = build_drafter(DRAFTER_CONFIGS["recycle"], env)
-    b = build_drafter(DRAFTER_CONFIGS["recycle"], DraftEnv(32, generator=gen))
+    b = build_drafter(DRAFTER_CONFIGS["recycle"], DraftEnv(32, per_model=gen))
     assert a.table is b.table  # the hot start: one successor table per model
     s1 = build_drafter(DRAFTER_CONFIGS["stand+spine"], env)
     s2 = build_drafter(DRAFTER_CONFIGS["stand+spine"], env)
@@ -95,7 +95,7 @@ def test_an_out_of_tree_module_is_one_spec_named_by_its_import_path(tmp_path, mo
     env = DraftEnv(8)
     spec.build(spec.config(), env)
     spec.build(spec.config(), env)
-    assert list(env.problem.values()) == [[2]]  # made once, shared through the env
+    assert list(env.per_problem.values()) == [[2]]  # made once, shared through the env
     with pytest.raises(ImportError, match="no SPEC"):
         load_specs("json")
     with pytest.raises(ValueError, match="registered twice"):
