@@ -1,6 +1,7 @@
-"""The one trajectory runner: the only thing that steps a batch decoder. Every path decodes
-here: `tts solve` and `tts generate` (plain included), the generator actor, Serve, evaluation,
-tree calibration, tensor-parallel ranks and trajectory replay (over a decoder whose acceptance
+"""The one trajectory runner: the only code in the service that steps a batch decoder (the
+engine's unit tests and `bench/device.py` step one directly). Every path decodes here:
+`tts solve` and `tts generate` (plain included), the generator actor, Serve, evaluation, tree
+calibration, tensor-parallel ranks and trajectory replay (over a decoder whose acceptance
 follows a log, `tts_service.replay`).
 
 Trajectory requests wait in a queue; up to `max_rows` of them decode together in one batch
