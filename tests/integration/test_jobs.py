@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,22 +52,23 @@ def _keys(path: Path) -> list[tuple[str, int]]:
 
 
 def test_killing_an_actor_mid_job_loses_and_doubles_nothing(ray_local, tiny_model_dir, tmp_path):
-    # long enough calls that the kill lands while the actor still has work in flight
+    # calls long enough (seconds) that a kill a moment after the start lands on calls in flight
+    # (a kill at the first result could land after the other actor's batch had finished too:
+    # all its rows end at the same step)
     cfg = _cfg(
-        tiny_model_dir, sampling={"temperature": 0.6, "max_new_tokens": 64, "ignore_eos": True}
+        tiny_model_dir, sampling={"temperature": 0.6, "max_new_tokens": 256, "ignore_eos": True}
     )
     actors = start_actors(cfg, 2, None)
     results = ResultsFile(tmp_path / "trajectories.jsonl")
     pool = TrajectoryPool(cfg, actors, "kill-test", results)
-    killed = []
 
-    def kill_once(rec: dict) -> None:
-        if not killed:
-            killed.append(rec)
-            ray_local.kill(actors[0], no_restart=False)  # Ray restarts it: a crash
+    def kill_soon() -> None:
+        time.sleep(0.5)
+        ray_local.kill(actors[0], no_restart=False)  # Ray restarts it: a crash
 
+    threading.Thread(target=kill_soon, daemon=True).start()
     try:
-        states = pool.run(PROBLEMS, on_trajectory=kill_once)
+        states = pool.run(PROBLEMS)
     finally:
         for actor in actors:
             ray_local.kill(actor)
