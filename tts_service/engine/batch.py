@@ -372,8 +372,8 @@ class BatchDecoder:
             if row.cfg.greedy:
                 acc = accept_greedy(tree, host_ids[at : at + n, 0].tolist())
             elif not any(tree.sampled):
-                acc = accept_match(tree, host_draws[drawn_at : drawn_at + 3 * n - 2])
-                drawn_at += 3 * n - 2
+                acc = accept_match(tree, host_draws[drawn_at : drawn_at + 4 * n - 2])
+                drawn_at += 4 * n - 2
             else:
                 p = target_probs(logits[b, :n], row.cfg)
                 acc = verify_sampling(tree, p, row.stream)

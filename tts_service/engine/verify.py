@@ -139,12 +139,14 @@ def verify_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator
 
 def draw_match(tree: DraftTree, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Device half of rule (b) over a tree of deterministic drafts, with no host sync: what
-    `accept_match` needs, as one float64 tensor `[3n - 2]` to copy back at once.
+    `accept_match` needs, as one float64 tensor `[4n - 2]` to copy back at once.
 
     * `[0, n-1)`: p(x) of every draft node x at its parent;
     * `[n-1, 2n-2)`: one uniform per draft node;
     * `[2n-2, 3n-2)`: per node, a bonus drawn from its residual once all its children are
-      rejected (p without its children's tokens, renormalised).
+      rejected (p without its children's tokens, renormalised);
+    * `[3n-2, 4n-2)`: per node, that residual's mass (what `accept_match` renormalises by, so
+      a child holding all the mass left is accepted with probability exactly 1).
 
     The residual after rejecting deterministic siblings x_1..x_j is p without them, so each
     child's acceptance probability is p(x) / (1 - Σ p(x_<i)) and each node's final residual is
@@ -162,27 +164,36 @@ def draw_match(tree: DraftTree, p: torch.Tensor, generator: torch.Generator) -> 
     # strictly below the total, so the first cdf step above it has positive mass
     x = torch.minimum(v * total, torch.nextafter(total, torch.zeros_like(total)))
     bonus = torch.searchsorted(cdf, x, right=True).clamp_(max=p.shape[-1] - 1)
-    return torch.cat([child_p, u, bonus[:, 0].to(torch.float64)])
+    return torch.cat([child_p, u, bonus[:, 0].to(torch.float64), total[:, 0]])
 
 
 def accept_match(tree: DraftTree, drawn: Sequence[float]) -> Acceptance:
-    """Host half of rule (b): walk the tree with `draw_match`'s values."""
+    """Host half of rule (b): walk the tree with `draw_match`'s values.
+
+    A child x_i (the first of its token among its siblings) is accepted with probability
+    p(x_i) / (1 - Σ p(x_<i)), the mass not yet rejected; that mass is summed from what is left
+    (p(x_i), the later siblings' p and the node's residual mass), not subtracted from 1, so a
+    child holding all the mass left gets a threshold of exactly 1 even when p sums to 1 - 2^-52
+    in floating point, and a bonus is never drawn from an empty residual."""
     n = tree.size
     node, path = 0, []
     while True:
-        rejected, tried, child = 0.0, set(), None
+        firsts, seen = [], set()  # each token's first child: a duplicate is never accepted
         for c in tree.children[node]:
-            x, px = tree.tokens[c], drawn[c - 1]
-            if (
-                x not in tried
-                and 1.0 - rejected > _TINY
-                and drawn[n - 1 + c - 1] < px / (1.0 - rejected)
-            ):
+            if tree.tokens[c] not in seen:
+                seen.add(tree.tokens[c])
+                firsts.append(c)
+        left = drawn[3 * n - 2 + node]  # mass after every child: the residual's
+        after = []
+        for c in reversed(firsts):
+            after.append(left)
+            left += drawn[c - 1]
+        child = None
+        for c, rest in zip(firsts, reversed(after), strict=True):
+            px = drawn[c - 1]
+            if px + rest > _TINY and drawn[n - 1 + c - 1] < px / (px + rest):
                 child = c
                 break
-            if x not in tried:
-                rejected += px
-                tried.add(x)
         if child is None:
             bonus = int(drawn[2 * n - 2 + node])
             return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)

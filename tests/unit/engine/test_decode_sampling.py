@@ -136,7 +136,7 @@ def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
         cdf = torch.cumsum(p.to(torch.float64), dim=-1)
         u = torch.rand(tree.size, 1, generator=generator, dtype=torch.float64)
         bonus = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=p.shape[-1] - 1)
-        drawn[2 * tree.size - 2 :] = bonus[:, 0].to(torch.float64)
+        drawn[2 * tree.size - 2 : 3 * tree.size - 2] = bonus[:, 0].to(torch.float64)
         return drawn
 
     monkeypatch.setattr(batch, "draw_match", bonus_from_p)

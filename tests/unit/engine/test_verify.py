@@ -207,6 +207,19 @@ def test_matched_thresholds_renormalise_over_rejected_siblings():
     assert rejected.bonus in (1, 2)  # the root's residual: p without 3 and 0
 
 
+def test_a_child_holding_all_the_mass_left_is_accepted_with_probability_one():
+    """p sums to 1 - 2^-52 in floating point, all of it on the drafted token. Its threshold must
+    be exactly 1: a threshold of p(x) / 1 lets the largest uniform below 1 reject it, and the
+    bonus then comes from an empty residual, a token of probability 0."""
+    p = torch.tensor([[0.0, 1.0 - 2.0**-52, 0.0], [1 / 3] * 3], dtype=torch.float64)
+    tree = DraftTree((0, 1), (-1, 0), (False, False), (None, None))
+    drawn = draw_match(tree, p, torch.Generator().manual_seed(0)).tolist()
+    assert drawn[-2:] == [0.0, 1.0]  # the residual masses: none left at the root
+    largest_uniform = 1.0 - 2.0**-53
+    acc = accept_match(tree, [drawn[0], largest_uniform, *drawn[2:]])
+    assert acc.path == (1,) and acc.committed[0] == 1
+
+
 @pytest.mark.statistical
 def test_device_sample_and_match_commits_p_by_monte_carlo():
     """`draw_match` + `accept_match` on a depth-2 tree with a duplicate sibling, 20k draws, 5
