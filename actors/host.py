@@ -29,13 +29,11 @@ from tts_service.runner import (
     TrajectoryRunner,
     trajectory_requests,
 )
-from tts_service.solve import ProblemInput, SolveRun, Trajectory, solve_problems
+from tts_service.solve import ProblemInput, Skip, SolveRun, Trajectory, solve_problems
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
     from tts_service.generation import Generator
-
-Skip = Callable[[TrajectoryRequest], bool]
 
 
 class RunnerHost:
