@@ -29,7 +29,7 @@ from tts_service.runner import (
     TrajectoryRunner,
     trajectory_requests,
 )
-from tts_service.solve import ProblemInput, Skip, SolveRun, Trajectory, solve_problems
+from tts_service.solve import Skip
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
@@ -119,21 +119,6 @@ class RunnerHost:
         report = self.run(requests, on_result, skip)
         report.results.sort(key=lambda r: r.request.index)
         return report
-
-    def solve(
-        self,
-        problems: Sequence[ProblemInput],
-        n: int,
-        drafter: DrafterConfig,
-        sampling: SamplingConfig,
-        on_trajectory: Callable[[str, Trajectory], None] | None = None,
-        record: bool = False,
-        on_commit: Callable[[Sequence[int]], bool] | None = None,
-    ) -> SolveRun:
-        """Best-of-`n` for every problem (`solve.solve_problems`); closes their stores."""
-        return solve_problems(
-            self, problems, n, drafter, sampling, on_trajectory, record, on_commit
-        )
 
     def generate(
         self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig

@@ -142,7 +142,7 @@ def _solve_with(
     from store.factory import problem_id
     from store.redis_store import StoreUnavailableError
     from tts_service.generation import InputTooLongError
-    from tts_service.solve import ProblemInput
+    from tts_service.solve import ProblemInput, solve_problems
 
     progress = TokenProgress(req.n * len(questions), req.sampling.max_new_tokens)
     try:
@@ -154,8 +154,9 @@ def _solve_with(
                 problems.append(ProblemInput(pid, ids, host.problem_store(problem_id(ids))))
         except StoreUnavailableError as e:
             raise UsageError(f"--store: {e}") from e
-        try:  # the host's solve closes the problem stores
-            solved = host.solve(
+        try:  # solve_problems closes the problem stores
+            solved = solve_problems(
+                host,
                 problems,
                 req.n,
                 req.drafter,
