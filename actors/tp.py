@@ -20,6 +20,7 @@ from tts_service.drafters.registry import DrafterConfig
 from tts_service.schemas import JobConfig
 
 if TYPE_CHECKING:
+    from actors.host import RunnerHost
     from tts_service.engine.batch import BatchDecoder
     from tts_service.generation import Generator
     from tts_service.models import LoadedModel
@@ -72,6 +73,7 @@ class TensorParallelRank:
 
     def __init__(self, cfg: ModelConfig, rank: int, world: int) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.host: RunnerHost | None = None  # rank 0's, at the first `generate`
 
     def address(self) -> str:
         """host:port for the group's rendezvous, on this rank's node (rank 0's)."""
@@ -100,12 +102,14 @@ class TensorParallelRank:
         self, prompt: str, drafter: DrafterConfig, sampling: SamplingConfig, chat: bool
     ) -> dict:
         """Rank 0: one generation (`tts generate`'s JSON), through a runner over the decoder the
-        other ranks mirror."""
-        from actors.host import RunnerHost
+        other ranks mirror; one host for the rank's life, so its scratch store carries over
+        between generations as a single process's does."""
+        if self.host is None:
+            from actors.host import RunnerHost
 
-        host = RunnerHost(self.generator, max_rows=1, tp_decoder=self.decoder)
+            self.host = RunnerHost(self.generator, max_rows=1, tp_decoder=self.decoder)
         ids = self.generator.encode(prompt, chat)
-        return host.generate(ids, drafter, sampling).to_dict()
+        return self.host.generate(ids, drafter, sampling).to_dict()
 
     def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
         """Rank 0 of a job's replica: `GeneratorActor.run` (the pool's call)."""

@@ -3,9 +3,10 @@
     python bench/drafters.py [--prompts 12] [--max-new-tokens 256] [--temperatures 0 0.6]
                              [--methods plain pld recycle-8 hf-pld] [--out runs/drafters.jsonl]
 
-Methods: `plain` (our reference loop), `pld[-N]` (N draft tokens), `recycle[-N]` (N tree
-nodes), `hf-plain` / `hf-pld` (transformers' `generate`, without / with
-`prompt_lookup_num_tokens=10`, the peer a user would pick). Every speed is a ratio against
+Methods: `plain` (plain decoding through the runner, as `tts generate --method plain`),
+`pld[-N]` (N draft tokens), `recycle[-N]` (N tree nodes), `hf-plain` / `hf-pld`
+(transformers' `generate`, without / with `prompt_lookup_num_tokens=10`, the peer a user
+would pick). Every speed is a ratio against
 `plain` measured in the same run, at the same temperature. Rows are written as they finish.
 """
 

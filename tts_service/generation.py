@@ -7,13 +7,12 @@ here, so it carries over between every run on the same `Generator`.
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 from store.base import NgramStore
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
-from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter
+from tts_service.drafters.registry import DrafterConfig, RowDrafters
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
@@ -45,14 +44,12 @@ class Generator:
     ) -> None:
         self.loaded = loaded
         self.max_model_len = max_model_len  # below the model's context, if set
-        self._shared: dict = {}  # what every drafter of this model shares (successor tables)
-        # per problem store: what its trajectories share beside the store itself
-        self._per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.cost_model = cost_model
         self.cost_cache = cost_cache
         self._surface = surface  # another generator's on the same model and device, or opened
         # GT sizing's one-row verify cost: off the surface unless fixed
         self.cost = cost or SurfaceVerifyCost(self.surface)
+        self.drafters = RowDrafters(loaded.model.config.vocab_size, self.cost)
         self.fixed_batch_cost = batch_cost  # one surface everywhere (tests, replay)
         self._slots: dict[str, SlotStats] = {}  # per drafter config: α̂ by tree slot
 
@@ -103,15 +100,7 @@ class Generator:
         """A drafter for one trajectory or batch row: each has its own per-sequence state (PLD's
         index, the last tree); successor tables are shared by the generator, the spine index
         and GT's on-path statistics by the problem (one per store)."""
-        env = DraftEnv(
-            self.loaded.model.config.vocab_size,
-            store,
-            seed,
-            self.cost,
-            per_model=self._shared,
-            per_problem=self._per_store.setdefault(store, {}),
-        )
-        return build_drafter(cfg, env)
+        return self.drafters.build(cfg, store, seed)
 
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import json
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
-from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter, method_drafter
+from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
 from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
@@ -346,9 +345,7 @@ class LoggedTarget:
     def __init__(self, problems: Sequence[LoggedProblem], vocab_size: int | None = None) -> None:
         self.problems = problems
         self.vocab = vocab_size or 1 + max((_max_id(p) for p in problems), default=0)
-        self.cost = CostModel.fixed(GPU_LIKE_COST)
-        self.shared: dict = {}
-        self.per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.drafters = RowDrafters(self.vocab, CostModel.fixed(GPU_LIKE_COST))
         self.slots = SlotStats()
 
     def new_decoder(self) -> LoggedDecoder:
@@ -358,10 +355,7 @@ class LoggedTarget:
         pass  # a logged trajectory fitted when it was decoded
 
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
-        env = DraftEnv(
-            self.vocab, store, seed, self.cost, self.shared, self.per_store.setdefault(store, {})
-        )
-        return build_drafter(cfg, env)
+        return self.drafters.build(cfg, store, seed)
 
     def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
         return self.slots

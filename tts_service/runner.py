@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -125,12 +125,12 @@ Waiting = Sequence[tuple["Submission", TrajectoryRequest]]
 class Admission(Protocol):
     """Which waiting request joins the batch next."""
 
-    def __call__(self, waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+    def __call__(self, waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
         """The index in `waiting` of the request that joins next, or None (none does now).
-        `held`: rows each submission holds, by `id`; `full`: no row is free."""
+        `rows`: the batch's rows, those joining at this step included; `full`: no row is free."""
 
 
-def fifo(waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+def fifo(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
     """Submission order, into free rows only (jobs, `tts solve`: throughput)."""
     return None if full or not waiting else 0
 
@@ -443,9 +443,8 @@ class TrajectoryRunner:
         """The queue index of the request that joins next, or None."""
         if not self.queue:
             return None
-        full = len(self.decoder.active) + len(joining) >= self.max_rows
-        held = Counter(id(r.submission) for r in (*self._rows(), *joining))
-        return self.admission(self.queue, held, full)
+        rows = (*self._rows(), *joining)
+        return self.admission(self.queue, rows, len(rows) >= self.max_rows)
 
     def _account(
         self, batch: list[TrajectoryRow], nodes: int, f: ForwardStats, before: int
@@ -480,8 +479,6 @@ class TrajectoryRunner:
 
     def _row(self, sub: Submission, req: TrajectoryRequest) -> TrajectoryRow:
         gen = self.generator
-        if not req.prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
         gen.check_fits(req.prompt_ids, req.sampling)
         drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
         if req.wrap is not None:

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import weakref
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
+
+if TYPE_CHECKING:
+    from store.base import NgramStore
+    from tts_service.engine.cost import VerifyCostSource
 
 __all__ = [
     "AUTO_METHOD",
@@ -161,3 +166,21 @@ def build_drafter(cfg: Any, env: DraftEnv) -> Drafter:
         ValueError: a resource the drafter needs is missing from `env`.
     """
     return KINDS[cfg.kind].build(cfg, env)
+
+
+class RowDrafters:
+    """One drafter per trajectory (its own per-sequence state: PLD's index, the last tree),
+    over what one loaded model's drafters share (successor tables, the hot start) and what one
+    problem's share (the spine index, GT's on-path statistics: one per store, gone with it).
+    The live model (`generation.Generator`) and replay (`replay.LoggedTarget`) each hold one."""
+
+    def __init__(self, vocab_size: int, cost: VerifyCostSource | None) -> None:
+        self.vocab_size, self.cost = vocab_size, cost
+        self.per_model: dict = {}
+        self.per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def build(self, cfg: Any, store: NgramStore, seed: int) -> Drafter:
+        """The drafter of one trajectory of `store`'s problem, seeded by the trajectory."""
+        problem = self.per_store.setdefault(store, {})
+        env = DraftEnv(self.vocab_size, store, seed, self.cost, self.per_model, problem)
+        return build_drafter(cfg, env)

@@ -61,6 +61,8 @@ class Row:
     joined_at: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.prompt_ids:  # the last prompt token is the first step's root
+            raise ValueError("prompt_ids must not be empty")
         self.tokens = list(self.prompt_ids)
         self.stream = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
 
@@ -137,8 +139,6 @@ class BatchDecoder:
         cfg: SamplingParams,
         on_commit: OnCommit | None = None,
     ) -> Row:
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
         return Row(list(prompt_ids), drafter, cfg, self.stop_rule(cfg, on_commit), self.device)
 
     @torch.inference_mode()

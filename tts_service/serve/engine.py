@@ -24,7 +24,7 @@ from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import RunReport, TrajectoryResult, Waiting
+from tts_service.runner import RunReport, TrajectoryResult, TrajectoryRow, Waiting
 from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
@@ -68,10 +68,11 @@ class Job:
         }
 
 
-def fair_admission(waiting: Waiting, held: Counter[int], full: bool) -> int | None:
+def fair_admission(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
     """Serve's admission: the next row goes to the waiting submission holding the fewest rows,
     and a submission holding none may join a full batch, so a short request never waits
     behind a long one."""
+    held = Counter(id(r.submission) for r in rows)
     best, fewest, seen = None, 0, set()
     for i, (sub, _) in enumerate(waiting):  # each submission's oldest request
         if id(sub) in seen:

@@ -27,6 +27,15 @@ def test_nodes_per_row_shares_the_budget():
     assert nodes_per_row(64, 1) == 63 and nodes_per_row(64, 16) == 3 and nodes_per_row(8, 16) == 0
 
 
+def test_a_row_needs_a_prompt_token(tiny_model):
+    """The last prompt token is the first step's root: a row without one is refused, however
+    it is made (the runner builds its rows itself)."""
+    decoder = BatchDecoder(tiny_model, eos_ids=[])
+    drafter = make_drafter(DRAFTER_CONFIGS["pld"], VOCAB)
+    with pytest.raises(ValueError, match="prompt_ids must not be empty"):
+        decoder.new_row([], drafter, SamplingConfig(temperature=0))
+
+
 @pytest.mark.parametrize("full_view", [False, True], ids=["used-slots", "full-view"])
 def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_config, full_view):
     """Rows join (prefill), leave (EOS, max tokens) and compact; `full_view` runs the static
