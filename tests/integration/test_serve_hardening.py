@@ -187,23 +187,41 @@ def test_unimplemented_parameters_are_named_unless_they_ask_for_nothing(servers,
 
 
 def test_a_short_request_is_not_starved_by_a_long_one(servers):
-    """A 16 x 300-token request fills the batch; a 4-token request sent after it finishes
-    first: it joins the running batch instead of queueing behind it."""
+    """A 16 x 400-token request fills the batch; a 4-token request sent once the long one is
+    decoding is done before any of the long one's choices ends: it joins the running batch
+    instead of waiting for a row to free. The long one streams, so "decoding" is its first
+    token and "ends" its first finish chunk, not guesses (a fixed sleep raced the tiny model,
+    which decodes the whole long request in about a second)."""
     base, _ = servers
-    long_done = threading.Event()
+    decoding, long_finishing = threading.Event(), threading.Event()
     results: dict = {}
 
     def long_request():
-        results["long"] = call(base + "/v1/chat/completions", {**LONG, "temperature": 0.8})
-        long_done.set()
+        body = {**LONG, "max_tokens": 400, "temperature": 0.8, "stream": True}
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for line in r:
+                if not line.startswith(b"data: {"):
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice["delta"].get("content"):
+                        decoding.set()
+                    if choice["finish_reason"] is not None:
+                        long_finishing.set()
+            results["long"] = r.status
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    time.sleep(1.0)  # ample for the tiny model's prefill: the long request is decoding
+    assert decoding.wait(timeout=120), "the long request never started decoding"
     status, text = call(base + "/v1/chat/completions", CHAT)
-    short_first = not long_done.is_set()
+    short_first = not long_finishing.is_set()
     worker.join(timeout=600)
-    assert status == 200 and results["long"][0] == 200, (text, results["long"][1][:200])
+    assert status == 200 and results["long"] == 200, text
     assert short_first
 
 
