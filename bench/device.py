@@ -2,6 +2,7 @@
 
     python -m bench.device --model-config qwen2.5-7b --json results/device-h100.json
     python -m bench.device --model-config tiny --device cpu            # CI-sized
+    python -m bench.device --predict [--json PATH]       # predicted GPU figures (bench/predict.py)
 
 Needs torch, transformers and the engine only (pydantic comes with the engine's configs): no
 Ray, Redis, HTTP or downloads, so it runs on a bare GPU machine with no network. A named
@@ -24,11 +25,16 @@ PATH` loads local weights instead. It reports, in JSON:
 * `greedy_mismatch`: how often greedy speculative output differs from plain greedy on this
   model in its dtype and in float32 (in float32 it must be 0; in bf16 a tree forward and a
   sequential forward round differently, so outputs can split at near-ties).
+
+`--predict` instead prints and writes (`--json`) the predicted best-of-16 table of
+`bench/predict.py` (no GPU needed, seconds); where a CUDA GPU is present it also measures the
+qwen2.5-7b shape on it and prints measured beside predicted (`compare_on_gpu`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -40,6 +46,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from bench import predict as pr
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import NoDrafter
@@ -55,6 +62,7 @@ from tts_service.engine.allocate import SlotStats, measure_batch_cost, nodes_for
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import CostModel, sync_device
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.graphs import bucket_of
 from tts_service.engine.matmul import tune_linear_products
 from tts_service.replay import LoggedBatchDecoder, LoggedOracle, LoggedProblem, parse_line
 
@@ -283,6 +291,151 @@ def greedy_mismatch(model, prompts: list[list[int]], new_tokens: int) -> dict:
     return {"sequences": len(prompts), "differing": differing, "first_difference_at": first}
 
 
+def gpu_spec(name: str) -> pr.Gpu | None:
+    """The published figures of a device named like 'NVIDIA H100 80GB HBM3', if known."""
+    return next((g for key, g in pr.GPUS.items() if key in name.upper()), None)
+
+
+def measured_steps(model, records: list[dict], repeats: int = 3) -> list[dict]:
+    """`records` of one (rows, context) with the device's own step time beside each: the
+    median of `repeats` verify steps of `nodes + 1` tokens per row over a random cache of that
+    context, and the tokens/s it gives with the predicted acceptance and host time."""
+    rows, context = records[0]["rows"], records[0]["context"]
+    decoder = BatchDecoder(model, eos_ids=[])
+    # room for the widest padded step up front: growing later would double the cache
+    widest = bucket_of(max(r["nodes"] for r in records) + 1)
+    decoder.cache.reserve(bucket_of(rows), context + widest)
+    decoder.fill_random(rows, context)
+    out = []
+    for r in records:
+        width = r["nodes"] + 1
+        decoder.time_forward(rows, width)  # warm-up (captures the graph)
+        step = statistics.median(decoder.time_forward(rows, width) for _ in range(repeats))
+        measured = rows * r["acceptance_length"] / (step + r["host_ms"] / 1e3)
+        out.append(
+            {
+                **r,
+                "measured_step_ms": round(step * 1e3, 3),
+                "measured_tokens_per_s": round(measured, 1),
+            }
+        )
+    return out
+
+
+def compare_on_gpu(
+    model,
+    shape: pr.Shape,
+    gpu: pr.Gpu,
+    acceptance: dict,
+    host: pr.HostTable,
+    eff: float,
+    problems: list[LoggedProblem],
+    contexts: tuple[int, ...] = pr.CONTEXTS,
+) -> list[dict]:
+    """Measured beside predicted on the device at hand (one GPU): plain batch-1 decoding, the
+    verify step at every (rows, context) that fits, and timing replay of best-of-16 on the
+    held-out log (real trees, acceptance and host time) at the log's own context."""
+    out = []
+    prompt = list(range(1, 65))
+    plain1 = pr.predict_config(pr.Config(shape, gpu, 1, 1, 128), acceptance, host, eff)[0]
+    out.append({**plain1, "measured_tokens_per_s": round(plain_speed(model, prompt, 128), 1)})
+    fit, _ = pr.configs(gpu, [shape.name], [1], pr.ROWS, contexts)
+    for cfg in fit:
+        out += measured_steps(model, pr.predict_config(cfg, acceptance, host, eff))
+        if model.device.type == "cuda":  # the last cache's memory back before the next
+            gc.collect()
+            torch.cuda.empty_cache()
+    tokens = [len(p.prompt_ids) + len(r) / 2 for p in problems for r in p.responses]
+    rows = max(len(p.responses) for p in problems)
+    cfg = pr.Config(shape, gpu, 1, rows, round(statistics.mean(tokens)))
+    predicted = {r["method"]: r for r in pr.predict_config(cfg, acceptance, host, eff)}
+    for method in METHODS:
+        got = timing_replay(model, method, problems, max(pr.NODE_CANDIDATES))
+        out.append(
+            {
+                **predicted[method],
+                "measured_tokens_per_s": got["tokens_per_s"],
+                "measured_acceptance_length": got["acceptance_length"],
+            }
+        )
+    return out
+
+
+def side_by_side(rows: list[dict]) -> str:
+    """Predicted against measured, one markdown line per record."""
+    lines = [
+        "| model | rows | context | method | nodes | acceptance | step ms pred / meas | "
+        "tokens/s pred / meas | meas ÷ pred |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = f"{r['acceptance_length']:.2f}"
+        if "measured_acceptance_length" in r:
+            acc += f" / {r['measured_acceptance_length']:.2f}"
+        step = f"{r['step_ms']:.2f} / " + (
+            f"{r['measured_step_ms']:.2f}" if "measured_step_ms" in r else "–"
+        )
+        ratio = r["measured_tokens_per_s"] / r["tokens_per_s"]
+        lines.append(
+            f"| {r['model']} | {r['rows']} | {r['context']} | {r['method']} | {r['nodes']} | "
+            f"{acc} | {step} | {r['tokens_per_s']:.0f} / {r['measured_tokens_per_s']:.0f} | "
+            f"{ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def predict_main(args: argparse.Namespace) -> int:
+    """`--predict`: the predicted table (and on a GPU, measured beside it); 2 if an input is
+    missing."""
+    if args.replay:
+        nodes = [n for n in pr.NODE_CANDIDATES if n]
+        table = pr.replay_acceptance(pr.HELDOUT_LOG, pr.METHODS, nodes)
+        args.acceptance.parent.mkdir(parents=True, exist_ok=True)
+        args.acceptance.write_text(json.dumps(table, indent=1) + "\n")
+    try:
+        host = pr.HostTable.read(args.host_json)
+        acceptance = pr.read_acceptance(args.acceptance)
+    except pr.MissingInput as e:
+        print(f"bench.device --predict: {e}", file=sys.stderr)
+        return 2
+    eff = pr.fit_efficiency()
+    h100 = pr.GPUS["H100"]
+    fit, skip = pr.configs(h100)
+    records = pr.predict(fit, acceptance, host, eff)
+    print(
+        f"roofline efficiency {eff:.4f} (fitted: llama-3.1-8b, 1× H100, batch 1 -> "
+        f"{pr.ANCHOR_TOKENS_PER_S:.0f} tok/s); host {args.host_json}; "
+        f"acceptance {args.acceptance}\n"
+    )
+    print(pr.markdown(records))
+    print("\nper configuration (auto: the method it runs as, nodes per row, × plain):\n")
+    print(pr.markdown_wide(records))
+    print(
+        "\nnot in bf16 memory: "
+        + ", ".join(f"{c.shape.name} {c.gpus}× rows {c.rows} ctx {c.context}" for c in skip)
+    )
+    target = pr.Config(pr.SHAPES["qwen2.5-7b"], h100, 1, 16, 4096)
+    print("\n" + pr.verdict(target, acceptance, host, eff))
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        gpu = gpu_spec(name)
+        if gpu is None:
+            print(f"\n{name}: no published figures to predict it with; nothing measured")
+        else:
+            torch.set_grad_enabled(False)
+            print(f"\nmeasured on {name} (predicted for {gpu.name}), qwen2.5-7b random bf16:")
+            model, _ = build_model("qwen2.5-7b", None, "cuda", torch.bfloat16)
+            log = read_log(pr.HELDOUT_LOG, 2, 256)
+            shape = pr.SHAPES["qwen2.5-7b"]
+            measured = compare_on_gpu(model, shape, gpu, acceptance, host, eff, log)
+            print(side_by_side(measured))
+            records += [{**r, "device": name} for r in measured]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -298,7 +451,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,4,16", help="verify surface rows")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="verify surface tokens")
     ap.add_argument("--json", type=Path, help="also write the report here")
+    ap.add_argument("--predict", action="store_true", help="predicted GPU figures (roofline)")
+    ap.add_argument("--host-json", type=Path, default=pr.HOST_JSON, help="bench.host records")
+    ap.add_argument(
+        "--acceptance",
+        type=Path,
+        default=pr.ACCEPTANCE_JSON,
+        help="{method: {nodes: acceptance length}} from held-out replay",
+    )
+    ap.add_argument("--replay", action="store_true", help="recompute --acceptance first")
     args = ap.parse_args(argv)
+    if args.predict:
+        return predict_main(args)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )

@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tts_service.drafters.base import DraftContext, NodeTopK, StaticTreeDrafter, shape_prefix
+from tts_service.drafters.base import (
+    Deferred,
+    DraftContext,
+    NodeTopK,
+    StaticTreeDrafter,
+    shape_prefix,
+)
 from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.tree import DraftTree, TreeShape, select_subtree
 from tts_service.engine.verify import Acceptance
@@ -40,14 +46,14 @@ class OnPathCounter:
         self._shape_ids = shaped.shape_ids
         return shaped.tree
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
         self.steps += 1
         for node in acc.path:
             self.counts[self._shape_ids[node]] += 1
-        self.inner.observe(tree, acc, topk)
+        return self.inner.observe(tree, acc, topk)
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        self.inner.observe_root(tokens, topk)
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
+        return self.inner.observe_root(tokens, topk)
 
 
 @dataclass(frozen=True)

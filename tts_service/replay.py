@@ -32,7 +32,7 @@ import torch
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
 from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
@@ -264,6 +264,7 @@ class LoggedDecoder:
         self.active: list[Row] = []
         self.forwards = ForwardStats()
         self.oracles: dict[int, LoggedOracle] = {}  # id(row) -> its response's oracle
+        self.pending: list[Deferred] = []  # observation deferred past the next drafts
 
     @property
     def device(self) -> torch.device:
@@ -284,20 +285,34 @@ class LoggedDecoder:
         self.active.extend(rows)
 
     def drop(self, rows: list[Row]) -> None:
+        if rows:
+            self.flush_observations()
         gone = {id(r) for r in rows}
         self.active = [r for r in self.active if id(r) not in gone]
 
+    def flush_observations(self) -> None:
+        pending, self.pending = self.pending, []
+        for later in pending:
+            later()
+
     def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
-        """Every row drafts (deterministically) and commits what its response says."""
+        """Every row drafts (deterministically) and commits what its response says; what the
+        drafters defer of observing runs after the next step's drafts, as in the engine."""
         batch, total, nodes, width = list(self.active), 0, 0, 1
-        for row in batch:
-            ctx = DraftContext(row.tokens, len(row.prompt_ids), max_nodes, greedy=True)
-            tree = row.drafter.draft(ctx)
+        trees = [
+            row.drafter.draft(DraftContext(row.tokens, len(row.prompt_ids), max_nodes, True))
+            for row in batch
+        ]
+        self.flush_observations()  # where the engine's forward would be
+        for row, tree in zip(batch, trees, strict=True):
             acc, top = self.oracles[id(row)](tree, len(row.rule.out))
             committed = row.rule.push(acc.committed)
             row.tokens.extend(acc.committed[:committed])
             row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
-            row.drafter.observe(tree, acc, top)
+            acc = acc.upto(committed)
+            later = row.drafter.observe(tree, acc, top)
+            if later is not None:
+                self.pending.append(later)
             if observe is not None:
                 observe(row, tree, acc)
             total, nodes, width = total + committed, nodes + tree.size - 1, max(width, tree.size)
@@ -305,6 +320,8 @@ class LoggedDecoder:
         self.drop(finished)
         for row in finished:
             del self.oracles[id(row)]
+        if not self.active:
+            self.flush_observations()
         self.forwards.record(len(batch), width, nodes, total, 0.0, 0.0)
         return finished
 
@@ -323,8 +340,8 @@ class LoggedBatchDecoder(BatchDecoder):
             self.oracles[id(row)] = oracle
         return row
 
-    def verify(self, batch, trees, logits) -> list[Verified]:
-        live = super().verify(batch, trees, logits)
+    def verify(self, batch, trees, logits, tb) -> list[Verified]:
+        live = super().verify(batch, trees, logits, tb)
         return [
             Verified(*self.oracles[id(row)](tree, len(row.rule.out)))
             if id(row) in self.oracles

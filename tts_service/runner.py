@@ -32,7 +32,7 @@ import torch
 
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import SlotStats, SpeculationPlanner, StepCost
 from tts_service.engine.batch import Row, StepObserver
@@ -156,16 +156,16 @@ class TrajectoryRecorder:
     def draft(self, ctx: DraftContext) -> DraftTree:
         return self.inner.draft(ctx)
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
         nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from
         self.top_ids += topk.ids[nodes].tolist()
         self.top_probs += topk.probs[nodes].tolist()
-        self.inner.observe(tree, acc, topk)
+        return self.inner.observe(tree, acc, topk)
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
         self.top_ids += topk.ids[:1].tolist()
         self.top_probs += topk.probs[:1].tolist()
-        self.inner.observe_root(tokens, topk)
+        return self.inner.observe_root(tokens, topk)
 
     def rows(self, num_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         """The rows of the generation's tokens (a stop may cut the last block)."""

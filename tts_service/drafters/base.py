@@ -2,11 +2,17 @@
 
 The engine never checks a drafter's type. A drafter may keep any state (a PLD index, a
 successor table, a shared store); none of it can change what is committed, only how fast.
+
+Observation may be deferred: `observe` and `observe_root` may return a `Deferred`, the part of
+the work that can wait (store updates, calibration, successor tables), and the engine runs it
+during the next step's forward, after the next `draft` (docs/design.md, "Observation off the
+critical path"). What `observe` itself does must capture any per-tree state the next `draft`
+overwrites.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -16,6 +22,13 @@ from tts_service.config import StrictConfig
 from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.tree import DraftTree, TreeShape
 from tts_service.engine.verify import Acceptance
+
+Deferred = Callable[[], None]
+"""Observation work a drafter lets wait until the next step's forward is running."""
+
+OBSERVE_TAIL = 64
+"""Tokens of a plain step's context `observe_root` gets: the context's last ones (drafters read
+a short suffix; copying a 16k-token context per row per step is what must not happen)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +60,14 @@ class Drafter(Protocol):
     def draft(self, ctx: DraftContext) -> DraftTree:
         """Propose a tree rooted at `ctx.tokens[-1]` with at most `ctx.max_nodes` drafts."""
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        """Learn from one verify forward: the tree sent, what was accepted, the target's top-k."""
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
+        """Learn from one verify forward: the tree sent, what was accepted, the target's top-k;
+        return what may wait for the next forward, if anything."""
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
         """Learn from a plain step, where the allocator gave no nodes and `draft` was not
-        called: the target's top-k (one row) at the root `tokens[-1]`, after `tokens`."""
+        called: the target's top-k (one row) at the root `tokens[-1]`, after `tokens` (the
+        context's last `OBSERVE_TAIL` tokens)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 from tts_service.config import resolve_tree_path
 from tts_service.drafters.base import (
+    Deferred,
     DraftContext,
     Drafter,
     NodeTopK,
@@ -119,14 +120,14 @@ class GtSizedDrafter:
         self._shape_ids = shaped.shape_ids
         return shaped.tree
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
         # counted over the nodes really drafted: a slot the store could not fill costs nothing,
         # so a cold store must not drag α̂ down for later, when it can
         self.stats.record(list(self._shape_ids[1:]), [self._shape_ids[v] for v in acc.path])
-        self.inner.observe(tree, acc, topk)
+        return self.inner.observe(tree, acc, topk)
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        self.inner.observe_root(tokens, topk)
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
+        return self.inner.observe_root(tokens, topk)
 
 
 def new_gt_stats(cfg: Any) -> OnPathStats:

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from store.base import NgramRow, NgramStore
 from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
-from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.base import Deferred, DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.streams import Stream, stream_generator
@@ -154,11 +154,13 @@ class StandDrafter:
                 self._shape_ids.append(shape_child)
                 self._tails.append((*self._tails[node], token)[-order:])
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        feed_store(self.store, self._tails, tree, acc, topk, self.cfg.harvest_rejected)
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred:
+        tails, harvest = self._tails, self.cfg.harvest_rejected  # the next draft rebinds them
+        return lambda: feed_store(self.store, tails, tree, acc, topk, harvest)
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        feed_root(self.store, tokens, topk)
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred:
+        tail = tuple(tokens[-self.store.max_order :])
+        return lambda: feed_root(self.store, tail, topk)
 
 
 def feed_root(store: NgramStore, tokens: Sequence[int], topk: NodeTopK) -> None:

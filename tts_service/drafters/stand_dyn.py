@@ -33,7 +33,7 @@ from pydantic import Field
 
 from store.base import NgramStore
 from tts_service.config import Sizing, StrictConfig
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
@@ -81,10 +81,18 @@ class AcceptanceCalibration:
     def _key(self, kind: int, q: float) -> int:
         return kind * self.bins + min(int(q * self.bins), self.bins - 1)
 
-    def rate(self, kind: int, q: float) -> float:
-        key = self._key(kind, q)
-        hits, drawn = self.hits.get(key, 0.0), self.drawn.get(key, 0.0)
-        return smoothed_rate(hits, drawn, self.prior_scale * q, self.prior_weight)
+    def rank(self, found: dict[int, tuple[int, float]]) -> list[Candidate]:
+        """`found` (token -> (kind, q)) as candidates with their calibrated rates
+        (`rates.smoothed_rate` toward `prior_scale` × q), best first. Drafting's hot loop."""
+        weight, scale = self.prior_weight, self.prior_scale
+        hits, drawn, key = self.hits.get, self.drawn.get, self._key
+        out = []
+        for token, (kind, q) in found.items():
+            at = key(kind, q)
+            alpha = smoothed_rate(hits(at, 0.0), drawn(at, 0.0), scale * q, weight)
+            out.append(Candidate(token, kind, q, alpha))
+        out.sort(key=lambda c: (-c.alpha, c.token))
+        return out
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
         key = self._key(kind, q)
@@ -97,14 +105,13 @@ def candidate_kind(source: int, order: int, count: int, agree: int, suffix: int)
     return (((source * 10 + order) * 5 + count) * 2 + agree) * 4 + suffix
 
 
-def suffix_flag(token: int, order: int, counts: dict[int, int]) -> int:
-    """0: no suffix match of >= MIN_SUFFIX tokens; 1: a match that does not name `token`;
-    2: a short match (< 8 tokens) that does; 3: a long one that does."""
+def suffix_flags(order: int) -> tuple[int, int]:
+    """The suffix flag, after a suffix match of `order` tokens, of a token the counts do not
+    name and of one they do. 0: no match of >= MIN_SUFFIX tokens; 1: a match that does not
+    name the token; 2: a short match (< 8 tokens) that does; 3: a long one that does."""
     if order < MIN_SUFFIX:
-        return 0
-    if token not in counts:
-        return 1
-    return 3 if order >= 8 else 2
+        return 0, 0
+    return 1, 3 if order >= 8 else 2
 
 
 class StandDynDrafter:
@@ -133,40 +140,37 @@ class StandDynDrafter:
     def candidates(self, tail: Sequence[int]) -> list[Candidate]:
         """The candidates after `tail`, best first by calibrated acceptance."""
         order = self.store.max_order
-        found: dict[int, tuple[tuple[int, int, int, int], float]] = {}
+        n, counts = self.suffix.lookup(tail)
+        absent, named = suffix_flags(n)
+        found: dict[int, tuple[int, float]] = {}  # token -> (kind, q)
         longest = self.store.lookup(tail[-order:])
         if longest is not None:
             shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
             agree_with = shorter.ids[0] if shorter is not None and shorter.ids else -1
-            count = min(longest.count, 4)
+            base = candidate_kind(STORE, longest.order, min(longest.count, 4), 0, 0)
             scale = sum(longest.probs) or 1.0
             for token, p in zip(longest.ids, longest.probs, strict=True):
                 if p > 0:
-                    kind = (STORE, longest.order, count, int(token == agree_with))
-                    found[token] = (kind, p / scale)
+                    flag = named if token in counts else absent
+                    found[token] = (base + 4 * (token == agree_with) + flag, p / scale)
             if shorter is not None:
+                base = candidate_kind(BACKOFF, shorter.order, min(shorter.count, 4), 0, 0)
                 scale = sum(shorter.probs) or 1.0
                 for token, p in zip(shorter.ids, shorter.probs, strict=True):
                     if p > 0 and token not in found:
-                        kind = (BACKOFF, shorter.order, min(shorter.count, 4), 0)
-                        found[token] = (kind, p / scale)
-        n, counts = self.suffix.lookup(tail)
+                        found[token] = (base + (named if token in counts else absent), p / scale)
         if n >= MIN_SUFFIX:
             total = sum(counts.values())
+            base = candidate_kind(SUFFIX, 0, 0, 0, 0)
             for token, k in counts.items():
                 if token not in found:
-                    found[token] = ((SUFFIX, 0, 0, 0), k / total)
+                    found[token] = (base + named, k / total)
         if not found and tail:
+            base = candidate_kind(SUCCESSOR, 0, 0, 0, 0)
             for token, p in self.successors.successors(-1, tail[-1]):
                 if p > 0:
-                    found[token] = ((SUCCESSOR, 0, 0, 0), p)
-        rate = self.calibration.rate
-        out = [
-            Candidate(t, kind := candidate_kind(*k, suffix_flag(t, n, counts)), q, rate(kind, q))
-            for t, (k, q) in found.items()
-        ]
-        out.sort(key=lambda c: (-c.alpha, c.token))
-        return out
+                    found[token] = (base + (named if token in counts else absent), p)
+        return self.calibration.rank(found)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         self.suffix.sync(self.doc, ctx.tokens)
@@ -205,20 +209,38 @@ class StandDynDrafter:
             heapq.heappush(heap, (neg, child, -1))
         return builder.build()
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        feed_root(self.store, tokens, topk)
-        if topk.has(0):
-            self.successors.update([-1], [tokens[-1]], topk.ids[:1], topk.probs[:1])
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred:
+        tail = tuple(tokens[-TAIL:])
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        def later() -> None:
+            feed_root(self.store, tail, topk)
+            if topk.has(0):
+                self.successors.update([-1], [tail[-1]], topk.ids[:1], topk.probs[:1])
+
+        return later
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred:
+        kinds, tails = self._kinds, self._tails  # the next draft rebinds them
+        return lambda: self._learn(tree, acc, topk, kinds, tails)
+
+    def _learn(
+        self,
+        tree: DraftTree,
+        acc: Acceptance,
+        topk: NodeTopK,
+        kinds: list[Candidate | None],
+        tails: list[tuple[int, ...]],
+    ) -> None:
+        """Calibration, the store and the successor table learn from one verified tree."""
         reached = {0, *acc.path}
         for v in range(1, tree.size):
-            cand = self._kinds[v]
+            cand = kinds[v]
             if cand is not None and tree.parents[v] in reached:
                 self.calibration.record(cand.kind, cand.q, v in acc.path)
         order = self.store.max_order
-        tails = [t[-order:] for t in self._tails]
-        feed_store(self.store, tails, tree, acc, topk, self.cfg.harvest_rejected)
+        feed_store(
+            self.store, [t[-order:] for t in tails], tree, acc, topk, self.cfg.harvest_rejected
+        )
         rows = [v for v in range(tree.size) if topk.has(v)]
         if rows:
             self.successors.update(

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from store.base import NgramStore
-from tts_service.drafters.base import DraftContext, NodeTopK
+from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
@@ -108,11 +108,11 @@ class StandSpineDrafter:
             s.grow(builder, nodes[i], range(1, width + 1), stochastic, exclude=spine[i])
         return builder.build()
 
-    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
-        self.stand.observe(tree, acc, topk)
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred:
+        return self.stand.observe(tree, acc, topk)
 
-    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
-        self.stand.observe_root(tokens, topk)
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred:
+        return self.stand.observe_root(tokens, topk)
 
 
 SPINE_INDEX: Shared[StandSpineDrafterConfig, ExactMatchIndex] = Shared(

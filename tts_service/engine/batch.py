@@ -27,22 +27,23 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tts_service.drafters.base import DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import OBSERVE_TAIL, Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
-from tts_service.engine.metrics import ForwardStats, GenerationStats
-from tts_service.engine.sampling import SamplingParams, store_probs, target_probs
-from tts_service.engine.streams import Stream, stream_generator
-from tts_service.engine.tree import DraftTree, ancestor_mask
-from tts_service.engine.verify import (
-    Acceptance,
-    accept_greedy,
-    accept_match,
-    draw_match,
-    verify_sampling,
+from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
+from tts_service.engine.sampling import SamplingParams, store_probs
+from tts_service.engine.streams import Stream, counter_uniforms, stream_generator, stream_seed
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.treebatch import (
+    TreeBatch,
+    accepted_path,
+    greedy_choice,
+    match_choice,
+    residual_bonus,
 )
+from tts_service.engine.verify import Acceptance, verify_sampling
 
 
 @dataclass(eq=False)
@@ -56,7 +57,8 @@ class Row:
     rule: StopRule
     device: torch.device  # the verifier's random stream lives where the target's logits do
     tokens: list[int] = field(init=False)
-    stream: torch.Generator = field(init=False)  # the verifier's random stream
+    stream: torch.Generator = field(init=False)  # the verifier's random stream (rule (c))
+    verify_key: int = field(init=False)  # and its counter-based one (`streams.counter_uniforms`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     joined_at: float = 0.0
 
@@ -65,6 +67,7 @@ class Row:
             raise ValueError("prompt_ids must not be empty")
         self.tokens = list(self.prompt_ids)
         self.stream = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
+        self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY)
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -91,7 +94,9 @@ class BatchDecoder:
     static shapes graphs need (on by itself with graphs; tests turn it on to check the masks
     graphs use on a CPU). `cache`: one of the caller's (a tensor-parallel leader's mirrors its
     rewrites to the other ranks, `engine.tp`). `prompt_cache`: keep recent prompts' prefilled
-    KV, so a prompt is prefilled once however its rows join."""
+    KV, so a prompt is prefilled once however its rows join. `defer_observation`: what the
+    drafters defer of observing a step runs during the next forward (False: at once, the
+    reference the tests compare with)."""
 
     def __init__(
         self,
@@ -103,6 +108,7 @@ class BatchDecoder:
         full_view: bool = False,
         cache: StaticKV | None = None,
         prompt_cache: bool = True,
+        defer_observation: bool = True,
     ) -> None:
         self.model = model
         # the prompts' prefilled KV, kept for rows that join later (none where the cache is
@@ -118,6 +124,9 @@ class BatchDecoder:
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs
         self.forwards = ForwardStats()
+        self.phases = StepPhases()
+        self.defer_observation = defer_observation
+        self.pending: list[Deferred] = []  # observation deferred to the next forward
 
     @property
     def context_len(self) -> int:
@@ -165,6 +174,9 @@ class BatchDecoder:
     @torch.inference_mode()
     def drop(self, rows: list[Row]) -> None:
         """Take active rows out of the batch (cancelled from outside: early stop, disconnect)."""
+        if not rows:
+            return
+        self.flush_observations()
         gone = {id(r) for r in rows}
         keep = [b for b, r in enumerate(self.active) if id(r) not in gone]
         if len(keep) < len(self.active):
@@ -234,7 +246,7 @@ class BatchDecoder:
         )
         return cache, valid
 
-    def _pack(self, trees: list[DraftTree], roots: list[int], shape: tuple[int, int]):
+    def _pack(self, tb: TreeBatch, roots: list[int], shape: tuple[int, int]):
         """Batched inputs padded to `shape` = (rows, tokens): `[R, N]` ids and positions and the
         `[R, 1, N, K]` mask, K the key width attention sees (the slots in use plus the tree's,
         or the whole cache under `full_view`). Pad rows and pad nodes attend to themselves."""
@@ -242,21 +254,19 @@ class BatchDecoder:
         rows, n = shape
         start = kv.length
         width = kv.capacity if kv.full_view else start + n
-        ids = torch.zeros(rows, n, dtype=torch.long)
-        pos = torch.zeros(rows, n, dtype=torch.long)
-        tree_allowed = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1)
-        for b, (tree, root_pos) in enumerate(zip(trees, roots, strict=True)):
-            ids[b, : tree.size] = torch.tensor(tree.tokens)
-            ids[b, tree.size :] = tree.tokens[0]
-            pos[b, : tree.size] = torch.tensor(tree.depths) + root_pos
-            pos[b, tree.size :] = root_pos
-            tree_allowed[b, : tree.size, : tree.size] = ancestor_mask(tree.parents)
+        pad = rows - tb.shape[0]
+        root = torch.tensor(roots + [0] * pad, dtype=torch.long).to(device, non_blocking=True)
+        ids, depths, anc = tb.tokens, tb.depths, tb.ancestors
+        if pad:  # a graph bucket's extra rows: a lone root each
+            ids = torch.cat([ids, ids.new_zeros(pad, n)])
+            depths = torch.cat([depths, depths.new_zeros(pad, n)])
+            anc = torch.cat([anc, torch.eye(n, dtype=torch.bool, device=device).expand(pad, n, n)])
         allowed = torch.zeros(rows, n, width, dtype=torch.bool, device=device)
         allowed[:, :, :start] = kv.valid[:rows, None, :start]
-        allowed[:, :, start : start + n] = tree_allowed.to(device)
+        allowed[:, :, start : start + n] = anc
         mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
         mask.masked_fill_(~allowed, self.min)
-        return ids.to(device), pos.to(device), mask[:, None]
+        return ids, depths + root[:, None], mask[:, None]
 
     @torch.inference_mode()
     def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
@@ -265,36 +275,46 @@ class BatchDecoder:
 
         With `max_nodes` 0 the step is plain decoding: no drafter is asked for a tree, and
         each learns from the target's distribution at its root (`Drafter.observe_root`).
+        What the drafters defer of their observation of this step (`Drafter.observe` returns
+        it) runs during the next step's forward: drafting for step t + 1 sees the observations
+        of steps up to t - 1, in row order, deterministically.
         Returns the rows that finished (they have left the batch)."""
         batch = self.active
         plain = max_nodes == 0
-        contexts = [list(r.tokens) for r in batch] if plain else []
+        before = [len(r.tokens) for r in batch]
+        clock = time.perf_counter
+        marks = [clock()]
         # 1. draft, one tree per row
-        t0 = time.perf_counter()
         trees = self._draft(batch, max_nodes)
-        t1 = time.perf_counter()
+        marks.append(clock())
         # 2-3. pack and one forward for the whole batch
         start = self.cache.length
         width = max(t.size for t in trees)
         shape = self.graphs.bucket(len(batch), width) if self.graphs else (len(batch), width)
         self.cache.reserve(shape[0], start + shape[1])
-        ids, pos, mask = self._pack(trees, [len(r.tokens) - 1 for r in batch], shape)
+        tb = TreeBatch.of(trees, width, self.device)
+        ids, pos, mask = self._pack(tb, [len(r.tokens) - 1 for r in batch], shape)
+        marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
-        # 4-5. verify (on the device, one copy back) and accept, row by row
-        verified = self.verify(batch, trees, logits)
+        marks.append(clock())
+        # the last step's deferred observation, while the device runs this forward
+        self.flush_observations()
+        marks.append(clock())
+        # 4-5. verify (on the device, one copy back) and accept
+        verified = self.verify(batch, trees, logits[: len(batch), :width], tb)
+        marks.append(clock())
         keeps, committed = self._accept(batch, trees, verified)
+        marks.append(clock())
         # 6. compact KV: each row keeps root + accepted path at the front of the new region
         finished = self._keep(start, keeps)
-        t2 = time.perf_counter()
-        # 7. observe: every drafter learns from the target's distributions at its nodes
-        for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
-            if plain:
-                row.drafter.observe_root(contexts[b], v.top)
-                continue
-            row.drafter.observe(tree, v.acc, v.top)
-            if observe is not None:
-                observe(row, tree, v.acc)
-        t3 = time.perf_counter()
+        marks.append(clock())
+        # 7. observe: every drafter learns (what it defers runs in the next forward)
+        self._observe(batch, trees, verified, before if plain else None, observe)
+        if not self.active or not self.defer_observation:  # no next forward to hide it under
+            self.flush_observations()
+        marks.append(clock())
+        self.phases.record(marks)
+        t0, t1, t2, t3 = marks[0], marks[1], marks[7], marks[8]
         for row in batch:  # one forward for all: each row is booked an equal share
             row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
             row.stats.verify_s += (t2 - t1) / len(batch)
@@ -303,6 +323,34 @@ class BatchDecoder:
         nodes = sum(t.size - 1 for t in trees)
         self.forwards.record(len(batch), width, nodes, committed, t1 - t0, t2 - t1, t3 - t2, start)
         return finished
+
+    def _observe(
+        self,
+        batch: list[Row],
+        trees: list[DraftTree],
+        verified: list[Verified],
+        plain: list[int] | None,
+        observe: StepObserver | None,
+    ) -> None:
+        """Every row's drafter observes the step; what it defers is kept for the next forward.
+        `plain`: on a plain step, each row's length before it (its root's context)."""
+        pending = self.pending
+        for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
+            if plain is not None:
+                n = plain[b]
+                later = row.drafter.observe_root(row.tokens[max(0, n - OBSERVE_TAIL) : n], v.top)
+            else:
+                later = row.drafter.observe(tree, v.acc, v.top)
+                if observe is not None:
+                    observe(row, tree, v.acc)
+            if later is not None:
+                pending.append(later)
+
+    def flush_observations(self) -> None:
+        """Run the observation the drafters deferred (in the order they deferred it)."""
+        pending, self.pending = self.pending, []
+        for later in pending:
+            later()
 
     def _draft(self, batch: list[Row], max_nodes: int) -> list[DraftTree]:
         """Every row's tree: its drafter's, or the root alone on a plain step."""
@@ -325,6 +373,7 @@ class BatchDecoder:
             row.tokens.extend(v.acc.committed[:committed])
             keeps.append([0, *v.acc.path])
             row.stats.record_step(tree.size - 1, min(v.acc.num_accepted, committed), committed)
+            v.acc = v.acc.upto(committed)  # the drafters learn what was committed
         return keeps, total
 
     def _keep(self, start: int, keeps: list[list[int]]) -> list[Row]:
@@ -332,13 +381,10 @@ class BatchDecoder:
         and compact when holes outnumber entries; returns the finished rows."""
         batch = self.active
         m = max(len(k) for k in keeps)
-        idx = torch.zeros(len(batch), m, dtype=torch.long)
-        new_valid = torch.zeros(len(batch), m, dtype=torch.bool)
-        for b, keep in enumerate(keeps):
-            idx[b, : len(keep)] = torch.tensor(keep)
-            new_valid[b, : len(keep)] = True
+        idx = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long)
+        lengths = torch.tensor([len(k) for k in keeps], dtype=torch.long)
         self.cache.keep_region(start, idx)
-        self.cache.set_region_valid(start, new_valid)
+        self.cache.set_region_valid(start, torch.arange(m)[None] < lengths[:, None])
         finished = [r for r in batch if r.rule.finish is not None]
         if finished:  # finished rows leave the batch
             self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
@@ -348,37 +394,65 @@ class BatchDecoder:
         return finished
 
     def verify(
-        self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor
+        self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor, tb: TreeBatch
     ) -> list[Verified]:
-        """Every row's acceptance and top-k, from one device-to-host copy (plus node-by-node
-        walks for trees with sampled children). Timing replay overrides it (acceptance that
-        follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
-        k = min(STORE_TOPK, logits.shape[-1])
-        ids, probs, draws = [], [], []
-        for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
-            row_logits = logits[b, : tree.size]
-            top = torch.topk(store_probs(row_logits, row.cfg), k, dim=-1)
-            ids.append(torch.cat([row_logits.argmax(-1, keepdim=True), top.indices], dim=1))
-            probs.append(top.values)
-            if not row.cfg.greedy and not any(tree.sampled):
-                draws.append(draw_match(tree, target_probs(row_logits, row.cfg), row.stream))
-        host_ids = torch.cat(ids).cpu()  # the step's one synchronisation
-        host_probs = torch.cat(probs).cpu()
-        host_draws = torch.cat(draws).cpu().tolist() if draws else []
-        out, at, drawn_at = [], 0, 0
-        for b, (row, tree) in enumerate(zip(batch, trees, strict=True)):
-            n = tree.size
-            top = NodeTopK(host_ids[at : at + n, 1:], host_probs[at : at + n])
-            if row.cfg.greedy:
-                acc = accept_greedy(tree, host_ids[at : at + n, 0].tolist())
-            elif not any(tree.sampled):
-                acc = accept_match(tree, host_draws[drawn_at : drawn_at + 4 * n - 2])
-                drawn_at += 4 * n - 2
+        """Every row's acceptance and top-k from `logits` (`[R, N, V]`): rules (a) and (b) for
+        all rows at once on the device (`engine.treebatch`), one copy back; rows whose trees
+        have sampled children (rule (c)) then walk node by node. Timing replay overrides it
+        (acceptance that follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
+        rows, n = tb.shape
+        probs = self._store_probs(batch, logits)  # sampled rows: p itself
+        top = torch.topk(probs, min(STORE_TOPK, probs.shape[-1]), dim=-1)
+        best = logits.argmax(-1)
+        greedy = [r.cfg.greedy for r in batch]
+        if all(greedy):
+            chosen, bonus = greedy_choice(tb, best), best
+        else:
+            keys = torch.tensor([r.verify_key for r in batch], dtype=torch.long)
+            counters = torch.tensor([len(r.tokens) for r in batch], dtype=torch.long)
+            uv = counter_uniforms(keys.to(self.device), counters.to(self.device), 2 * n)
+            matched, residual = match_choice(tb, probs, uv[:, 0::2])
+            on = torch.tensor(greedy, device=self.device)[:, None]
+            chosen = torch.where(on, greedy_choice(tb, best), matched)
+            bonus = torch.where(on, best, residual_bonus(residual, uv[:, 1::2]))
+        last, on_path = accepted_path(tb, chosen)
+        k = top.indices.shape[-1]
+        host = torch.cat(  # the step's one synchronisation
+            [
+                last[:, None].to(torch.float64),
+                bonus.gather(1, last[:, None]).to(torch.float64),
+                on_path.to(torch.float64),
+                top.indices.flatten(1).to(torch.float64),
+                top.values.flatten(1),
+            ],
+            dim=1,
+        ).cpu()
+        meta, top_ids, top_probs = host.split([2 + n, n * k, n * k], dim=1)
+        top_ids = top_ids.view(rows, n, k).long().unbind(0)
+        top_probs = top_probs.view(rows, n, k).unbind(0)
+        out = []
+        for b, (row, tree, m) in enumerate(zip(batch, trees, meta.tolist(), strict=True)):
+            if not row.cfg.greedy and any(tree.sampled):
+                acc = verify_sampling(tree, probs[b, : tree.size], row.stream)
             else:
-                p = target_probs(logits[b, :n], row.cfg)
-                acc = verify_sampling(tree, p, row.stream)
-            out.append(Verified(acc, top))
-            at += n
+                path = tuple(i for i in range(1, tree.size) if m[2 + i])
+                acc = Acceptance(path, tuple(tree.tokens[i] for i in path), int(m[1]))
+            out.append(Verified(acc, NodeTopK(top_ids[b], top_probs[b])))
+        return out
+
+    def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
+        """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one
+        computation per distinct set of them (best-of-N: one)."""
+        groups: dict[tuple, list[int]] = {}
+        for b, row in enumerate(batch):
+            c = row.cfg
+            groups.setdefault((c.temperature, c.top_p, c.top_k, c.min_p), []).append(b)
+        if len(groups) == 1:
+            return store_probs(logits, batch[0].cfg)
+        out = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+        for members in groups.values():
+            at = torch.tensor(members, device=logits.device)
+            out[at] = store_probs(logits[at], batch[members[0]].cfg)
         return out
 
     def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
@@ -417,21 +491,17 @@ class BatchDecoder:
         self.cache.reserve(shape[0], start + shape[1])
         sync_device(self.model.device)
         t0 = time.perf_counter()
-        ids, pos, mask = self._pack(trees, [start] * rows, shape)
+        tb = TreeBatch.of(trees, width, self.device)
+        ids, pos, mask = self._pack(tb, [start] * rows, shape)
         self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
         seconds = time.perf_counter() - t0
         self.cache.length = start
         return seconds
 
     def _compact(self) -> None:
-        """Right-align every row's valid slots and drop the holes."""
+        """Right-align every row's valid slots and drop the holes (a stable sort puts each
+        row's holes first, its slots after them in order)."""
         valid = self.cache.active_valid()
-        counts = valid.sum(1)
-        width = int(counts.max())
-        idx = torch.zeros(valid.shape[0], width, dtype=torch.long, device=valid.device)
-        new_valid = torch.zeros(valid.shape[0], width, dtype=torch.bool, device=valid.device)
-        for b in range(valid.shape[0]):
-            slots = torch.nonzero(valid[b]).flatten()
-            idx[b, width - len(slots) :] = slots
-            new_valid[b, width - len(slots) :] = True
-        self.cache.gather_slots(idx, new_valid)
+        width = int(valid.sum(1).max())
+        order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
+        self.cache.gather_slots(order[:, -width:].contiguous(), valid.gather(1, order[:, -width:]))

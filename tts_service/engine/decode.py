@@ -18,8 +18,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.engine.metrics import GenerationStats
-from tts_service.engine.sampling import SamplingParams, sample, target_probs
-from tts_service.engine.streams import Stream, stream_generator
+from tts_service.engine.sampling import SamplingParams, target_probs
+from tts_service.engine.streams import Stream, counter_uniforms, stream_seed
+from tts_service.engine.treebatch import residual_bonus
 
 FinishReason = Literal["stop", "length", "cancelled"]
 OnCommit = Callable[[Sequence[int]], bool]
@@ -120,7 +121,7 @@ def plain_generate(
 ) -> GenerationResult:
     """Reference autoregressive decoding with a KV cache: one forward per token."""
     start = time.perf_counter()
-    gen = stream_generator(cfg.seed, Stream.VERIFY, model.device)
+    key = torch.tensor([stream_seed(cfg.seed, Stream.VERIFY)], device=model.device)
     rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
@@ -129,7 +130,10 @@ def plain_generate(
         if cfg.greedy:
             token = int(logits[0].argmax())
         else:
-            token = sample(target_probs(logits, cfg)[0], gen)
+            # the engine's draw at a root with no children: lane 1 of the root's counter
+            at = torch.tensor([len(prompt_ids) + len(rule.out)], device=model.device)
+            v = counter_uniforms(key, at, 2)[:, 1:]
+            token = int(residual_bonus(target_probs(logits, cfg)[None], v)[0, 0])
         rule.push([token])
         stats.record_step(0, 0, 1)
         ids = torch.tensor([[token]], device=model.device)

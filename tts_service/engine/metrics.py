@@ -112,3 +112,26 @@ class ForwardStats:
     @property
     def mean_rows_per_forward(self) -> float:
         return self.row_forwards / self.forwards if self.forwards else 0.0
+
+
+PHASES = ("draft", "pack", "forward", "overlap", "verify", "accept", "kv", "observe")
+"""The parts of one decode step, in order (`BatchDecoder.step`). `overlap` is the host work
+that runs while the device computes the forward (the last step's deferred observation); the
+others but `forward` are host work on the critical path between two forwards (`bench/host.py`
+splits it by them)."""
+
+
+@dataclass
+class StepPhases:
+    """Seconds spent in each phase of the decoder's steps, summed over steps (`PHASES`)."""
+
+    steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def record(self, marks: list[float]) -> None:
+        """One step: `marks` are `len(PHASES) + 1` perf_counter readings, one at each phase
+        boundary."""
+        assert len(marks) == len(PHASES) + 1
+        self.steps += 1
+        for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
+            self.seconds[name] += b - a

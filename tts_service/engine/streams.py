@@ -36,3 +36,37 @@ def stream_seed(seed: int, stream: Stream) -> int:
 def stream_generator(seed: int, stream: Stream, device: torch.device | str = "cpu"):
     """A fresh `torch.Generator` on `device` for `stream` of trajectory `seed`."""
     return torch.Generator(device=device).manual_seed(stream_seed(seed, stream))
+
+
+LANES = 1 << 12
+"""Uniforms one counter may draw (`counter_uniforms`): two per tree node, so trees of up to
+2047 nodes (calibration's largest is 1025)."""
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's `>>` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser; int64 products wrap modulo 2^64 as the algorithm wants."""
+    x = (x ^ _shift(x, 30)) * _MIX1
+    x = (x ^ _shift(x, 27)) * _MIX2
+    return x ^ _shift(x, 31)
+
+
+def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor, lanes: int) -> torch.Tensor:
+    """`[R, lanes]` float64 uniforms in [0, 1): lane j of row r is a hash of (`keys[r]`,
+    `counters[r]`, j), so every row draws from its own stream in one call for the whole batch,
+    and what a row draws does not depend on which rows share its batch.
+
+    `keys`: `[R]` int64 stream seeds (`stream_seed(seed, Stream.VERIFY)`); `counters`: `[R]`
+    int64, a value a row never repeats (the verifier uses the root's position); `lanes` at
+    most `LANES`. splitmix64 (Steele et al. 2014) over the counter, mixed twice."""
+    assert lanes <= LANES
+    lane = torch.arange(lanes, dtype=torch.long, device=keys.device)
+    x = keys[:, None] + (counters[:, None] * LANES + lane + 1) * _GOLDEN
+    return _shift(_mix(_mix(x)), 11).to(torch.float64) * (1.0 / (1 << 53))

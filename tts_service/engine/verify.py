@@ -47,6 +47,13 @@ class Acceptance:
         """Tokens this step commits: accepted drafts then the bonus."""
         return (*self.tokens, self.bonus)
 
+    def upto(self, k: int) -> Acceptance:
+        """The acceptance of the first `k` committed tokens (a row that stopped inside the
+        accepted block): its last one becomes the bonus."""
+        if k >= len(self.tokens) + 1:
+            return self
+        return Acceptance(self.path[: k - 1], self.tokens[: k - 1], self.committed[k - 1])
+
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     """Rule (a): follow the argmax. `logits`: `[n, V]`, one row per tree node."""

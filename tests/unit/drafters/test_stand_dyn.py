@@ -19,7 +19,7 @@ from tts_service.drafters.stand_dyn import (
     StandDynDrafter,
     StandDynDrafterConfig,
     candidate_kind,
-    suffix_flag,
+    suffix_flags,
 )
 from tts_service.engine.cost import CostModel, VerifyCost
 from tts_service.engine.verify import Acceptance
@@ -44,22 +44,26 @@ def _ctx(tokens, max_nodes=80) -> DraftContext:
     return DraftContext(list(tokens), 1, max_nodes)
 
 
+def rate(cal: AcceptanceCalibration, kind: int, q: float) -> float:
+    """The calibrated rate of one candidate (token 0) of `kind` and stored probability `q`."""
+    return cal.rank({0: (kind, q)})[0].alpha
+
+
 def test_calibration_starts_below_the_stored_probability_and_learns_the_real_rate():
     cal = AcceptanceCalibration(prior_weight=4.0, prior_scale=0.8)
     kind = candidate_kind(STORE, 1, 1, 0, 0)
-    assert cal.rate(kind, 0.95) == 0.8 * 0.95  # the prior: stores are overconfident
+    assert rate(cal, kind, 0.95) == 0.8 * 0.95  # the prior: stores are overconfident
     for i in range(96):
         cal.record(kind, 0.95, accepted=i % 2 == 0)  # really accepted half the time
-    assert abs(cal.rate(kind, 0.95) - (48 + 4 * 0.76) / 100) < 1e-12
-    assert cal.rate(candidate_kind(STORE, 4, 4, 1, 0), 0.95) == 0.8 * 0.95  # other kinds
-    assert cal.rate(kind, 0.55) == 0.8 * 0.55  # and other deciles
+    assert abs(rate(cal, kind, 0.95) - (48 + 4 * 0.76) / 100) < 1e-12
+    assert rate(cal, candidate_kind(STORE, 4, 4, 1, 0), 0.95) == 0.8 * 0.95  # other kinds
+    assert rate(cal, kind, 0.55) == 0.8 * 0.55  # and other deciles
 
 
 def test_suffix_flag_says_whether_and_how_long_the_suffix_counts_name_a_token():
-    assert suffix_flag(5, 3, {5: 1}) == 0  # shorter than MIN_SUFFIX: not a suffix match
-    assert suffix_flag(5, 6, {6: 2}) == 1
-    assert suffix_flag(5, 6, {5: 2}) == 2
-    assert suffix_flag(5, 12, {5: 2}) == 3
+    assert suffix_flags(3) == (0, 0)  # shorter than MIN_SUFFIX: not a suffix match
+    assert suffix_flags(6) == (1, 2)  # (a token it does not name, one it does)
+    assert suffix_flags(12) == (1, 3)
 
 
 def test_the_tree_is_best_first_on_path_acceptance_and_fills_the_budget():
@@ -118,7 +122,7 @@ def test_an_unknown_context_falls_back_to_the_successor_table():
     tree = d.draft(_ctx([1, 3]))
     ids = torch.tensor([[11, 12] + [0] * 8, [13, 14] + [0] * 8])
     probs = torch.tensor([[0.7, 0.3] + [0.0] * 8, [0.5, 0.5] + [0.0] * 8], dtype=torch.float64)
-    d.observe(tree, Acceptance((), (), 11), NodeTopK(ids[:1], probs[:1]))
+    d.observe(tree, Acceptance((), (), 11), NodeTopK(ids[:1], probs[:1]))()  # deferred part too
     # the store now knows (3,) too; a fresh problem's store does not, the successor table does
     fresh = _drafter(InMemoryNgramStore(), successors=successors)
     tree = fresh.draft(_ctx([5, 3], max_nodes=2))
@@ -143,7 +147,7 @@ def test_observe_records_only_nodes_whose_parent_was_reached():
     tree = d.draft(_ctx([1, 3], max_nodes=3))
     assert tree.tokens == (3, 4, 5, 6)  # 6 hangs under 5, which was not reached
     top = NodeTopK(torch.zeros(4, 10, dtype=torch.long), torch.zeros(4, 10, dtype=torch.float64))
-    d.observe(tree, Acceptance((1,), (4,), 7), top)
+    d.observe(tree, Acceptance((1,), (4,), 7), top)()  # deferred part too
     drawn = d.calibration.drawn
     assert sum(drawn.values()) == 2  # 4 (accepted) and 5 (tried, rejected); not 6
     assert sum(d.calibration.hits.values()) == 1

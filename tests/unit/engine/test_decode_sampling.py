@@ -13,7 +13,6 @@ from scipy.stats import chisquare
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.engine import verify
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
@@ -128,18 +127,14 @@ def test_stand_spine_mixed_nodes_match_the_exact_distribution(model, exact):
 
 def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
     """Test of the test: drawing the bonus from p instead of the residual (PTD's typo), in the
-    device-side draws that sample-and-match over deterministic drafts (PLD) uses."""
-    from tts_service.engine import batch
+    batched sample-and-match over deterministic drafts (PLD) uses."""
+    from tts_service.engine import batch, treebatch
 
-    def bonus_from_p(tree, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        drawn = verify.draw_match(tree, p, generator)
-        cdf = torch.cumsum(p.to(torch.float64), dim=-1)
-        u = torch.rand(tree.size, 1, generator=generator, dtype=torch.float64)
-        bonus = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=p.shape[-1] - 1)
-        drawn[2 * tree.size - 2 : 3 * tree.size - 2] = bonus[:, 0].to(torch.float64)
-        return drawn
+    def residual_is_p(tb, p: torch.Tensor, u: torch.Tensor):
+        chosen, _ = treebatch.match_choice(tb, p, u)
+        return chosen, p
 
-    monkeypatch.setattr(batch, "draw_match", bonus_from_p)
+    monkeypatch.setattr(batch, "match_choice", residual_is_p)
     samples, _ = _speculative_samples(model, DRAFTER_CONFIGS["pld"])
     assert _chisquare_pvalue(samples, exact) < 1e-3
 

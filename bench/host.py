@@ -1,0 +1,304 @@
+"""How long the host keeps a GPU waiting: the real runner, decoder and drafters over a
+stand-in target whose forward costs nothing.
+
+    python -m bench.host --json bench/results/host.json          # the whole matrix
+    python -m bench.host --rows 16 --nodes 8 --method stand-dyn  # one cell
+
+On a GPU a 7B decode step for 16 rows takes a few milliseconds and tree tokens are nearly
+free, so the step time is whatever the host does between two forwards. This measures that
+host time where no GPU is needed.
+
+**The stand-in target.** A trajectory log (the `tts replay` format, with the target's top-k at
+every position) stands in for the model: at a row's committed position `p`, a tree node at depth
+`d` gets the logged distribution of position `p + d` as its logits, whatever its path. The
+decoder packs, verifies (greedy or sampled, from the row's own random stream), accepts, keeps
+the KV cache and lets the drafters observe exactly as it does over a model; only the forward
+is replaced, and its time is not counted. Token ids are folded into a small vocabulary
+(`--vocab`, by frequency rank), so the tensor arithmetic a GPU would absorb is negligible and
+what remains is Python and op dispatch, as a GPU host sees it.
+
+Per step it reports the critical-path host time, from the end of one forward to the launch of
+the next (joins excluded: a prefill is a forward), split by the decoder's phases
+(`engine.metrics.PHASES`: draft, pack, verify, accept, kv, observe) plus `runner` (the
+runner's own work between steps); and `ops_per_step`, the torch ops dispatched per step outside
+the forward (torch.profiler, top-level aten ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+import torch
+from pydantic import TypeAdapter
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from store.memory import InMemoryNgramStore
+from tts_service.drafters.registry import DrafterConfig, method_drafter
+from tts_service.engine.batch import BatchDecoder, Row
+from tts_service.engine.metrics import PHASES
+from tts_service.engine.sampling import SamplingParams
+from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
+from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
+
+LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")
+ROWS, NODES, METHODS = (1, 16, 64), (0, 8, 32), ("plain", "stand", "stand-dyn")
+FLOOR = -30.0  # the stand-in's logit for a token outside the logged top-k
+
+
+def fold(problems: Sequence[LoggedProblem], vocab: int) -> list[LoggedProblem]:
+    """The problems with every token id replaced by its frequency rank modulo `vocab` (the
+    most frequent `vocab` ids keep distinct ids)."""
+    counts: Counter[int] = Counter()
+    for p in problems:
+        counts.update(p.prompt_ids)
+        for r in p.responses:
+            counts.update(r)
+    rank = {t: i % vocab for i, (t, _) in enumerate(counts.most_common())}
+
+    def ids(seq: Sequence[int]) -> list[int]:
+        return [rank.get(t, t % vocab) for t in seq]
+
+    return [
+        LoggedProblem(
+            p.prompt_id,
+            ids(p.prompt_ids),
+            [ids(r) for r in p.responses],
+            [[ids(row) for row in resp] for resp in p.top_ids or []],
+            p.top_probs,
+        )
+        for p in problems
+    ]
+
+
+def response_logits(problem: LoggedProblem, r: int, vocab: int) -> torch.Tensor:
+    """`[len + 1, V]` stand-in logits for response `r`: log of the logged top-k at each
+    position (ids that fold together add up), `FLOOR` elsewhere; past the end, token 0."""
+    assert problem.top_ids is not None and problem.top_probs is not None
+    n = len(problem.responses[r])
+    probs = torch.zeros(n + 1, vocab, dtype=torch.float32)
+    for t in range(n):
+        ids = torch.tensor(problem.top_ids[r][t])
+        probs[t].index_add_(0, ids, torch.tensor(problem.top_probs[r][t], dtype=torch.float32))
+    probs[n, 0] = 1.0
+    return torch.where(probs > 0, probs.log(), torch.full_like(probs, FLOOR))
+
+
+class StandInDecoder(BatchDecoder):
+    """The engine's decoder with the forward replaced by the log (module docstring); it keeps
+    joins (prefill forwards) out of the measured host time."""
+
+    def __init__(self, model, problems: Sequence[LoggedProblem], vocab: int, defer: bool) -> None:
+        super().__init__(model, eos_ids=[], cuda_graphs=False, defer_observation=defer)
+        self.problems, self.vocab = problems, vocab
+        self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
+        self._depths = torch.zeros(0, 0, dtype=torch.long)
+        self.join_s = 0.0
+
+    def join(self, rows: list[Row]) -> None:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("join"):
+            for row in rows:
+                req = cast(TrajectoryRow, row).request
+                problem = self.problems[int(req.problem_id)]
+                self.logits[id(row)] = response_logits(problem, req.index, self.vocab)
+            super().join(rows)
+        self.join_s += time.perf_counter() - t0
+
+    def _pack(self, tb, roots, shape):
+        self._depths = tb.depths
+        return super()._pack(tb, roots, shape)
+
+    def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
+        with torch.profiler.record_function("forward"):
+            out = torch.full((*ids.shape, self.vocab), FLOOR)
+            for b, row in enumerate(self.active):
+                table = self.logits[id(row)]
+                at = (len(row.rule.out) + self._depths[b]).clamp_(max=table.shape[0] - 1)
+                out[b, : at.shape[0]] = table[at]
+        return out
+
+    def flush_observations(self) -> None:
+        with torch.profiler.record_function("overlap"):
+            super().flush_observations()
+
+    def drop(self, rows: list[Row]) -> None:
+        super().drop(rows)
+        for row in rows:
+            self.logits.pop(id(row), None)
+
+
+class StandInTarget(LoggedTarget):
+    """The runner's model: `LoggedTarget`'s drafters over the stand-in decoder."""
+
+    def __init__(self, problems: Sequence[LoggedProblem], vocab: int, defer: bool = True) -> None:
+        super().__init__(problems, vocab)
+        self.defer = defer
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=8192,
+        )
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM(cfg).eval()  # prefills and shapes the KV cache only
+
+    def new_decoder(self) -> StandInDecoder:
+        return StandInDecoder(self.model, self.problems, self.vocab, self.defer)
+
+
+def requests(
+    problems: Sequence[LoggedProblem], method: str, nodes: int, temperature: float
+) -> list[TrajectoryRequest]:
+    """Every logged response as a request, problem by problem (each problem its own store)."""
+    fields = sized_fields(method_drafter(method, {}, "cpu"), max(nodes, 1))
+    cfg = TypeAdapter(DrafterConfig).validate_python(fields)
+    out = []
+    for i, problem in enumerate(problems):
+        store = InMemoryNgramStore()
+        for r, response in enumerate(problem.responses):
+            if len(response) < 8:
+                continue
+            params = SamplingParams(
+                temperature, max_new_tokens=len(response), seed=r, ignore_eos=True
+            )
+            out.append(TrajectoryRequest(str(i), r, problem.prompt_ids, params, cfg, store))
+    return out
+
+
+def top_level_ops(prof: torch.profiler.profile, outside: tuple[str, ...]) -> int:
+    """aten ops dispatched by Python (not from inside another aten op), outside the named
+    record_function scopes."""
+    count = 0
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("aten::") or parent.name in outside:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        count += not nested
+    return count
+
+
+def measure(
+    problems: Sequence[LoggedProblem],
+    vocab: int,
+    rows: int,
+    nodes: int,
+    method: str,
+    steps: int,
+    temperature: float,
+    defer: bool = True,
+) -> dict:
+    """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler."""
+    target = StandInTarget(problems, vocab, defer)
+    runner = TrajectoryRunner(target, rows, "fixed", token_budget=(nodes + 1) * rows)
+    runner.submit(requests(problems, method, nodes, temperature))
+    dec = cast(StandInDecoder, runner.decoder)
+    for _ in range(8):  # warm-up: rows joined, stores and tables not empty
+        runner.tick()
+    phases0, join0, steps0 = dict(dec.phases.seconds), dec.join_s, dec.phases.steps
+    drafted0, rows0 = dec.forwards.draft_nodes, dec.forwards.row_forwards
+    tokens0 = dec.forwards.new_tokens
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.tick()
+    wall = time.perf_counter() - t0 - (dec.join_s - join0)
+    done = dec.phases.steps - steps0
+    split = {k: (dec.phases.seconds[k] - phases0[k]) * 1e3 / done for k in PHASES}
+    forward_ms, overlap_ms = split.pop("forward"), split.pop("overlap")
+    host_ms = wall * 1e3 / done - forward_ms - overlap_ms
+    split["runner"] = host_ms - sum(split.values())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        s0 = dec.phases.steps
+        for _ in range(max(steps // 4, 4)):
+            runner.tick()
+        profiled = dec.phases.steps - s0
+    ops = top_level_ops(prof, ("forward", "join", "overlap")) / profiled
+    f = dec.forwards
+    return {
+        "rows": rows,
+        "nodes": nodes,
+        "method": method,
+        "temperature": temperature,
+        "steps": done,
+        "mean_rows": round(f.row_forwards / f.forwards, 2),
+        "nodes_per_row": round((f.draft_nodes - drafted0) / (f.row_forwards - rows0), 2),
+        "acceptance_length": round((f.new_tokens - tokens0) / (f.row_forwards - rows0), 3),
+        "deferred_observation": defer,
+        "host_ms_per_step": round(host_ms, 3),
+        "overlap_ms_per_step": round(overlap_ms, 3),
+        "split_ms": {k: round(v, 3) for k, v in split.items()},
+        "standin_forward_ms": round(forward_ms, 3),
+        "ops_per_step": round(ops, 1),
+    }
+
+
+def read_problems(path: Path) -> list[LoggedProblem]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [parse_line(line) for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    ap.add_argument("--nodes", type=int, nargs="*", default=list(NODES))
+    ap.add_argument("--method", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per cell")
+    ap.add_argument("--temperature", type=float, default=0.6, help="0: greedy rows")
+    ap.add_argument("--vocab", type=int, default=256, help="the stand-in's vocabulary")
+    ap.add_argument("--log", type=Path, default=LOG, help="trajectory log with top-k")
+    ap.add_argument("--json", type=Path, help="write the records here (a JSON list)")
+    ap.add_argument(
+        "--inline-observation", action="store_true", help="observe before the next draft"
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    problems = fold(read_problems(args.log), args.vocab)
+    records = []
+    load = os.getloadavg()[0]
+    for method in args.method:
+        for rows in args.rows:
+            for nodes in args.nodes if method != "plain" else [0]:
+                rec = measure(
+                    problems,
+                    args.vocab,
+                    rows,
+                    nodes,
+                    method,
+                    args.steps,
+                    args.temperature,
+                    not args.inline_observation,
+                )
+                rec["load"] = round(load, 2)
+                records.append(rec)
+                split = " ".join(f"{k} {v:.2f}" for k, v in rec["split_ms"].items())
+                print(
+                    f"{method:10s} rows {rows:3d} nodes {nodes:3d}: "
+                    f"{rec['host_ms_per_step']:8.2f} ms/step  {rec['ops_per_step']:6.0f} ops  "
+                    f"AL {rec['acceptance_length']:.2f} "
+                    f"[{split}]",
+                    flush=True,
+                )
+                load = os.getloadavg()[0]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Batched acceptance (`engine.treebatch`) equals the per-row reference walks of
+`engine.verify`, token for token, on random trees and random target distributions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tts_service.engine.streams import LANES, counter_uniforms
+from tts_service.engine.tree import DraftTree, ancestor_mask
+from tts_service.engine.treebatch import (
+    TreeBatch,
+    accepted_path,
+    ancestor_masks,
+    greedy_choice,
+    match_choice,
+    residual_bonus,
+)
+from tts_service.engine.verify import accept_greedy, accept_match
+
+V = 5  # a small vocabulary: duplicate siblings and exhausted residuals are common
+
+
+def random_tree(rng: random.Random, size: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+    tokens = [rng.randrange(V) for _ in range(size)]
+    return DraftTree(tuple(tokens), tuple(parents), (False,) * size, (None,) * size)
+
+
+def random_p(gen: torch.Generator, rows: int, n: int) -> torch.Tensor:
+    """Dirichlet-like rows, a third with zeros, some with all their mass on one token."""
+    p = torch.rand(rows, n, V, generator=gen, dtype=torch.float64) ** 3
+    p = p * (torch.rand(rows, n, V, generator=gen) > 0.33)
+    p[..., 0] += 1e-3
+    certain = torch.rand(rows, n, generator=gen) < 0.2
+    one = torch.nn.functional.one_hot(torch.randint(V, (rows, n), generator=gen), V)
+    p = torch.where(certain[..., None], one.to(torch.float64), p)
+    return p / p.sum(-1, keepdim=True)
+
+
+def reference_drawn(tree: DraftTree, p: torch.Tensor, u: list[float], v: list[float]) -> list:
+    """`verify.draw_match`'s layout, from given uniforms: what `accept_match` walks."""
+    n = tree.size
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long)
+    drafts = torch.tensor(tree.tokens[1:], dtype=torch.long)
+    child_p = p[parents, drafts]
+    residual = p.index_put((parents, drafts), torch.zeros_like(child_p))
+    cdf = torch.cumsum(residual, dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(
+        torch.tensor(v, dtype=torch.float64)[:, None] * total,
+        torch.nextafter(total, torch.zeros_like(total)),
+    )
+    bonus = torch.searchsorted(cdf, x, right=True).clamp_(max=V - 1)[:, 0]
+    return [*child_p.tolist(), *u[1:n], *bonus.tolist(), *total[:, 0].tolist()]
+
+
+def batched(trees, p, u, v, greedy: bool):
+    width = max(t.size for t in trees)
+    tb = TreeBatch.of(trees, width, torch.device("cpu"))
+    if greedy:
+        best = p.argmax(-1)
+        last, on_path = accepted_path(tb, greedy_choice(tb, best))
+        bonus = best.gather(1, last[:, None])[:, 0]
+    else:
+        chosen, residual = match_choice(tb, p, u)
+        last, on_path = accepted_path(tb, chosen)
+        bonus = residual_bonus(residual, v).gather(1, last[:, None])[:, 0]
+    out = []
+    for b, tree in enumerate(trees):
+        path = tuple(i for i in range(1, tree.size) if on_path[b, i])
+        assert not on_path[b, tree.size :].any() and on_path[b, 0]
+        assert (path[-1] if path else 0) == int(last[b])
+        out.append((path, int(bonus[b])))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("greedy", [True, False])
+def test_batched_acceptance_equals_the_per_row_walk(seed, greedy):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        trees = [random_tree(rng, rng.randint(1, 12)) for _ in range(rng.randint(1, 7))]
+        width = max(t.size for t in trees)
+        p = random_p(gen, len(trees), width)
+        u = torch.rand(len(trees), width, generator=gen, dtype=torch.float64)
+        v = torch.rand(len(trees), width, generator=gen, dtype=torch.float64)
+        got = batched(trees, p, u, v, greedy)
+        for b, tree in enumerate(trees):
+            n = tree.size
+            if greedy:
+                ref = accept_greedy(tree, p[b, :n].argmax(-1).tolist())
+            else:
+                drawn = reference_drawn(tree, p[b, :n], u[b, :n].tolist(), v[b, :n].tolist())
+                ref = accept_match(tree, drawn)
+            assert got[b] == (ref.path, ref.bonus), (tree, b)
+
+
+def test_a_child_holding_all_the_mass_is_accepted_at_the_largest_uniform():
+    """p sums to 1 - 2^-52, all of it on the drafted token: the threshold is exactly 1, so the
+    largest uniform below 1 accepts it and no bonus comes from an empty residual."""
+    p = torch.tensor([[[0.0, 1.0 - 2.0**-52, 0.0], [1 / 3] * 3]], dtype=torch.float64)
+    tree = DraftTree((0, 1), (-1, 0), (False, False), (None, None))
+    tb = TreeBatch.of([tree], 2, torch.device("cpu"))
+    u = torch.full((1, 2), 1.0 - 2.0**-53, dtype=torch.float64)
+    chosen, _ = match_choice(tb, p, u)
+    last, on_path = accepted_path(tb, chosen)
+    assert int(last[0]) == 1 and on_path[0].tolist() == [True, True]
+
+
+def test_duplicate_siblings_are_never_accepted_twice():
+    """Root -> 3, 3: under greedy with argmax 3 the first is taken; under sampling the second
+    (the same token, its mass already rejected) never is."""
+    tree = DraftTree((2, 3, 3), (-1, 0, 0), (False,) * 3, (None,) * 3)
+    tb = TreeBatch.of([tree], 3, torch.device("cpu"))
+    best = torch.tensor([[3, 0, 0]])
+    assert greedy_choice(tb, best).tolist() == [[False, True, False]]
+    p = torch.full((1, 3, V), 1 / V, dtype=torch.float64)
+    for x in torch.linspace(0, 0.999, 50).tolist():
+        u = torch.tensor([[0.0, x, 0.0]], dtype=torch.float64)
+        chosen, _ = match_choice(tb, p, u)
+        assert not chosen[0, 2]
+
+
+@pytest.mark.parametrize("size", [1, 2, 9, 33, 65])
+def test_pointer_jumping_gives_the_ancestor_masks(size):
+    rng = random.Random(size)
+    trees = [random_tree(rng, size) for _ in range(3)] + [
+        DraftTree.chain(0, [1] * (size - 1))  # the deepest: a chain
+    ]
+    par = torch.tensor([t.parents for t in trees])
+    masks = ancestor_masks(par)
+    for b, tree in enumerate(trees):
+        assert torch.equal(masks[b], ancestor_mask(tree.parents))
+
+
+def test_pad_nodes_see_only_themselves_and_no_real_node_sees_them():
+    trees = [DraftTree.chain(4, [1, 2]), DraftTree.root_only(7)]
+    tb = TreeBatch.of(trees, 3, torch.device("cpu"))
+    assert tb.tokens[1].tolist() == [7, 7, 7] and tb.real[1].tolist() == [True, False, False]
+    assert torch.equal(tb.ancestors[1], torch.eye(3, dtype=torch.bool))
+    assert tb.depths.tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_counter_uniforms_are_splitmix64_and_uniform():
+    """A Python reference of the hash (modulo 2^64) gives the same numbers, so int64 products
+    wrap here as the algorithm needs; and 10^6 draws look uniform."""
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    def ref(key: int, counter: int, lane: int) -> float:
+        x = (key + (counter * LANES + lane + 1) * 0x9E3779B97F4A7C15) & mask
+        return (mix(mix(x)) >> 11) / 2**53
+
+    keys, counters = torch.tensor([12345, 2**62 + 7]), torch.tensor([5, 99_999])
+    got = counter_uniforms(keys, counters, 6)
+    want = [[ref(int(k), int(c), j) for j in range(6)] for k, c in zip(keys, counters, strict=True)]
+    assert got.tolist() == want
+    many = counter_uniforms(torch.arange(1000), torch.zeros(1000, dtype=torch.long), 1000)
+    hist = torch.histc(many.flatten(), bins=10, min=0.0, max=1.0)
+    assert ((hist - 1e5).abs() < 5 * (1e5 * 0.9) ** 0.5).all(), hist
+    assert not torch.equal(many[0], many[1])  # rows are distinct streams
