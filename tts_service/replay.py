@@ -267,10 +267,6 @@ class LoggedDecoder:
         self.pending: list[Deferred] = []  # observation deferred past the next drafts
 
     @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
     def context_len(self) -> int:
         return max((len(r.tokens) for r in self.active), default=0)
 

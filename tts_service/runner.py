@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
-import torch
-
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
@@ -93,9 +91,6 @@ class StepDecoder(Protocol):
 
     active: list[Row]
     forwards: ForwardStats
-
-    @property
-    def device(self) -> torch.device: ...
 
     @property
     def context_len(self) -> int: ...
@@ -491,7 +486,6 @@ class TrajectoryRunner:
             drafter,
             params,
             self.decoder.stop_rule(params, req.on_commit),
-            self.decoder.device,
             submission=sub,
             request=req,
             slots=gen.slot_stats(req.drafter),

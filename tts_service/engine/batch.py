@@ -34,7 +34,7 @@ from tts_service.engine.graphs import GraphedForward, forward_at
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
-from tts_service.engine.streams import Stream, counter_uniforms, stream_generator, stream_seed
+from tts_service.engine.streams import Stream, counter_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
     TreeBatch,
@@ -43,7 +43,7 @@ from tts_service.engine.treebatch import (
     match_choice,
     residual_bonus,
 )
-from tts_service.engine.verify import Acceptance, verify_sampling
+from tts_service.engine.verify import Acceptance, SparseNode, node_support, walk_sparse
 
 
 @dataclass(eq=False)
@@ -55,10 +55,8 @@ class Row:
     drafter: Drafter
     cfg: SamplingParams
     rule: StopRule
-    device: torch.device  # the verifier's random stream lives where the target's logits do
     tokens: list[int] = field(init=False)
-    stream: torch.Generator = field(init=False)  # the verifier's random stream (rule (c))
-    verify_key: int = field(init=False)  # and its counter-based one (`streams.counter_uniforms`)
+    verify_key: int = field(init=False)  # the verifier's stream (`streams.counter_uniforms`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     joined_at: float = 0.0
 
@@ -66,7 +64,6 @@ class Row:
         if not self.prompt_ids:  # the last prompt token is the first step's root
             raise ValueError("prompt_ids must not be empty")
         self.tokens = list(self.prompt_ids)
-        self.stream = stream_generator(self.cfg.seed, Stream.VERIFY, self.device)
         self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY)
 
     def result(self) -> GenerationResult:
@@ -148,7 +145,7 @@ class BatchDecoder:
         cfg: SamplingParams,
         on_commit: OnCommit | None = None,
     ) -> Row:
-        return Row(list(prompt_ids), drafter, cfg, self.stop_rule(cfg, on_commit), self.device)
+        return Row(list(prompt_ids), drafter, cfg, self.stop_rule(cfg, on_commit))
 
     @torch.inference_mode()
     def join(self, rows: list[Row]) -> None:
@@ -396,28 +393,20 @@ class BatchDecoder:
     def verify(
         self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor, tb: TreeBatch
     ) -> list[Verified]:
-        """Every row's acceptance and top-k from `logits` (`[R, N, V]`): rules (a) and (b) for
-        all rows at once on the device (`engine.treebatch`), one copy back; rows whose trees
-        have sampled children (rule (c)) then walk node by node. Timing replay overrides it
+        """Every row's acceptance and top-k from `logits` (`[R, N, V]`), with one copy back:
+        rules (a) and (b) for all rows at once on the device (`engine.treebatch`); for rows
+        whose trees have sampled children (rule (c)), p on each node's support and a draw from
+        p outside it, which the host walks (`verify.walk_sparse`). Timing replay overrides it
         (acceptance that follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
         rows, n = tb.shape
         probs = self._store_probs(batch, logits)  # sampled rows: p itself
         top = torch.topk(probs, min(STORE_TOPK, probs.shape[-1]), dim=-1)
         best = logits.argmax(-1)
         greedy = [r.cfg.greedy for r in batch]
-        if all(greedy):
-            chosen, bonus = greedy_choice(tb, best), best
-        else:
-            keys = torch.tensor([r.verify_key for r in batch], dtype=torch.long)
-            counters = torch.tensor([len(r.tokens) for r in batch], dtype=torch.long)
-            uv = counter_uniforms(keys.to(self.device), counters.to(self.device), 2 * n)
-            matched, residual = match_choice(tb, probs, uv[:, 0::2])
-            on = torch.tensor(greedy, device=self.device)[:, None]
-            chosen = torch.where(on, greedy_choice(tb, best), matched)
-            bonus = torch.where(on, best, residual_bonus(residual, uv[:, 1::2]))
-        last, on_path = accepted_path(tb, chosen)
+        uv = None if all(greedy) else self._uniforms(batch, n)
+        last, on_path, bonus = self._accept_all(tb, probs, best, greedy, uv)
         k = top.indices.shape[-1]
-        host = torch.cat(  # the step's one synchronisation
+        main = torch.cat(
             [
                 last[:, None].to(torch.float64),
                 bonus.gather(1, last[:, None]).to(torch.float64),
@@ -426,18 +415,115 @@ class BatchDecoder:
                 top.values.flatten(1),
             ],
             dim=1,
-        ).cpu()
-        meta, top_ids, top_probs = host.split([2 + n, n * k, n * k], dim=1)
-        top_ids = top_ids.view(rows, n, k).long().unbind(0)
-        top_probs = top_probs.view(rows, n, k).unbind(0)
+        )
+        walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
+        supports = [[node_support(trees[b], i) for i in range(trees[b].size)] for b in walk]
+        parts = [main.flatten()]
+        if walk:
+            assert uv is not None
+            parts.append(self._sparse(probs, uv, walk, supports).flatten())
+        host = torch.cat(parts).cpu()  # the step's one synchronisation
+        head, sparse = host.split([main.numel(), host.numel() - main.numel()])
+        meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
+        top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
+        top_probs = top_probs.reshape(rows, n, k).unbind(0)
+        walked = self._walk(trees, walk, supports, sparse)
         out = []
-        for b, (row, tree, m) in enumerate(zip(batch, trees, meta.tolist(), strict=True)):
-            if not row.cfg.greedy and any(tree.sampled):
-                acc = verify_sampling(tree, probs[b, : tree.size], row.stream)
-            else:
+        for b, (tree, m) in enumerate(zip(trees, meta.tolist(), strict=True)):
+            acc = walked.get(b)
+            if acc is None:
                 path = tuple(i for i in range(1, tree.size) if m[2 + i])
                 acc = Acceptance(path, tuple(tree.tokens[i] for i in path), int(m[1]))
             out.append(Verified(acc, NodeTopK(top_ids[b], top_probs[b])))
+        return out
+
+    def _uniforms(self, batch: list[Row], n: int) -> torch.Tensor:
+        """`[R, 3n]`: per node, its acceptance uniform, the uniform its residual's bonus is
+        drawn with on the device, and one the host draws with (rule (c))."""
+        keys = torch.tensor([r.verify_key for r in batch], dtype=torch.long)
+        counters = torch.tensor([len(r.tokens) for r in batch], dtype=torch.long)
+        return counter_uniforms(keys.to(self.device), counters.to(self.device), 3 * n)
+
+    def _accept_all(
+        self,
+        tb: TreeBatch,
+        probs: torch.Tensor,
+        best: torch.Tensor,
+        greedy: list[bool],
+        uv: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rules (a) and (b) for every row on the device (`engine.treebatch`): the last accepted
+        node `[R]`, the path `[R, N]` and the bonus token at every node `[R, N]`. A plain step
+        (every tree the root alone) only draws the bonus."""
+        rows, n = tb.shape
+        if uv is None and n == 1:
+            return best.new_zeros(rows), tb.real, best
+        if uv is None:
+            last, on_path = accepted_path(tb, greedy_choice(tb, best))
+            return last, on_path, best
+        on = torch.tensor(greedy, device=self.device)[:, None]
+        if n == 1:
+            bonus = torch.where(on, best, residual_bonus(probs, uv[:, 1:2]))
+            return best.new_zeros(rows), tb.real, bonus
+        matched, residual = match_choice(tb, probs, uv[:, 0::3])
+        last, on_path = accepted_path(tb, torch.where(on, greedy_choice(tb, best), matched))
+        return last, on_path, torch.where(on, best, residual_bonus(residual, uv[:, 1::3]))
+
+    def _sparse(
+        self,
+        probs: torch.Tensor,
+        uv: torch.Tensor,
+        walk: list[int],
+        supports: list[list[list[int]]],
+    ) -> torch.Tensor:
+        """`[W, N, K + 4]` for the rows `walk` (rule (c)): per node, p on its support (padded
+        to K), p's mass outside it, a token drawn from p outside it, and the node's two host
+        uniforms (acceptance, bonus)."""
+        n, device = probs.shape[1], self.device
+        width = max(1, max(len(s) for nodes in supports for s in nodes))
+        ids = [
+            [s + [s[0] if s else 0] * (width - len(s)) for s in nodes]
+            + [[0] * width] * (n - len(nodes))
+            for nodes in supports
+        ]
+        empty = [[not s for s in nodes] + [True] * (n - len(nodes)) for nodes in supports]
+        sup = torch.tensor(ids, dtype=torch.long).to(device)
+        at = torch.tensor(walk, dtype=torch.long, device=device)
+        p = probs[at]
+        outside = torch.where(
+            torch.tensor(empty, device=device)[..., None], p, p.scatter(-1, sup, 0.0)
+        )
+        draw = residual_bonus(outside, uv[at][:, 1::3])
+        return torch.cat(
+            [
+                p.gather(-1, sup),
+                outside.sum(-1, keepdim=True),
+                draw[..., None].to(torch.float64),
+                uv[at][:, 0::3, None],
+                uv[at][:, 2::3, None],
+            ],
+            dim=-1,
+        )
+
+    @staticmethod
+    def _walk(
+        trees: list[DraftTree], walk: list[int], supports: list[list[list[int]]], host: torch.Tensor
+    ) -> dict[int, Acceptance]:
+        """Rule (c) on the host for the rows `walk`, from `_sparse`'s copy."""
+        if not walk:
+            return {}
+        width = max(t.size for t in trees)  # the batch's padded tree width
+        values = host.view(len(walk), width, -1).tolist()
+        out = {}
+        for b, nodes, rows in zip(walk, supports, values, strict=True):
+            k = len(rows[0]) - 4
+            data = [
+                SparseNode(s, row[: len(s)], row[k], int(row[k + 1]))
+                for s, row in zip(nodes, rows, strict=False)
+            ]
+            u = [row[k + 2] for row in rows]
+            w = [row[k + 3] for row in rows]
+            out[b] = walk_sparse(trees[b], data, u, w)
         return out
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:

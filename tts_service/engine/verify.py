@@ -206,3 +206,113 @@ def accept_match(tree: DraftTree, drawn: Sequence[float]) -> Acceptance:
             return Acceptance(tuple(path), tuple(tree.tokens[c] for c in path), bonus)
         path.append(child)
         node = child
+
+
+def node_support(tree: DraftTree, node: int) -> list[int]:
+    """The ids where verifying `node`'s children can change the residual: its q snapshot's ids
+    and its children's tokens (in that order, each once). Outside them the residual stays
+    proportional to p."""
+    q = tree.q[node]
+    ids = list(q.ids) if q is not None else []
+    ids += [tree.tokens[c] for c in tree.children[node]]
+    return list(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class SparseNode:
+    """What the host needs to verify one node's children without the dense p: p on the
+    node's support (`node_support`, aligned), p's mass outside it, and a token drawn from p
+    restricted to the outside (on the device, with its own uniform)."""
+
+    support: list[int]
+    p: list[float]
+    mass_out: float
+    outside: int
+
+
+Residual = tuple[dict[int, float], float]
+"""A residual on the host: explicit values on a node's support, and the scale `c` of p
+outside it (`mass_out` × c is the outside's share); normalised, the values and c·mass_out sum
+to 1."""
+
+
+def _normalised(r: Residual, mass_out: float) -> Residual:
+    values, c = r
+    total = sum(values.values()) + c * mass_out
+    if total <= _TINY:
+        return r
+    return {s: v / total for s, v in values.items()}, c / total
+
+
+def sparse_match_step(r: Residual, mass_out: float, x: int) -> tuple[float, Residual]:
+    """`sample_and_match_step` on a sparse residual (`x` on the support)."""
+    values, c = _normalised(r, mass_out)
+    return values[x], ({**values, x: 0.0}, c)
+
+
+def sparse_rrs_step(
+    r: Residual, mass_out: float, qi: dict[int, float], x: int
+) -> tuple[float, Residual]:
+    """`rrs_step` on a sparse residual, `qi` the proposal (`_without`; its ids on the
+    support): outside the support q_i is 0, so only the support's values change."""
+    values, c = _normalised(r, mass_out)
+    accept = min(1.0, values[x] / qi[x]) if qi.get(x, 0.0) > 0 else 0.0
+    rest = {s: max(0.0, v - qi.get(s, 0.0)) for s, v in values.items()}
+    if sum(rest.values()) + c * mass_out <= _TINY:  # r == q_i: every draft is accepted
+        return 1.0, (values, c)
+    return accept, (rest, c)
+
+
+def walk_sparse(
+    tree: DraftTree, nodes: Sequence[SparseNode], u: Sequence[float], w: Sequence[float]
+) -> Acceptance:
+    """Rules (b)-(d) (`verify_sampling`) on the host, exactly, from each node's `SparseNode`:
+    neither rule changes the residual outside a node's support but by normalisation.
+    `u[child]` accepts or rejects a child; `w[node]` draws the bonus from the final residual by
+    inverting its CDF over the support, then the outside (whose token is `SparseNode.outside`)."""
+    node, path = 0, []
+    while True:
+        data = nodes[node]
+        r: Residual = (dict(zip(data.support, data.p, strict=True)), 1.0)
+        tried, chosen = [], None
+        for child in tree.children[node]:
+            x = tree.tokens[child]
+            if tree.sampled[child]:
+                q = tree.q[node]
+                assert q is not None, "a sampled child needs its parent's q snapshot"
+                accept, rest = sparse_rrs_step(r, data.mass_out, _without(q, tried), x)
+            else:
+                accept, rest = sparse_match_step(r, data.mass_out, x)
+            if u[child] < accept:
+                chosen = child
+                break
+            r = rest
+            tried.append(x)
+        if chosen is None:
+            bonus = _draw(r[0], r[1] * data.mass_out, w[node], data.outside)
+            return Acceptance(tuple(path), tuple(tree.tokens[v] for v in path), bonus)
+        path.append(chosen)
+        node = chosen
+
+
+def _without(q: SparseDist, excluded: list[int]) -> dict[int, float]:
+    """`proposal` on the host: q without `excluded`, renormalised (empty if nothing is left)."""
+    left = {i: p for i, p in zip(q.ids, q.probs, strict=True) if i not in excluded}
+    total = sum(left.values())
+    return {i: p / total for i, p in left.items()} if total > 0 else {}
+
+
+def _draw(r: dict[int, float], outside_mass: float, w: float, outside: int) -> int:
+    """A token from the residual `r` on the support plus `outside_mass` spread as p outside it
+    (`outside` was drawn from that part), at the uniform `w`."""
+    total = sum(r.values()) + outside_mass
+    x, last = w * total, None
+    for token, v in r.items():
+        if v > 0:
+            last = token
+            if x < v:
+                return token
+            x -= v
+    if outside_mass > 0 or last is None:
+        return outside
+    return last  # w * total rounded past the support's mass and nothing is outside

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tts_service.engine import verify
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import (
     accept_greedy,
@@ -14,6 +15,8 @@ from tts_service.engine.verify import (
     proposal,
     rrs_step,
     sample_and_match_step,
+    sparse_match_step,
+    sparse_rrs_step,
     verify_greedy,
     verify_node,
     verify_sampling,
@@ -243,3 +246,74 @@ def test_device_sample_and_match_commits_p_by_monte_carlo():
     m = second.sum()
     sigma = torch.sqrt(rows[1] * (1 - rows[1]) / m)
     assert ((second / m - rows[1]).abs() <= 5 * sigma + 1e-9).all(), (second / m, rows[1])
+
+
+def sparse_emitted_distribution(p, q, spec) -> torch.Tensor:
+    """`emitted_distribution` with the host's sparse steps (`sparse_match_step`,
+    `sparse_rrs_step`): p is seen only on the node's support and as its mass outside it."""
+    qs = _sparse(q)
+    support = list(dict.fromkeys([*qs.ids, *(x for x in spec if x != "q")]))
+    mass_out = float(p.sum() - p[support].sum())
+    out = torch.zeros(V, dtype=torch.float64)
+
+    def dense(r) -> torch.Tensor:
+        values, c = r
+        d = p * c
+        for s, v in values.items():
+            d[s] = v
+        return d / d.sum()
+
+    def rec(r, tried, j, prob):
+        nonlocal out
+        if j == len(spec):
+            out += prob * dense(r)
+            return
+        if spec[j] != "q":
+            x = spec[j]
+            a, r2 = sparse_match_step(r, mass_out, x)
+            out[x] += prob * a
+            rec(r2, [*tried, x], j + 1, prob * (1 - a))
+            return
+        qi = verify._without(qs, tried)
+        if not qi:
+            out += prob * dense(r)
+            return
+        for x, qx in qi.items():
+            a, r2 = sparse_rrs_step(r, mass_out, qi, x)
+            out[x] += prob * qx * a
+            rec(r2, [*tried, x], j + 1, prob * qx * (1 - a))
+
+    rec(({s: float(p[s]) for s in support}, 1.0), [], 0, 1.0)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(8))
+def test_the_sparse_host_verifier_output_equals_p(name, seed):
+    """Rule (c) from p on the node's support alone (the batched decoder's host walk) emits p
+    exactly, every spec of `test_node_verifier_output_equals_p`."""
+    gen = torch.Generator().manual_seed(seed)
+    p = _rand_dist(gen, zeros=seed % 3)
+    q = _rand_dist(gen, zeros=2)
+    err = (sparse_emitted_distribution(p, q, SPECS[name]) - p).abs().max().item()
+    assert err < 1e-12, err
+
+
+def test_the_sparse_bonus_inverts_the_support_then_the_outside():
+    r = {1: 0.2, 3: 0.3, 4: 0.0}
+    draws = [verify._draw(r, 0.5, w, outside=6) for w in (0.0, 0.19, 0.2, 0.49, 0.5, 0.99)]
+    assert draws == [1, 1, 3, 3, 6, 6]
+    assert verify._draw(r, 0.0, 1.0 - 2.0**-53, outside=6) == 3  # rounding never leaves r
+
+
+def test_walk_sparse_follows_its_uniforms_and_residuals():
+    """Root -> 2 (deterministic), then 5 sampled from q: with u accepting nothing, the bonus is
+    drawn from the last residual; with u = 0 the first child is taken and its node walked."""
+    q = SparseDist((5, 6), (0.5, 0.5))
+    tree = DraftTree((0, 2, 5), (-1, 0, 0), (False, False, True), (q, None, None))
+    root = verify.SparseNode([5, 6, 2], [0.1, 0.2, 0.3], 0.4, outside=1)
+    leaf = verify.SparseNode([], [], 1.0, outside=3)
+    acc = verify.walk_sparse(tree, [root, leaf, leaf], [0, 0.99, 0.99], [0.0, 0.5, 0.5])
+    assert acc.path == () and acc.bonus == 1  # rejecting 2 and 5 left mass only outside
+    acc = verify.walk_sparse(tree, [root, leaf, leaf], [0, 0.0, 0.0], [0.0, 0.5, 0.5])
+    assert acc.path == (1,) and acc.bonus == 3  # the leaf's bonus: its outside draw
