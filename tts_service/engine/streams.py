@@ -39,8 +39,8 @@ def stream_generator(seed: int, stream: Stream, device: torch.device | str = "cp
 
 
 LANES = 1 << 12
-"""Uniforms one counter may draw (`counter_uniforms`): two per tree node, so trees of up to
-2047 nodes (calibration's largest is 1025)."""
+"""Uniforms one counter may draw (`counter_uniforms`): three per tree node, so trees of up to
+1365 nodes (calibration's largest is 1025)."""
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)

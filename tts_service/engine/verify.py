@@ -15,6 +15,11 @@ The rules (docs/design.md, "Verification rules"):
 
 The bonus token is drawn from the residual at the last accepted node (from p if it had no
 children), so every committed token is distributed exactly as under plain sampling.
+
+The engine verifies a whole batch at once: rules (a) and (b) on the device
+(`engine.treebatch`), rules (c) and (d) on the host from p on each node's support
+(`walk_sparse`). The per-tree walks here (`verify_greedy`/`accept_greedy`,
+`draw_match` + `accept_match`, `verify_sampling`) are the references they are tested against.
 """
 
 from __future__ import annotations
