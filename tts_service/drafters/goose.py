@@ -62,23 +62,24 @@ class GooseDrafterConfig(StrictConfig):
 
 
 class AdjacencyTable:
-    """Top-k successors per token (a dense [V, k] tier) and per token pair (a bounded LRU dict):
-    the pair is looked up first, the single token second (Goose's two tiers)."""
+    """Top-k successors per token and per token pair (a bounded LRU dict): the pair is looked up
+    first, the single token second (Goose's two tiers). Plain dicts of lists: a lookup is on
+    drafting's critical path and costs no tensor op."""
 
     def __init__(self, vocab_size: int, k: int) -> None:
         self.k = k
-        self.ids = torch.full((vocab_size, k), -1, dtype=torch.long)
-        self.probs = torch.zeros((vocab_size, k), dtype=torch.float64)
+        self.vocab_size = vocab_size
+        self.unigram: dict[int, tuple[list[int], list[float]]] = {}
         self.bigram: OrderedDict[tuple[int, int], tuple[list[int], list[float]]] = OrderedDict()
 
     def update(self, prev: list[int], tokens: list[int], ids: torch.Tensor, probs: torch.Tensor):
         """Row i: the target's top-k after `tokens[i]`, preceded by `prev[i]` (-1: none)."""
         k = min(self.k, ids.shape[1])
-        idx = torch.tensor(tokens, dtype=torch.long)
-        self.ids[idx, :k] = ids[:, :k]
-        self.probs[idx, :k] = probs[:, :k].to(torch.float64)
         rows = zip(prev, tokens, ids[:, :k].tolist(), probs[:, :k].tolist(), strict=True)
         for p, t, i, q in rows:
+            if not 0 <= t < self.vocab_size:
+                raise IndexError(f"token {t} outside the vocabulary of {self.vocab_size}")
+            self.unigram[t] = (i, q)
             if p >= 0:
                 self.bigram[(p, t)] = (i, q)
                 self.bigram.move_to_end((p, t))
@@ -88,10 +89,9 @@ class AdjacencyTable:
     def successors(self, prev: int, token: int) -> list[tuple[int, float]]:
         """(id, score) best first; empty if the token was never seen."""
         hit = self.bigram.get((prev, token))
-        if hit is not None:
-            return list(zip(*hit, strict=True))
-        row = self.ids[token].tolist()
-        return [(i, p) for i, p in zip(row, self.probs[token].tolist(), strict=True) if i >= 0]
+        if hit is None:
+            hit = self.unigram.get(token)
+        return list(zip(*hit, strict=True)) if hit is not None else []
 
 
 def spine_tree_budget(

@@ -378,10 +378,13 @@ class BatchDecoder:
         and compact when holes outnumber entries; returns the finished rows."""
         batch = self.active
         m = max(len(k) for k in keeps)
-        idx = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long)
-        lengths = torch.tensor([len(k) for k in keeps], dtype=torch.long)
-        self.cache.keep_region(start, idx)
-        self.cache.set_region_valid(start, torch.arange(m)[None] < lengths[:, None])
+        if m == 1:  # every row keeps its root alone, where the forward wrote it
+            self.cache.keep_roots(start)
+        else:
+            idx = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long)
+            lengths = torch.tensor([len(k) for k in keeps], dtype=torch.long)
+            self.cache.keep_region(start, idx)
+            self.cache.set_region_valid(start, torch.arange(m)[None] < lengths[:, None])
         finished = [r for r in batch if r.rule.finish is not None]
         if finished:  # finished rows leave the batch
             self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])

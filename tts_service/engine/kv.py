@@ -200,6 +200,13 @@ class StaticKV(Cache):
         self.length = start + m
 
     @torch.inference_mode()
+    def keep_roots(self, start: int) -> None:
+        """`keep_region` when every row keeps only its root (a plain step, or nothing accepted):
+        the root is already at `start`, so only the length and its validity change."""
+        self.valid[: self.rows, start] = True
+        self.length = start + 1
+
+    @torch.inference_mode()
     def set_region_valid(self, start: int, valid: torch.Tensor) -> None:
         """Which of the slots from `start` (`[rows, m]`) each row may attend to."""
         self.valid[: self.rows, start : start + valid.shape[1]] = valid.to(self.device)

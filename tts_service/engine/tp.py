@@ -148,6 +148,7 @@ _REWRITES = (
     "reserve",
     "keep_region",
     "set_region_valid",
+    "keep_roots",
     "gather_slots",
     "select_rows",
     "clear",
@@ -180,6 +181,9 @@ class LeaderKV(StaticKV):
 
     def set_region_valid(self, *args):
         return self._mirror("set_region_valid", args)
+
+    def keep_roots(self, *args):
+        return self._mirror("keep_roots", args)
 
     def gather_slots(self, *args):
         return self._mirror("gather_slots", args)

@@ -58,6 +58,10 @@ class TreeBatch:
     @staticmethod
     def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
         """The trees padded to `width` nodes (at least the largest tree's size)."""
+        if width == 1:  # a plain step: every tree is its root
+            tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
+            ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
+            return TreeBatch(tok, torch.full_like(tok, -1), ones[:, 0], ones, torch.zeros_like(tok))
         tokens = [(*t.tokens, *(t.tokens[0],) * (width - t.size)) for t in trees]
         parents = [(*t.parents, *(-1,) * (width - t.size)) for t in trees]
         tok = torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
