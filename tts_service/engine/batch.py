@@ -75,6 +75,23 @@ class Row:
 StepObserver = Callable[[Row, DraftTree, Acceptance], None]
 
 
+class DenseNodes:
+    """The `SparseNode`s of one row's tree, each computed from the dense p when a walk reaches
+    it (`verify.walk_sparse`): what `BatchDecoder._sparse` gathers for every node at once, for
+    the visited nodes only."""
+
+    def __init__(self, p: torch.Tensor, supports: list[list[int]], v: list[float]) -> None:
+        self.p, self.supports, self.v = p, supports, v
+
+    def __getitem__(self, node: int) -> SparseNode:
+        support, row = self.supports[node], self.p[node]
+        outside = row.clone()
+        outside[support] = 0.0
+        v = torch.tensor([self.v[node]], dtype=torch.float64, device=row.device)
+        draw = int(residual_bonus(outside[None], v)[0])
+        return SparseNode(support, row[support].tolist(), float(outside.sum()), draw)
+
+
 @dataclass
 class Verified:
     """What the host learned from one step's single device copy, for one row."""
@@ -123,6 +140,9 @@ class BatchDecoder:
         self.forwards = ForwardStats()
         self.phases = StepPhases()
         self.defer_observation = defer_observation
+        # rule (c): gather every node's support on the device, for one copy (a GPU); else
+        # compute the nodes a walk reaches from the dense p (a CPU, where a copy is free)
+        self.gather_sparse = model.device.type == "cuda"
         self.pending: list[Deferred] = []  # observation deferred to the next forward
 
     @property
@@ -422,7 +442,8 @@ class BatchDecoder:
         walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
         supports = [[node_support(trees[b], i) for i in range(trees[b].size)] for b in walk]
         parts = [main.flatten()]
-        if walk:
+        gathered = walk and self.gather_sparse
+        if gathered:
             assert uv is not None
             parts.append(self._sparse(probs, uv, walk, supports).flatten())
         host = torch.cat(parts).cpu()  # the step's one synchronisation
@@ -430,7 +451,14 @@ class BatchDecoder:
         meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
         top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
         top_probs = top_probs.reshape(rows, n, k).unbind(0)
-        walked = self._walk(trees, walk, supports, sparse)
+        if gathered:
+            walked = self._walk(trees, walk, supports, sparse)
+        else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
+            walked = {}
+            for b, nodes in zip(walk, supports, strict=True):
+                assert uv is not None
+                u, v, w = (uv[b, j::3].tolist() for j in range(3))
+                walked[b] = walk_sparse(trees[b], DenseNodes(probs[b], nodes, v), u, w)
         out = []
         for b, (tree, m) in enumerate(zip(trees, meta.tolist(), strict=True)):
             acc = walked.get(b)

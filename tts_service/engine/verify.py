@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -268,8 +269,15 @@ def sparse_rrs_step(
     return accept, (rest, c)
 
 
+class SparseNodes(Protocol):
+    """A tree's `SparseNode`s by node index: gathered for every node up front (a list), or
+    computed when a walk reaches them (`engine.batch.DenseNodes`)."""
+
+    def __getitem__(self, node: int) -> SparseNode: ...
+
+
 def walk_sparse(
-    tree: DraftTree, nodes: Sequence[SparseNode], u: Sequence[float], w: Sequence[float]
+    tree: DraftTree, nodes: SparseNodes, u: Sequence[float], w: Sequence[float]
 ) -> Acceptance:
     """Rules (b)-(d) (`verify_sampling`) on the host, exactly, from each node's `SparseNode`:
     neither rule changes the residual outside a node's support but by normalisation.

@@ -82,3 +82,23 @@ def test_observation_of_a_step_waits_for_the_next_forward(model):
     assert decoder.pending and not store._entries
     decoder.step(8)
     assert store._entries and decoder.pending
+
+
+def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model):
+    """STAND's sampled trees (rule (c)): the GPU path (every node's support gathered on the
+    device, one copy) and the CPU path (the visited nodes from the dense p) commit the same
+    tokens for the same seeds: the same data, the same uniforms."""
+    outputs = []
+    for gathered in (True, False):
+        decoder = BatchDecoder(model, eos_ids=[])
+        decoder.gather_sparse = gathered
+        rows = []
+        for i, prompt in enumerate(PROMPTS):
+            env = DraftEnv(VOCAB, InMemoryNgramStore(), i, CostModel.fixed(FLAT_COST))
+            cfg = SamplingConfig(temperature=0.8, max_new_tokens=40, seed=i, ignore_eos=True)
+            drafter = build_drafter(DRAFTER_CONFIGS["stand"], env)
+            rows.append(decoder.new_row(prompt, drafter, cfg))
+        results = decode_rows(decoder, rows, token_budget=3 * 9)
+        outputs.append([r.token_ids for r in results])
+        assert sum(r.stats.tree_nodes for r in results) > 20  # sampled trees were verified
+    assert outputs[0] == outputs[1]
