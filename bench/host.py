@@ -97,6 +97,7 @@ class StandInDecoder(BatchDecoder):
 
     def __init__(self, model, problems: Sequence[LoggedProblem], vocab: int, defer: bool) -> None:
         super().__init__(model, eos_ids=[], cuda_graphs=False, defer_observation=defer)
+        self.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered, one copy
         self.problems, self.vocab = problems, vocab
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
         self._depths = torch.zeros(0, 0, dtype=torch.long)

@@ -32,7 +32,7 @@ import torch
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import DeferredObservations, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
 from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
@@ -264,7 +264,7 @@ class LoggedDecoder:
         self.active: list[Row] = []
         self.forwards = ForwardStats()
         self.oracles: dict[int, LoggedOracle] = {}  # id(row) -> its response's oracle
-        self.pending: list[Deferred] = []  # observation deferred past the next drafts
+        self.deferred = DeferredObservations()  # run after the next drafts
 
     @property
     def context_len(self) -> int:
@@ -282,14 +282,9 @@ class LoggedDecoder:
 
     def drop(self, rows: list[Row]) -> None:
         if rows:
-            self.flush_observations()
+            self.deferred.run()
         gone = {id(r) for r in rows}
         self.active = [r for r in self.active if id(r) not in gone]
-
-    def flush_observations(self) -> None:
-        pending, self.pending = self.pending, []
-        for later in pending:
-            later()
 
     def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
         """Every row drafts (deterministically) and commits what its response says; what the
@@ -299,16 +294,11 @@ class LoggedDecoder:
             row.drafter.draft(DraftContext(row.tokens, len(row.prompt_ids), max_nodes, True))
             for row in batch
         ]
-        self.flush_observations()  # where the engine's forward would be
+        self.deferred.run()  # where the engine's forward would be
         for row, tree in zip(batch, trees, strict=True):
             acc, top = self.oracles[id(row)](tree, len(row.rule.out))
-            committed = row.rule.push(acc.committed)
-            row.tokens.extend(acc.committed[:committed])
-            row.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
-            acc = acc.upto(committed)
-            later = row.drafter.observe(tree, acc, top)
-            if later is not None:
-                self.pending.append(later)
+            committed, acc = row.commit(tree, acc)
+            self.deferred.add(row.drafter.observe(tree, acc, top))
             if observe is not None:
                 observe(row, tree, acc)
             total, nodes, width = total + committed, nodes + tree.size - 1, max(width, tree.size)
@@ -317,7 +307,7 @@ class LoggedDecoder:
         for row in finished:
             del self.oracles[id(row)]
         if not self.active:
-            self.flush_observations()
+            self.deferred.run()
         self.forwards.record(len(batch), width, nodes, total, 0.0, 0.0)
         return finished
 

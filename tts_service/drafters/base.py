@@ -26,6 +26,28 @@ from tts_service.engine.verify import Acceptance
 Deferred = Callable[[], None]
 """Observation work a drafter lets wait until the next step's forward is running."""
 
+
+class DeferredObservations:
+    """What the drafters deferred of observing a step, run in the order they deferred it: by
+    the engine during the next step's forward (`engine.batch.BatchDecoder`), by replay after the
+    next drafts (`replay.LoggedDecoder`)."""
+
+    def __init__(self) -> None:
+        self._work: list[Deferred] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._work)
+
+    def add(self, later: Deferred | None) -> None:
+        if later is not None:
+            self._work.append(later)
+
+    def run(self) -> None:
+        work, self._work = self._work, []
+        for later in work:
+            later()
+
+
 OBSERVE_TAIL = 64
 """Tokens of a plain step's context `observe_root` gets: the context's last ones (drafters read
 a short suffix; copying a 16k-token context per row per step is what must not happen)."""

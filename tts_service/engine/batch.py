@@ -27,20 +27,27 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tts_service.drafters.base import OBSERVE_TAIL, Deferred, DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import (
+    OBSERVE_TAIL,
+    DeferredObservations,
+    DraftContext,
+    Drafter,
+    NodeTopK,
+)
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
-from tts_service.engine.streams import Stream, counter_uniforms, stream_seed
+from tts_service.engine.streams import Stream, node_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
     TreeBatch,
     accepted_path,
     greedy_choice,
     match_choice,
+    outside_support,
     residual_bonus,
 )
 from tts_service.engine.verify import Acceptance, SparseNode, node_support, walk_sparse
@@ -66,6 +73,14 @@ class Row:
         self.tokens = list(self.prompt_ids)
         self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY)
 
+    def commit(self, tree: DraftTree, acc: Acceptance) -> tuple[int, Acceptance]:
+        """Commit a verified step's tokens up to the row's stop and count the step; returns how
+        many were committed and the acceptance of those alone (what the drafters learn)."""
+        committed = self.rule.push(acc.committed)
+        self.tokens.extend(acc.committed[:committed])
+        self.stats.record_step(tree.size - 1, min(acc.num_accepted, committed), committed)
+        return committed, acc.upto(committed)
+
     def result(self) -> GenerationResult:
         return GenerationResult(
             tuple(self.rule.out), self.rule.finish, self.stats, self.rule.stop_text
@@ -73,6 +88,7 @@ class Row:
 
 
 StepObserver = Callable[[Row, DraftTree, Acceptance], None]
+Uniforms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `streams.node_uniforms`'s (u, v, w)
 
 
 class DenseNodes:
@@ -84,12 +100,12 @@ class DenseNodes:
         self.p, self.supports, self.v = p, supports, v
 
     def __getitem__(self, node: int) -> SparseNode:
-        support, row = self.supports[node], self.p[node]
-        outside = row.clone()
-        outside[support] = 0.0
-        v = torch.tensor([self.v[node]], dtype=torch.float64, device=row.device)
-        draw = int(residual_bonus(outside[None], v)[0])
-        return SparseNode(support, row[support].tolist(), float(outside.sum()), draw)
+        support, device = self.supports[node], self.p.device
+        ids = torch.tensor([support or [0]], dtype=torch.long, device=device)
+        empty = torch.tensor([not support], device=device)
+        v = torch.tensor([self.v[node]], dtype=torch.float64, device=device)
+        on, mass, draw = outside_support(self.p[node][None], ids, empty, v)
+        return SparseNode(support, on[0, : len(support)].tolist(), float(mass[0]), int(draw[0]))
 
 
 @dataclass
@@ -143,7 +159,7 @@ class BatchDecoder:
         # rule (c): gather every node's support on the device, for one copy (a GPU); else
         # compute the nodes a walk reaches from the dense p (a CPU, where a copy is free)
         self.gather_sparse = model.device.type == "cuda"
-        self.pending: list[Deferred] = []  # observation deferred to the next forward
+        self.deferred = DeferredObservations()  # run during the next forward
 
     @property
     def context_len(self) -> int:
@@ -298,7 +314,7 @@ class BatchDecoder:
         Returns the rows that finished (they have left the batch)."""
         batch = self.active
         plain = max_nodes == 0
-        before = [len(r.tokens) for r in batch]
+        before = [len(r.tokens) for r in batch] if plain else None  # the roots' contexts
         clock = time.perf_counter
         marks = [clock()]
         # 1. draft, one tree per row
@@ -326,7 +342,7 @@ class BatchDecoder:
         finished = self._keep(start, keeps)
         marks.append(clock())
         # 7. observe: every drafter learns (what it defers runs in the next forward)
-        self._observe(batch, trees, verified, before if plain else None, observe)
+        self._observe(batch, trees, verified, before, observe)
         if not self.active or not self.defer_observation:  # no next forward to hide it under
             self.flush_observations()
         marks.append(clock())
@@ -351,7 +367,6 @@ class BatchDecoder:
     ) -> None:
         """Every row's drafter observes the step; what it defers is kept for the next forward.
         `plain`: on a plain step, each row's length before it (its root's context)."""
-        pending = self.pending
         for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
             if plain is not None:
                 n = plain[b]
@@ -360,14 +375,11 @@ class BatchDecoder:
                 later = row.drafter.observe(tree, v.acc, v.top)
                 if observe is not None:
                     observe(row, tree, v.acc)
-            if later is not None:
-                pending.append(later)
+            self.deferred.add(later)
 
     def flush_observations(self) -> None:
         """Run the observation the drafters deferred (in the order they deferred it)."""
-        pending, self.pending = self.pending, []
-        for later in pending:
-            later()
+        self.deferred.run()
 
     def _draft(self, batch: list[Row], max_nodes: int) -> list[DraftTree]:
         """Every row's tree: its drafter's, or the root alone on a plain step."""
@@ -385,12 +397,9 @@ class BatchDecoder:
         (root + accepted path) and the tokens committed in all."""
         keeps, total = [], 0
         for row, tree, v in zip(batch, trees, verified, strict=True):
-            committed = row.rule.push(v.acc.committed)
-            total += committed
-            row.tokens.extend(v.acc.committed[:committed])
             keeps.append([0, *v.acc.path])
-            row.stats.record_step(tree.size - 1, min(v.acc.num_accepted, committed), committed)
-            v.acc = v.acc.upto(committed)  # the drafters learn what was committed
+            committed, v.acc = row.commit(tree, v.acc)
+            total += committed
         return keeps, total
 
     def _keep(self, start: int, keeps: list[list[int]]) -> list[Row]:
@@ -426,8 +435,8 @@ class BatchDecoder:
         top = torch.topk(probs, min(STORE_TOPK, probs.shape[-1]), dim=-1)
         best = logits.argmax(-1)
         greedy = [r.cfg.greedy for r in batch]
-        uv = None if all(greedy) else self._uniforms(batch, n)
-        last, on_path, bonus = self._accept_all(tb, probs, best, greedy, uv)
+        uvw = None if all(greedy) else self._uniforms(batch, n)
+        last, on_path, bonus = self._accept_all(tb, probs, best, greedy, uvw)
         k = top.indices.shape[-1]
         main = torch.cat(
             [
@@ -444,20 +453,20 @@ class BatchDecoder:
         parts = [main.flatten()]
         gathered = walk and self.gather_sparse
         if gathered:
-            assert uv is not None
-            parts.append(self._sparse(probs, uv, walk, supports).flatten())
+            assert uvw is not None
+            parts.append(self._sparse(probs, uvw, walk, supports).flatten())
         host = torch.cat(parts).cpu()  # the step's one synchronisation
         head, sparse = host.split([main.numel(), host.numel() - main.numel()])
         meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
         top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
         top_probs = top_probs.reshape(rows, n, k).unbind(0)
         if gathered:
-            walked = self._walk(trees, walk, supports, sparse)
+            walked = self._walk(trees, walk, supports, sparse.view(len(walk), n, -1))
         else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
             walked = {}
             for b, nodes in zip(walk, supports, strict=True):
-                assert uv is not None
-                u, v, w = (uv[b, j::3].tolist() for j in range(3))
+                assert uvw is not None
+                u, v, w = (x[b].tolist() for x in uvw)
                 walked[b] = walk_sparse(trees[b], DenseNodes(probs[b], nodes, v), u, w)
         out = []
         for b, (tree, m) in enumerate(zip(trees, meta.tolist(), strict=True)):
@@ -468,12 +477,12 @@ class BatchDecoder:
             out.append(Verified(acc, NodeTopK(top_ids[b], top_probs[b])))
         return out
 
-    def _uniforms(self, batch: list[Row], n: int) -> torch.Tensor:
-        """`[R, 3n]`: per node, its acceptance uniform, the uniform its residual's bonus is
-        drawn with on the device, and one the host draws with (rule (c))."""
+    def _uniforms(self, batch: list[Row], n: int) -> Uniforms:
+        """Every row's (u, v, w) at its `n` nodes (`streams.node_uniforms`), counted at its
+        root's position."""
         keys = torch.tensor([r.verify_key for r in batch], dtype=torch.long)
         counters = torch.tensor([len(r.tokens) for r in batch], dtype=torch.long)
-        return counter_uniforms(keys.to(self.device), counters.to(self.device), 3 * n)
+        return node_uniforms(keys.to(self.device), counters.to(self.device), n)
 
     def _accept_all(
         self,
@@ -481,35 +490,36 @@ class BatchDecoder:
         probs: torch.Tensor,
         best: torch.Tensor,
         greedy: list[bool],
-        uv: torch.Tensor | None,
+        uvw: Uniforms | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rules (a) and (b) for every row on the device (`engine.treebatch`): the last accepted
         node `[R]`, the path `[R, N]` and the bonus token at every node `[R, N]`. A plain step
         (every tree the root alone) only draws the bonus."""
         rows, n = tb.shape
-        if uv is None and n == 1:
+        if uvw is None and n == 1:
             return best.new_zeros(rows), tb.real, best
-        if uv is None:
+        if uvw is None:
             last, on_path = accepted_path(tb, greedy_choice(tb, best))
             return last, on_path, best
+        u, v, _ = uvw
         on = torch.tensor(greedy, device=self.device)[:, None]
         if n == 1:
-            bonus = torch.where(on, best, residual_bonus(probs, uv[:, 1:2]))
+            bonus = torch.where(on, best, residual_bonus(probs, v))
             return best.new_zeros(rows), tb.real, bonus
-        matched, residual = match_choice(tb, probs, uv[:, 0::3])
+        matched, residual = match_choice(tb, probs, u)
         last, on_path = accepted_path(tb, torch.where(on, greedy_choice(tb, best), matched))
-        return last, on_path, torch.where(on, best, residual_bonus(residual, uv[:, 1::3]))
+        return last, on_path, torch.where(on, best, residual_bonus(residual, v))
 
     def _sparse(
         self,
         probs: torch.Tensor,
-        uv: torch.Tensor,
+        uvw: Uniforms,
         walk: list[int],
         supports: list[list[list[int]]],
     ) -> torch.Tensor:
         """`[W, N, K + 4]` for the rows `walk` (rule (c)): per node, p on its support (padded
-        to K), p's mass outside it, a token drawn from p outside it, and the node's two host
-        uniforms (acceptance, bonus)."""
+        to K), p's mass outside it, a token drawn from p outside it (`outside_support`), and
+        the node's two host uniforms (acceptance, bonus)."""
         n, device = probs.shape[1], self.device
         width = max(1, max(len(s) for nodes in supports for s in nodes))
         ids = [
@@ -520,33 +530,18 @@ class BatchDecoder:
         empty = [[not s for s in nodes] + [True] * (n - len(nodes)) for nodes in supports]
         sup = torch.tensor(ids, dtype=torch.long).to(device)
         at = torch.tensor(walk, dtype=torch.long, device=device)
-        p = probs[at]
-        outside = torch.where(
-            torch.tensor(empty, device=device)[..., None], p, p.scatter(-1, sup, 0.0)
-        )
-        draw = residual_bonus(outside, uv[at][:, 1::3])
-        return torch.cat(
-            [
-                p.gather(-1, sup),
-                outside.sum(-1, keepdim=True),
-                draw[..., None].to(torch.float64),
-                uv[at][:, 0::3, None],
-                uv[at][:, 2::3, None],
-            ],
-            dim=-1,
-        )
+        u, v, w = (x[at] for x in uvw)
+        on, mass, draw = outside_support(probs[at], sup, torch.tensor(empty, device=device), v)
+        parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
+        return torch.cat(parts, dim=-1)
 
     @staticmethod
     def _walk(
         trees: list[DraftTree], walk: list[int], supports: list[list[list[int]]], host: torch.Tensor
     ) -> dict[int, Acceptance]:
-        """Rule (c) on the host for the rows `walk`, from `_sparse`'s copy."""
-        if not walk:
-            return {}
-        width = max(t.size for t in trees)  # the batch's padded tree width
-        values = host.view(len(walk), width, -1).tolist()
+        """Rule (c) on the host for the rows `walk`, from `_sparse`'s copy (`[W, N, K + 4]`)."""
         out = {}
-        for b, nodes, rows in zip(walk, supports, values, strict=True):
+        for b, nodes, rows in zip(walk, supports, host.tolist(), strict=True):
             k = len(rows[0]) - 4
             data = [
                 SparseNode(s, row[: len(s)], row[k], int(row[k + 1]))

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.engine.metrics import GenerationStats
 from tts_service.engine.sampling import SamplingParams, target_probs
-from tts_service.engine.streams import Stream, counter_uniforms, stream_seed
+from tts_service.engine.streams import Stream, node_uniforms, stream_seed
 from tts_service.engine.treebatch import residual_bonus
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -130,9 +130,9 @@ def plain_generate(
         if cfg.greedy:
             token = int(logits[0].argmax())
         else:
-            # the engine's draw at a root with no children: lane 1 of the root's counter
+            # the engine's draw at a root with no children, at the root's counter
             at = torch.tensor([len(prompt_ids) + len(rule.out)], device=model.device)
-            v = counter_uniforms(key, at, 2)[:, 1:]
+            _, v, _ = node_uniforms(key, at, 1)
             token = int(residual_bonus(target_probs(logits, cfg)[None], v)[0, 0])
         rule.push([token])
         stats.record_step(0, 0, 1)

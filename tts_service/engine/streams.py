@@ -39,8 +39,9 @@ def stream_generator(seed: int, stream: Stream, device: torch.device | str = "cp
 
 
 LANES = 1 << 12
-"""Uniforms one counter may draw (`counter_uniforms`): three per tree node, so trees of up to
-1365 nodes (calibration's largest is 1025)."""
+"""Uniforms one counter may draw (`counter_uniforms`): `LANES_PER_NODE` per tree node, so trees
+of up to 1365 nodes (calibration's largest is 1025)."""
+LANES_PER_NODE = 3
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
@@ -70,3 +71,14 @@ def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor, lanes: int) -> 
     lane = torch.arange(lanes, dtype=torch.long, device=keys.device)
     x = keys[:, None] + (counters[:, None] * LANES + lane + 1) * _GOLDEN
     return _shift(_mix(_mix(x)), 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def node_uniforms(
+    keys: torch.Tensor, counters: torch.Tensor, nodes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier's uniforms for the first `nodes` nodes of each row's tree, `[R, nodes]`
+    each: (u, accepting or rejecting the node; v, drawing the bonus from its residual on the
+    device; w, the host's draw of recursive rejection sampling). The one place the lane layout
+    lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the same counter."""
+    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes)
+    return lanes[:, 0::3], lanes[:, 1::3], lanes[:, 2::3]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -75,6 +76,7 @@ class TreeBatch:
     def shape(self) -> tuple[int, int]:
         return (self.tokens.shape[0], self.tokens.shape[1])
 
+    @cached_property
     def siblings_before(self) -> torch.Tensor:
         """`[R, N, N]` bool: (i, j) iff j is a real draft node with i's parent, listed first."""
         n = self.shape[1]
@@ -83,10 +85,12 @@ class TreeBatch:
         same = self.parents[:, :, None] == self.parents[:, None, :]
         return same & earlier & draft[:, None, :] & draft[:, :, None]
 
-    def firsts(self, before: torch.Tensor) -> torch.Tensor:
+    @cached_property
+    def firsts(self) -> torch.Tensor:
         """`[R, N]` bool: real draft nodes whose token no earlier sibling has (a duplicate is
         never accepted: its mass was rejected with the first)."""
-        dup = (before & (self.tokens[:, :, None] == self.tokens[:, None, :])).any(-1)
+        same_token = self.tokens[:, :, None] == self.tokens[:, None, :]
+        dup = (self.siblings_before & same_token).any(-1)
         return self.real & (self.parents >= 0) & ~dup
 
     def at_parent(self, values: torch.Tensor) -> torch.Tensor:
@@ -96,8 +100,7 @@ class TreeBatch:
 
 def greedy_choice(batch: TreeBatch, best: torch.Tensor) -> torch.Tensor:
     """Rule (a): the child holding the argmax `best` (`[R, N]`) of its parent."""
-    firsts = batch.firsts(batch.siblings_before())
-    return firsts & (batch.tokens == batch.at_parent(best))
+    return batch.firsts & (batch.tokens == batch.at_parent(best))
 
 
 def match_choice(
@@ -107,8 +110,7 @@ def match_choice(
     `[R, N]`: (the chosen children `[R, N]` bool, the residual `[R, N, V]` at every node: p
     without its children's tokens)."""
     rows, n = batch.shape
-    before = batch.siblings_before()
-    firsts = batch.firsts(before)
+    before, firsts = batch.siblings_before, batch.firsts
     flat = p.flatten(0, 1)
     at = torch.arange(rows, device=p.device)[:, None] * n + batch.parents.clamp(min=0)
     px = torch.where(firsts, flat[at, batch.tokens], 0.0)
@@ -129,6 +131,16 @@ def residual_bonus(residual: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     total = cdf[..., -1:]
     x = torch.minimum(v[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).clamp_(max=residual.shape[-1] - 1)[..., 0]
+
+
+def outside_support(
+    p: torch.Tensor, support: torch.Tensor, empty: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the host walk of rule (c) needs of p at a node (`verify.SparseNode`): p `[..., V]`
+    on the node's support `[..., K]` (ids; an `empty` support `[...]` pads with any id), p's
+    mass outside the support `[...]`, and a token drawn from p outside it at the uniform `v`."""
+    outside = torch.where(empty[..., None], p, p.scatter(-1, support, 0.0))
+    return p.gather(-1, support), outside.sum(-1), residual_bonus(outside, v)
 
 
 def accepted_path(batch: TreeBatch, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

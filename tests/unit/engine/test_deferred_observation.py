@@ -35,7 +35,7 @@ def run(model, method: str, temperature: float, defer: bool, shared: bool = Fals
         cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=i, ignore_eos=True)
         rows.append(decoder.new_row(prompt, build_drafter(DRAFTER_CONFIGS[method], env), cfg))
     results = decode_rows(decoder, rows, token_budget=3 * 9)
-    assert not decoder.pending  # nothing left unobserved once the batch is empty
+    assert not decoder.deferred  # nothing left unobserved once the batch is empty
     return [r.token_ids for r in results], stores, sum(r.stats.target_forwards for r in results)
 
 
@@ -79,9 +79,9 @@ def test_observation_of_a_step_waits_for_the_next_forward(model):
     row = decoder.new_row(PROMPTS[0], build_drafter(DRAFTER_CONFIGS["stand"], env), cfg)
     decoder.join([row])
     decoder.step(8)
-    assert decoder.pending and not store._entries
+    assert decoder.deferred and not store._entries
     decoder.step(8)
-    assert store._entries and decoder.pending
+    assert store._entries and decoder.deferred
 
 
 def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model):
