@@ -3,6 +3,7 @@
     python -m bench.device --model-config qwen2.5-7b --json results/device-h100.json
     python -m bench.device --model-config tiny --device cpu            # CI-sized
     python -m bench.device --predict [--json PATH]       # predicted GPU figures (bench/predict.py)
+    python -m bench.device --model-config qwen2.5-7b --repeat-kv   # transformers' GQA attention
 
 Needs torch, transformers and the engine only (pydantic comes with the engine's configs): no
 Ray, Redis, HTTP or downloads, so it runs on a bare GPU machine with no network. A named
@@ -44,7 +45,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from bench import predict as pr
 from store.memory import InMemoryNgramStore
@@ -115,14 +118,23 @@ ARCHITECTURES = {
 METHODS = ("plain", "stand", "auto")
 
 
-def build_model(name: str | None, path: str | None, device: str, dtype: torch.dtype):
+REPEAT_KV = "repeat_kv_sdpa"
+"""transformers' SDPA under a name the engine leaves as it is (`--repeat-kv`: the baseline of
+grouped tree attention, `engine.attention`)."""
+AttentionInterface.register(REPEAT_KV, sdpa_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(REPEAT_KV, sdpa_mask)
+
+
+def build_model(
+    name: str | None, path: str | None, device: str, dtype: torch.dtype, attn: str = "sdpa"
+):
     """A named architecture with seeded random weights, or local weights from `path`."""
     if path:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
         return model.to(device).eval(), Path(path).name
     torch.manual_seed(0)
     cfg = ARCHITECTURES[name]()
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval(), name
@@ -251,9 +263,12 @@ def timing_replay(model, method: str, problems: list[LoggedProblem], max_nodes: 
             decoder.join(rows)
             while decoder.active:
                 nodes = 0
-                if drafter_cfg is not None:
+                if drafter_cfg is not None:  # priced as the runner prices it: drafting too
                     stats.tick()
-                    nodes = nodes_for_step(cost, [stats] * len(decoder.active), max_nodes)
+                    f = decoder.forwards
+                    per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
+                    rows_stats = [stats] * len(decoder.active)
+                    nodes = nodes_for_step(cost, rows_stats, max_nodes, per_node)
                 decoder.step(nodes, observe=lambda _row, tree, acc: stats.record(tree, acc))
 
         before = decoder.forwards.forwards, decoder.forwards.row_forwards
@@ -342,6 +357,7 @@ def compare_on_gpu(
     fit, _ = pr.configs(gpu, [shape.name], [1], pr.ROWS, contexts)
     for cfg in fit:
         out += measured_steps(model, pr.predict_config(cfg, acceptance, host, eff))
+        print(json.dumps(out[-1]), flush=True)  # progress, and what a cut-short run keeps
         if model.device.type == "cuda":  # the last cache's memory back before the next
             gc.collect()
             torch.cuda.empty_cache()
@@ -358,6 +374,7 @@ def compare_on_gpu(
                 "measured_acceptance_length": got["acceptance_length"],
             }
         )
+        print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -452,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="verify surface tokens")
     ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--predict", action="store_true", help="predicted GPU figures (roofline)")
+    ap.add_argument(
+        "--repeat-kv",
+        action="store_true",
+        help="transformers' SDPA (KV repeated per query head) instead of grouped tree attention",
+    )
     ap.add_argument("--host-json", type=Path, default=pr.HOST_JSON, help="bench.host records")
     ap.add_argument(
         "--acceptance",
@@ -471,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, dtype_name)
     torch.set_grad_enabled(False)
-    model, model_name = build_model(args.model_config, args.model, str(device), dtype)
+    attn = REPEAT_KV if args.repeat_kv else "sdpa"
+    model, model_name = build_model(args.model_config, args.model, str(device), dtype, attn)
     if device.type == "cpu":  # as the service loads a model on a CPU (model.tune_matmul)
         tune_linear_products(model)
     gen = torch.Generator().manual_seed(0)
@@ -479,18 +502,24 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(vocab, (64,), generator=gen).tolist()
     problems = read_log(args.log, args.problems, args.max_tokens)
 
-    def progress(what: str) -> None:
-        print(f"[device] {what}", file=sys.stderr, flush=True)
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict = {
         "device": f"{name} ({device.type})",
         "model": model_name,
         "dtype": dtype_name,
+        "attention": attn,
         "parameters": sum(p.numel() for p in model.parameters()),
         "host": os.uname().nodename,
         "load_average": os.getloadavg()[0],
     }
+
+    def progress(what: str) -> None:
+        """Say what comes next, and write what is measured so far (a cut-short run keeps it)."""
+        print(f"[device] {what}", file=sys.stderr, flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+
     progress(f"{report['device']}, {model_name} in {dtype_name}: bandwidth")
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
     report["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)

@@ -3,6 +3,8 @@ stand-in target whose forward costs nothing.
 
     python -m bench.host --json bench/results/host.json          # the whole matrix
     python -m bench.host --rows 16 --nodes 8 --method stand-dyn  # one cell
+    python -m bench.host --device cuda --json runs/host-gpu.json # on a GPU: CUDA launches and
+                                                                 # the step's one sync included
 
 On a GPU a 7B decode step for 16 rows takes a few milliseconds and tree tokens are nearly
 free, so the step time is whatever the host does between two forwards. This measures that
@@ -109,7 +111,8 @@ class StandInDecoder(BatchDecoder):
             for row in rows:
                 req = cast(TrajectoryRow, row).request
                 problem = self.problems[int(req.problem_id)]
-                self.logits[id(row)] = response_logits(problem, req.index, self.vocab)
+                logits = response_logits(problem, req.index, self.vocab)
+                self.logits[id(row)] = logits.to(self.device)
             super().join(rows)
         self.join_s += time.perf_counter() - t0
 
@@ -119,7 +122,7 @@ class StandInDecoder(BatchDecoder):
 
     def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
         with torch.profiler.record_function("forward"):
-            out = torch.full((*ids.shape, self.vocab), FLOOR)
+            out = torch.full((*ids.shape, self.vocab), FLOOR, device=self.device)
             for b, row in enumerate(self.active):
                 table = self.logits[id(row)]
                 at = (len(row.rule.out) + self._depths[b]).clamp_(max=table.shape[0] - 1)
@@ -139,7 +142,13 @@ class StandInDecoder(BatchDecoder):
 class StandInTarget(LoggedTarget):
     """The runner's model: `LoggedTarget`'s drafters over the stand-in decoder."""
 
-    def __init__(self, problems: Sequence[LoggedProblem], vocab: int, defer: bool = True) -> None:
+    def __init__(
+        self,
+        problems: Sequence[LoggedProblem],
+        vocab: int,
+        defer: bool = True,
+        device: str = "cpu",
+    ) -> None:
         super().__init__(problems, vocab)
         self.defer = defer
         cfg = LlamaConfig(
@@ -152,7 +161,8 @@ class StandInTarget(LoggedTarget):
             max_position_embeddings=8192,
         )
         torch.manual_seed(0)
-        self.model = LlamaForCausalLM(cfg).eval()  # prefills and shapes the KV cache only
+        # prefills and shapes the KV cache only
+        self.model = LlamaForCausalLM(cfg).to(device).eval()
 
     def new_decoder(self) -> StandInDecoder:
         return StandInDecoder(self.model, self.problems, self.vocab, self.defer)
@@ -203,9 +213,10 @@ def measure(
     steps: int,
     temperature: float,
     defer: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler."""
-    target = StandInTarget(problems, vocab, defer)
+    target = StandInTarget(problems, vocab, defer, device)
     runner = TrajectoryRunner(target, rows, "fixed", token_budget=(nodes + 1) * rows)
     runner.submit(requests(problems, method, nodes, temperature))
     dec = cast(StandInDecoder, runner.decoder)
@@ -245,6 +256,7 @@ def measure(
         "split_ms": {k: round(v, 3) for k, v in split.items()},
         "standin_forward_ms": round(forward_ms, 3),
         "ops_per_step": round(ops, 1),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
     }
 
 
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=256, help="the stand-in's vocabulary")
     ap.add_argument("--log", type=Path, default=LOG, help="trajectory log with top-k")
     ap.add_argument("--json", type=Path, help="write the records here (a JSON list)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the host path a GPU sees")
     ap.add_argument(
         "--inline-observation", action="store_true", help="observe before the next draft"
     )
@@ -283,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.steps,
                     args.temperature,
                     not args.inline_observation,
+                    args.device,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)
@@ -295,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 load = os.getloadavg()[0]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
+                if args.json:  # as it goes: a cut-short run keeps what it measured
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 0
 
 

@@ -34,6 +34,7 @@ from tts_service.drafters.base import (
     Drafter,
     NodeTopK,
 )
+from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
@@ -126,7 +127,9 @@ class BatchDecoder:
     rewrites to the other ranks, `engine.tp`). `prompt_cache`: keep recent prompts' prefilled
     KV, so a prompt is prefilled once however its rows join. `defer_observation`: what the
     drafters defer of observing a step runs during the next forward (False: at once, the
-    reference the tests compare with)."""
+    reference the tests compare with). `grouped_attention`: run an SDPA model's tree steps over
+    each KV head once (`engine.attention`; None: on a CUDA device, where the copies it saves
+    cost more than the step)."""
 
     def __init__(
         self,
@@ -139,8 +142,11 @@ class BatchDecoder:
         cache: StaticKV | None = None,
         prompt_cache: bool = True,
         defer_observation: bool = True,
+        grouped_attention: bool | None = None,
     ) -> None:
         self.model = model
+        if model.device.type == "cuda" if grouped_attention is None else grouped_attention:
+            use_grouped_attention(model)
         # the prompts' prefilled KV, kept for rows that join later (none where the cache is
         # mirrored: a tensor-parallel follower prefills beside its leader)
         self.prompts = PromptCache() if prompt_cache else None
@@ -287,13 +293,16 @@ class BatchDecoder:
         rows, n = shape
         start = kv.length
         width = kv.capacity if kv.full_view else start + n
-        pad = rows - tb.shape[0]
-        root = torch.tensor(roots + [0] * pad, dtype=torch.long).to(device, non_blocking=True)
+        r, w = tb.shape
+        root = torch.tensor(roots + [0] * (rows - r), dtype=torch.long).to(
+            device, non_blocking=True
+        )
         ids, depths, anc = tb.tokens, tb.depths, tb.ancestors
-        if pad:  # a graph bucket's extra rows: a lone root each
-            ids = torch.cat([ids, ids.new_zeros(pad, n)])
-            depths = torch.cat([depths, depths.new_zeros(pad, n)])
-            anc = torch.cat([anc, torch.eye(n, dtype=torch.bool, device=device).expand(pad, n, n)])
+        if (r, w) != (rows, n):  # a graph bucket's extra rows and tokens: each sees itself alone
+            ids = torch.nn.functional.pad(ids, (0, n - w, 0, rows - r))
+            depths = torch.nn.functional.pad(depths, (0, n - w, 0, rows - r))
+            anc = torch.eye(n, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+            anc[:r, :w, :w] = tb.ancestors
         allowed = torch.zeros(rows, n, width, dtype=torch.bool, device=device)
         allowed[:, :, :start] = kv.valid[:rows, None, :start]
         allowed[:, :, start : start + n] = anc

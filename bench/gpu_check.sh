@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A GPU session's checks in one command, in priority order, each time-boxed so that a slow
+# step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host),
+# the 7B device report (bench.device), its baseline attention (--repeat-kv) and measured beside
+# predicted (bench.device --predict).
+# Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
+#
+#   bash bench/gpu_check.sh [OUT_DIR]      # about 9 minutes on one H100/H200
+#   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
+#
+# Needs torch, transformers, scipy, pytest, and this repository's Python dependencies
+# (pydantic, redis) importable; nothing is downloaded.
+set -u
+out=${1:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+
+steps=" ${STEPS:-cuda-tests host device device-repeat-kv predict} "
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    [[ $steps == *" $name "* ]] || return 0
+    echo "== $name: $* ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
+    timeout "$limit" "$@" 2>&1
+    echo "== $name: rc $? ($(date +%T))"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    step cuda-tests 90 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
+    step host 130 $py -m bench.host --device cuda --rows 1 16 64 --nodes 0 8 32 --steps 30 \
+        --json "$out/host-gpu.json"
+    step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+        --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
+    step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+        --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
+    step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
+} 2>&1 | tee "$out/gpu_check.log"
