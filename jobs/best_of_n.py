@@ -21,11 +21,13 @@ from pathlib import Path
 
 from actors.placement import PlacementError
 from jobs.common import (
+    JOB_PRESET,
     JobInputError,
     Progress,
     first_difference,
     job_id_for,
     load_config,
+    output_dir,
     run_missing,
     run_settings,
 )
@@ -47,7 +49,10 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
         prog="jobs.best_of_n", description=__doc__.split("\n\n")[0].replace("\n", " ")
     )
     ap.add_argument(
-        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+        "--config",
+        type=Path,
+        default=JOB_PRESET,
+        help="YAML preset (default: the repository's configs/best_of_16.yaml)",
     )
     ap.add_argument("--problems", required=True, help="JSONL, one problem per line (required)")
     ap.add_argument("--out", required=True, help="results go here; a re-run resumes (required)")
@@ -62,7 +67,7 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.set, method=args.method)
     problems = load_problems(Path(args.problems))
-    out = Path(args.out)
+    out = output_dir(args.out)
     if args.new_run:
         candidates = (out if k == 1 else Path(f"{out}-{k}") for k in count(1))
         out = next(c for c in candidates if resume_conflict(c, cfg, problems) is None)

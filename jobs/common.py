@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,21 @@ if TYPE_CHECKING:
 
 class JobInputError(ValueError):
     """Bad configuration or input: exit code 2, before any actor starts."""
+
+
+def output_dir(path: str | Path) -> Path:
+    """`--out`, checked before anything runs (created later, by the run).
+
+    Raises:
+        JobInputError: it, or the nearest of its parents that exists, is not a writable
+            directory."""
+    out = Path(path)
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise JobInputError(f"--out: cannot write results to {out}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JobInputError(f"--out: cannot write results to {out}: {existing} is not writable")
+    return out
 
 
 def apply_overrides(data: dict, sets: list[str]) -> dict:
@@ -76,7 +92,7 @@ def with_method(data: dict, method: str | None, device: str) -> dict:
 
 
 def load_config(
-    path: str,
+    path: str | Path,
     sets: list[str],
     updates: Callable[[dict], dict] | None = None,
     method: str | None = None,
@@ -126,6 +142,9 @@ def job_id_for(out: Path) -> str:
 
 
 # How the work is spread and retried, not what a trajectory is: a resume may change these.
+JOB_PRESET = Path(__file__).resolve().parents[1] / "configs" / "best_of_16.yaml"
+"""The jobs' default preset, wherever they are run from (the repository's configs/)."""
+
 EXECUTION_FIELDS = frozenset(
     {
         "replicas",

@@ -42,11 +42,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from actors.placement import PlacementError
 from jobs.common import (
+    JOB_PRESET,
     JobInputError,
     Progress,
     first_difference,
     job_id_for,
     load_config,
+    output_dir,
     run_missing,
 )
 from jobs.endpoint import Endpoint, EndpointError
@@ -129,7 +131,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--release", help=f"LiveCodeBench release (default {DEFAULT_RELEASE})")
     ap.add_argument("--limit", type=int, help="only the first K items of each task")
     ap.add_argument(
-        "--config", default="configs/best_of_16.yaml", help="YAML preset (default: %(default)s)"
+        "--config",
+        type=Path,
+        default=JOB_PRESET,
+        help="YAML preset (default: the repository's configs/best_of_16.yaml)",
     )
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument(
@@ -210,6 +215,7 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
     if endpoint is not None:
         configs = {ENDPOINT_METHOD: next(iter(configs.values()))}
         model = _endpoint_model(endpoint)
+    out = output_dir(args.out)
     jobs = []
     for task in args.tasks:
         first = next(iter(configs.values()))
@@ -221,7 +227,7 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
                 task,
                 method,
                 items[: args.limit],
-                Path(args.out),
+                out,
                 run_info,
                 Limits(timeout_s=args.test_timeout),
                 args.log_samples,
@@ -405,7 +411,14 @@ def _grader(
     def on_problem(item_id: str, records: list[dict]) -> None:
         progress.problems += 1
         item = todo[item_id]
-        row = grade_item(item, records, job.limits)
+        try:
+            row = grade_item(item, records, job.limits)
+        except Exception as e:  # noqa: BLE001 - one item never ends the evaluation
+            why = f"{type(e).__name__}: {e}"
+            print(
+                f"[eval] item {item_id}: grader error ({why[:200]}); counted, going on", flush=True
+            )
+            row = grade_item(item, records, job.limits, failure=why)
         graded.append(row)
         if job.log_samples:
             with (job.run_dir / "samples.jsonl").open("a", encoding="utf-8") as f:

@@ -34,10 +34,14 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+FLAG_OF_FIELD = {"url": "store"}
+"""Fields whose flag has another name (`--store` sets the store's `url`)."""
+
+
 def field_error(err: ValidationError) -> str:
     first = err.errors()[0]
     loc = [str(x) for x in first["loc"] if not str(x).isdigit()]
-    name = loc[-1] if loc else "input"
+    name = FLAG_OF_FIELD.get(loc[-1], loc[-1]) if loc else "input"
     return f"--{name.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}"
 
 

@@ -11,6 +11,9 @@ from pydantic import Field, field_validator
 
 from tts_service.config.base import StrictConfig
 
+MAX_CONTEXT = 1 << 21
+"""Above any model's context: a larger `max_new_tokens` is refused before a model loads."""
+
 
 class SamplingConfig(StrictConfig):
     """How the target model's next token is chosen: exactly what plain decoding samples from."""
@@ -21,7 +24,13 @@ class SamplingConfig(StrictConfig):
     min_p: float = Field(
         0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top token's p; 0 disables."
     )
-    max_new_tokens: int = Field(256, ge=1, description="Generation stops after this many tokens.")
+    max_new_tokens: int = Field(
+        256,
+        ge=1,
+        le=MAX_CONTEXT,
+        description="Generation stops after this many tokens (at most the model's context, "
+        "checked when the prompt is known).",
+    )
     seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
     stop: tuple[str, ...] = Field((), description="Stop strings; the output ends with the first.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks only).")

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tts_service.config.decoding import MAX_CONTEXT
 from tts_service.drafters.registry import MethodName
 
 
@@ -37,7 +38,7 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1: all.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop p < min_p x the top p.")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
@@ -80,7 +81,7 @@ class SolveHttpRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_CONTEXT)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     method: MethodName | None = None
     return_trajectories: bool = False
@@ -138,10 +139,18 @@ def _no_op(value: object, allowed: tuple) -> bool:
     return any(_kind(value) == _kind(a) and value == a for a in allowed)
 
 
+def _bounded_int(text: str) -> int | float:
+    """A JSON integer; one of more than 32 digits is ±inf, so that the field's validation names
+    it (out of range, or not finite) instead of Python's 4,300-digit limit giving a 500."""
+    if len(text.lstrip("-")) <= 32:
+        return int(text)
+    return float("-inf") if text.startswith("-") else float("inf")
+
+
 def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     """Bytes -> a validated request. Raises ApiError (400) naming the first bad field."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_bounded_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", "body") from e
     except RecursionError as e:  # '[' * 2000: deeper than the parser goes

@@ -22,7 +22,13 @@ from tts_service.tasks.items import EvalItem, TestCase
 from tts_service.tasks.metrics import ks_for
 from tts_service.tasks.sandbox import Limits, run_python
 
-Reason = Literal["passed", "wrong_answer", "timeout", "memory", "refused", "runtime_error"]
+Reason = Literal[
+    "passed", "wrong_answer", "timeout", "memory", "refused", "runtime_error", "grader_error"
+]
+MAX_VALUE_DEPTH = 100
+"""The deepest returned JSON value compared; deeper is a wrong answer (a program's output must
+not be able to exhaust the grader's stack)."""
+MAX_VALUE_BYTES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -103,13 +109,40 @@ def _same_value(a: object, b: object) -> bool:
     return a == b
 
 
+def json_depth(text: str, limit: int) -> int:
+    """The nesting depth of JSON `text` (brackets outside strings), counted up to `limit` + 1."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def value_matches(actual_json: str | None, expected_json: str) -> bool:
-    """A functional test's returned value (JSON, tuples already lists) against the expected."""
-    if actual_json is None:
+    """A functional test's returned value (JSON, tuples already lists) against the expected.
+    A value deeper than `MAX_VALUE_DEPTH` or longer than `MAX_VALUE_BYTES` does not match."""
+    if actual_json is None or len(actual_json) > MAX_VALUE_BYTES:
+        return False
+    if json_depth(actual_json, MAX_VALUE_DEPTH) > MAX_VALUE_DEPTH:
         return False
     try:
         return _same_value(json.loads(actual_json), json.loads(expected_json))
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -166,22 +199,44 @@ def majority_correct(
     return out
 
 
-def grade_item(item: EvalItem, records: list[dict], limits: Limits | None = None) -> dict:
-    """The item's JSONL row: every trajectory graded, the votes at each k, summed counters.
+def grader_error(answer: str | None, error: BaseException | str) -> Grade:
+    """A trajectory the grader could not grade: wrong, with the reason kept."""
+    why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return Grade(answer, False, (CaseResult(False, "grader_error", why[:300]),))
+
+
+def grade_item(
+    item: EvalItem, records: list[dict], limits: Limits | None = None, failure: str | None = None
+) -> dict:
+    """The item's JSONL row: every trajectory graded, the votes at each k, summed counters. An
+    exception while grading one trajectory makes it wrong with reason `grader_error` (counted
+    in the row's `grader_errors`), never the evaluation's end.
 
     Args:
         records: the item's trajectory records (`index`, `text`, `finish_reason`, `stats`).
+        failure: grade nothing; every trajectory is a `grader_error` for this reason (the row
+            of an item whose grading failed outside one trajectory, so a resume skips it).
     """
     records = sorted(records, key=lambda r: r["index"])
     by_program: dict[str, Grade] = {}  # identical programs are run once
     grades = []
     for rec in records:
-        answer = extract_answer(rec["text"], item.answer_kind)
+        if failure is not None:
+            grades.append(grader_error(None, failure))
+            continue
+        try:
+            answer = extract_answer(rec["text"], item.answer_kind)
+        except Exception as e:  # noqa: BLE001 - one trajectory's text never ends the job
+            grades.append(grader_error(None, e))
+            continue
         key = normalize_code(answer) if item.task == "lcb" and answer is not None else None
         if key is not None and key in by_program:
             grades.append(by_program[key])
             continue
-        grades.append(grade(item, rec["text"], limits))
+        try:
+            grades.append(grade(item, rec["text"], limits))
+        except Exception as e:  # noqa: BLE001 - nor does one program's output
+            grades.append(grader_error(answer, e))
         if key is not None:
             by_program[key] = grades[-1]
     correct = [g.correct for g in grades]
@@ -194,6 +249,8 @@ def grade_item(item: EvalItem, records: list[dict], limits: Limits | None = None
         row.update({k: rec["stats"][k] for k in ("new_tokens", "target_forwards", "wall_s")})
         if item.task == "lcb":
             row["tests"] = g.summary(len(item.tests))
+        if g.cases and g.cases[-1].reason == "grader_error":
+            row["grader_error"] = g.cases[-1].detail
         trajectories.append(row)
     maj = majority_correct(answers, correct, item.answer_kind, ks_for(len(records)))
     return {
@@ -205,6 +262,7 @@ def grade_item(item: EvalItem, records: list[dict], limits: Limits | None = None
         "correct": correct,
         "maj_correct": {str(k): v for k, v in maj.items()},
         "trajectories": trajectories,
+        "grader_errors": sum("grader_error" in t for t in trajectories),
         "stats": {
             k: sum(t[k] for t in trajectories) for k in ("new_tokens", "target_forwards", "wall_s")
         },

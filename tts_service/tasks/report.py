@@ -25,6 +25,8 @@ DEFINITIONS = {
     "pass@k": "unbiased estimator 1 - C(N-c,k)/C(N,k) (Chen et al. 2021)",
     "maj@k": "majority vote of the first k trajectories is correct",
     "no_answer_rate": "fraction of trajectories with no extractable answer, averaged over items",
+    "grader_errors": "trajectories the grader could not grade (counted wrong, reason kept in "
+    "items.jsonl)",
     "truncation_rate": "fraction of trajectories stopped by the token limit (finish_reason "
     "length), averaged over items",
     "tokens_per_s": "all new tokens over the whole wall time of the run's sessions: what the "
@@ -118,6 +120,7 @@ def build(out: Path) -> dict:
         if not rows:
             continue
         run["metrics"] = summarize([outcome(r) for r in rows])
+        run["metrics"]["grader_errors"] = sum(r.get("grader_errors", 0) for r in rows)
         run["speed"] = speed(run)
         runs.append(run)
     for run in runs:

@@ -5,9 +5,10 @@ Started by `sandbox.py` as `python -I -B sandbox_child.py SPEC` in a fresh tempo
 (plus a user namespace when the evaluator is not root). Before the program runs it applies
 every layer the platform allows:
 
-1. rlimits: address space (memory), CPU seconds, file size (which also caps stdout, a file),
-   open files, no core dumps, and tasks (RLIMIT_NPROC, only where the kernel enforces it: a
-   non-root user in its own user namespace, where the count covers the sandbox alone).
+1. rlimits: address space (memory), CPU seconds (SIGXCPU, then SIGKILL a second later), file
+   size (which also caps stdout, a file), open files, no core dumps, and tasks (RLIMIT_NPROC,
+   only where the kernel enforces it: a non-root user in its own user namespace, where the
+   count covers the sandbox alone).
 2. The box becomes a tmpfs of `box_mb` MiB, so everything the program stores, open or
    unlinked, counts against one cap; with memfd and SysV shared memory refused (5.), memory
    outside the address space is bounded by that cap and by open files (pipe and socket
@@ -23,8 +24,9 @@ every layer the platform allows:
    what it needs. Either way it then empties its capability sets (root in a user namespace
    keeps none). If the box or the uid change the parent asked for fails, nothing runs.
 5. seccomp (x86-64, aarch64): no new processes (fork, vfork, clone without CLONE_THREAD), no
-   execve, no unshare (no way back to capabilities or to a fresh, uncapped tmpfs), and no
-   memfd_create, memfd_secret, shmget, msgget or mq_open (memory outside the address space);
+   execve, no unshare (no way back to capabilities or to a fresh, uncapped tmpfs), no
+   memfd_create, memfd_secret, shmget, msgget or mq_open (memory outside the address space),
+   and no io_uring (operations run by kernel workers, beside the filter);
    threads still work. clone3 answers ENOSYS so that libc falls back to clone, whose flags a
    filter can read.
 6. An audit hook (PEP 578): the same rules at the Python level, refused with a message that
@@ -81,12 +83,16 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 def _limit(kind: int, value: int) -> bool:
     """Lower a limit (never above the inherited hard limit, which only privilege could raise);
-    False where the platform refuses it."""
+    False where the platform refuses it. CPU time: SIGXCPU at the soft limit, and the kernel's
+    SIGKILL one second later (the hard limit) for a program that ignores the signal."""
     _, hard = resource.getrlimit(kind)
     if hard != resource.RLIM_INFINITY:
         value = min(value, hard)
+    ceiling = value
+    if kind == resource.RLIMIT_CPU:
+        ceiling = value + 1 if hard == resource.RLIM_INFINITY else min(value + 1, hard)
     try:
-        resource.setrlimit(kind, (value, hard if kind == resource.RLIMIT_CPU else value))
+        resource.setrlimit(kind, (value, ceiling))
     except (ValueError, OSError):
         return False
     return True
@@ -253,17 +259,22 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
+# io_uring runs file and socket operations in kernel workers, outside the rules a system call
+# is checked by; nothing a test program needs (same numbers on every architecture)
+_IO_URING = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
 # audit arch, syscall numbers; x86-64 also has the x32 ABI (numbers with bit 30 set) to refuse
 _ARCHES = {
     "x86_64": (
         0xC000003E,
         {"clone": 56, "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "unshare": 272}
-        | {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "mq_open": 240},
+        | {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68, "mq_open": 240}
+        | _IO_URING,
     ),
     "aarch64": (
         0xC00000B7,
         {"clone": 220, "execve": 221, "execveat": 281, "unshare": 97}
-        | {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "mq_open": 180},
+        | {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186, "mq_open": 180}
+        | _IO_URING,
     ),
 }
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -272,9 +283,9 @@ _CLONE_THREAD, _CLONE3 = 0x00010000, 435
 
 
 def seccomp() -> list[str]:
-    """Refuse (EPERM) new processes, execve, unshare, and memory that lives outside the address
-    space (memfd, SysV shared memory and message queues, POSIX message queues); returns the
-    system calls refused outright, empty if no filter was installed."""
+    """Refuse (EPERM) new processes, execve, unshare, memory that lives outside the address
+    space (memfd, SysV shared memory and message queues, POSIX message queues) and io_uring;
+    returns the system calls refused outright, empty if no filter was installed."""
     if sys.platform != "linux" or platform.machine() not in _ARCHES:
         return []
     arch, nr = _ARCHES[platform.machine()]

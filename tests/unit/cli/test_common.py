@@ -18,6 +18,7 @@ BAD = [
     (["generate", ""], "--prompt"),
     (["generate", "   "], "--prompt"),
     (["generate", "--max-new-tokens", "0", "hi"], "--max-new-tokens"),
+    (["generate", "--max-new-tokens", "1000000000000", "hi"], "--max-new-tokens"),  # no model load
     (["generate", "--temperature", "-0.1", "hi"], "--temperature"),
     (["generate", "--top-p", "0", "hi"], "--top-p"),
     (["generate", "--top-p", "1.01", "hi"], "--top-p"),
@@ -41,6 +42,7 @@ BAD = [
     (["solve", "--problems", "jobs/demo_problems.jsonl", "also a question"], "--problems"),
     (["solve", "--max-rows", "0", "q"], "--max-rows"),
     (["solve", "--task", "poetry", "q"], "--task"),
+    (["solve", "--store", "foo://x", "q"], "--store"),  # the flag, not the field (url)
     (["frobnicate"], "frobnicate"),
     (["generate", "--device", "tpu", "hi"], "--device"),
     (["generate", "--device", "cuda:x", "hi"], "--device"),

@@ -22,3 +22,23 @@ def test_heldout_prompts_are_new_and_load_as_problems():
     ]
     assert not {p.id for p in problems} & {t["id"] for t in tuning}
     assert not {p.question for p in problems} & {t["prompt"] for t in tuning}
+
+
+def test_from_any_directory_the_preset_is_found_and_an_out_that_is_a_file_exits_2(
+    tmp_path, monkeypatch, capsys
+):
+    """The default `--config` is the repository's, not one relative to the working directory;
+    `--out` naming a file is one line and exit 2, not a traceback."""
+    from jobs.best_of_n import main
+
+    (tmp_path / "results").write_text("not a directory")
+    monkeypatch.chdir(tmp_path)
+    problems = str(ROOT / "jobs" / "demo_problems.jsonl")
+    assert main(["--problems", problems, "--out", "results/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "jobs.best_of_n: error: --out: cannot write results to results/run: "
+        + str(tmp_path / "results")
+        + " is a file"
+    )

@@ -54,6 +54,9 @@ def test_bad_inputs_exit_2_before_anything_runs(tmp_path, capsys):
     _fails(capsys, [*FIXTURES, "--out", out, "--method", "plain,medusa"], "medusa")
     _fails(capsys, [*FIXTURES, "--out", out, "--round-items", "0"], "--round-items")
     _fails(capsys, ["--task", "lcb", "--out", out, "--data-files", "nope.jsonl"], "no such file")
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
+        _fails(capsys, [*FIXTURES, "--out", str(bad)], "--out", "is a file")
     assert not (tmp_path / "out").exists()
 
 
@@ -130,5 +133,5 @@ def test_help_shows_a_whole_description_and_the_defaults(module):
     text = " ".join(out.split())
     assert "as a Ray Job entrypoint (or a plain local run)" in text  # not cut mid-sentence
     assert text.split("options:")[0].rstrip().endswith(".")
-    assert "--config CONFIG YAML preset (default: configs/best_of_16.yaml)" in text
+    assert "--config CONFIG YAML preset (default: the repository's configs/best_of_16.yaml)" in text
     assert "--out OUT" in text and "(required)" in text

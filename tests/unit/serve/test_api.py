@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from tts_service.serve.api import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from tts_service.serve.api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SolveHttpRequest,
+    parse,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -54,3 +60,29 @@ def test_legacy_completions_logprobs_0_asks_for_the_sampled_token_s_and_is_refus
     with pytest.raises(ApiError) as e:
         _parse(CompletionRequest, logprobs=0)
     assert e.value.param == "logprobs"
+
+
+BASES = {ChatCompletionRequest: CHAT, CompletionRequest: {"prompt": "hi"}}
+BASES[SolveHttpRequest] = {"question": "What is 7 * 6?"}
+NUMERIC = [
+    (cls, name)
+    for cls in BASES
+    for name, field in cls.model_fields.items()
+    if any(t in str(field.annotation) for t in ("int", "float"))
+]
+
+
+@pytest.mark.parametrize("cls,name", NUMERIC, ids=[f"{c.__name__}.{n}" for c, n in NUMERIC])
+@pytest.mark.parametrize("digits", ["9" * 5000, "-" + "9" * 5000, "9" * 40])
+def test_an_oversized_integer_in_any_numeric_field_is_a_400_naming_it(cls, name, digits):
+    """Python refuses to parse integers of more than 4,300 digits (a 500 before); 40 digits
+    overflow every field's range."""
+    body = json.dumps(BASES[cls])[:-1] + f', "{name}": {digits}}}'
+    with pytest.raises(ApiError) as e:
+        parse(cls, body.encode())
+    assert e.value.status == 400 and e.value.param == name
+
+
+def test_max_tokens_beyond_any_context_is_refused_before_a_model_runs():
+    assert _param(max_tokens=2**22) == "max_tokens"
+    assert _parse(max_tokens=4096).max_tokens == 4096

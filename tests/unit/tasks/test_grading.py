@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from tts_service.tasks.grading import grade, grade_item, stdout_matches, value_matches
+from tts_service.tasks import grading
+from tts_service.tasks.grading import (
+    MAX_VALUE_BYTES,
+    grade,
+    grade_item,
+    json_depth,
+    stdout_matches,
+    value_matches,
+)
 from tts_service.tasks.loaders import FIXTURES_DIR
 from tts_service.tasks.prompts import LETTERS
 from tts_service.tasks.sandbox import Limits
@@ -114,3 +122,52 @@ def test_a_code_item_row_runs_each_distinct_program_once(items, monkeypatch):
     row = grade_item(item, records)
     assert row["correct"] == [True, True] and len(calls) == 1
     assert row["trajectories"][0]["tests"] == {"passed": 4, "total": 4}
+
+
+NESTED = "[" * 200_000 + "]" * 200_000
+STATS = {"new_tokens": 1, "target_forwards": 1, "wall_s": 0.1}
+
+
+def test_a_returned_value_too_deep_or_too_large_is_a_wrong_answer_not_a_crash():
+    assert not value_matches(NESTED, "[]")  # was a RecursionError out of the grader
+    assert not value_matches("[" * 101 + "]" * 101, "[]")
+    assert value_matches("[" * 100 + "]" * 100, "[" * 100 + "]" * 100)
+    assert json_depth('["[[[", {"a": [1]}]', 10) == 3  # brackets inside strings do not count
+    assert not value_matches("1" * (MAX_VALUE_BYTES + 1), "1")
+
+
+def test_a_program_returning_a_value_deeper_than_the_parser_fails_its_case(items):
+    item = next(i for i in items["lcb"] if i.func_name == "twoSum")
+    program = (
+        "```python\nimport os\nprint('[' * 200000 + ']' * 200000, flush=True)\nos._exit(0)\n```"
+    )
+    result = grade(item, program, Limits(timeout_s=4))
+    assert not result.correct and result.cases[-1].reason == "wrong_answer"
+
+
+def test_a_trajectory_the_grader_cannot_grade_is_counted_wrong_and_the_item_row_is_written(
+    items, monkeypatch
+):
+    item = items["aime24"][0]
+    records = [
+        {"index": i, "text": t, "finish_reason": "stop", "stats": STATS}
+        for i, t in enumerate(["\\boxed{24}", "\\boxed{24}", "\\boxed{24}"])
+    ]
+    real = grading.grade
+
+    def breaks_on_the_second(item, text, limits=None):
+        breaks_on_the_second.calls += 1
+        if breaks_on_the_second.calls == 2:
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(item, text, limits)
+
+    breaks_on_the_second.calls = 0
+    monkeypatch.setattr(grading, "grade", breaks_on_the_second)
+    row = grade_item(item, records)
+    assert row["correct"] == [True, False, True] and row["grader_errors"] == 1
+    assert (
+        row["trajectories"][1]["grader_error"] == "RecursionError: maximum recursion depth exceeded"
+    )
+    assert row["maj_correct"]["3"]
+    failed = grade_item(item, records, failure="ValueError: boom")
+    assert failed["correct"] == [False] * 3 and failed["grader_errors"] == 3

@@ -182,3 +182,27 @@ def test_the_report_says_which_layers_hold():
     )
     if LAYERS["seccomp_no_new_processes"]:
         assert "memfd_create" in LAYERS["seccomp_denies"]
+
+
+def test_io_uring_is_refused():
+    _needs(LAYERS["seccomp_no_new_processes"], "seccomp")
+    assert {"io_uring_setup", "io_uring_enter", "io_uring_register"} <= set(
+        LAYERS["seccomp_denies"]
+    )
+    code = (  # ctypes is refused by the audit hook; with it off, the kernel must refuse it
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "params = ctypes.create_string_buffer(120)\n"
+        "fd = libc.syscall(425, 8, params)\n"
+        "if fd < 0:\n    raise OSError(ctypes.get_errno(), 'io_uring_setup')\n"
+        "print('ring', fd)\n"
+    )
+    result = run_python(code, limits=OS_ONLY)
+    assert result.status == "refused" and "ring" not in result.stdout, result
+
+
+def test_the_cpu_limit_has_a_hard_ceiling_a_program_cannot_ignore():
+    """SIGXCPU at the soft limit can be ignored; the hard limit, a second later, is SIGKILL."""
+    code = "import resource\nprint(*resource.getrlimit(resource.RLIMIT_CPU))\n"
+    result = run_python(code, limits=FAST)
+    soft, hard = map(int, result.stdout.split())
+    assert soft == int(FAST.timeout_s) + 1 and hard == soft + 1, result
