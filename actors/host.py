@@ -71,6 +71,10 @@ class RunnerHost:
         self.scratch = InMemoryNgramStore()  # single generations' (`generate`)
 
     # -- stores ---------------------------------------------------------------------------
+    def rows_running(self) -> int:
+        """Rows in the runner's batch now (read from another thread: a moment's snapshot)."""
+        return len(self.runner.decoder.active)
+
     def problem_store(self, scope_id: str) -> NgramStore:
         """The store a problem's trajectories share, read before the global scope.
 

@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -278,3 +279,78 @@ def test_a_client_gone_stops_the_rest_of_an_n_gt_1_request(tiny_model_dir):
     worker.join(timeout=120)
     assert out["r"] == {} and decoder.forwards.forwards <= at_cancel + 2
     assert not decoder.active  # every row of the request left the batch
+
+
+def _rows_running(base: str) -> float:
+    return scrape(base)[("tts_rows_running", ())]
+
+
+def _499s(base: str) -> float:
+    counted = scrape(base).items()
+    return sum(
+        v
+        for (name, labels), v in counted
+        if name == "tts_requests_total" and ("status", "499") in labels
+    )
+
+
+@pytest.mark.parametrize("route", ["chat", "chat-stream", "solve"])
+def test_a_client_that_leaves_mid_generation_stops_its_rows_and_is_counted_499(servers, route):
+    """Over real HTTP through Serve's proxy: the client closes its socket while its rows
+    decode; the rows leave the batch (read from the replica, not from CPU use) and the request
+    is counted as nginx's 499 (an abandoned request that decoded to its end would count as
+    200)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    base, _ = servers
+    before = _499s(base)
+    url = urlparse(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    stream = route == "chat-stream"
+    body = {**LONG, "n": 64, "max_tokens": 400, "temperature": 0.8, "stream": stream}
+    path = "/v1/chat/completions"
+    if route == "solve":
+        path, body = "/v1/solve", {"question": "go", "n": 64, "max_tokens": 400}
+    conn.request("POST", url.path + path, json.dumps(body), {"Content-Type": "application/json"})
+    if stream:  # headers and a first content chunk: decoding has started
+        resp = conn.getresponse()
+        assert resp.status == 200
+        while b'"content"' not in resp.fp.readline():
+            pass
+    else:
+        for _ in range(600):
+            if _rows_running(base) > 0:
+                break
+            time.sleep(0.1)
+    assert _rows_running(base) > 0
+    conn.sock.shutdown(2)  # the client goes away
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_rows_running(base) or _499s(base) == before):
+        time.sleep(0.2)
+    assert _rows_running(base) == 0
+    assert _499s(base) == before + 1
+
+
+def test_concurrent_requests_share_one_batch(servers):
+    """24 concurrent chat requests on one replica decode together: the batch reaches at least
+    12 rows (Serve's default of 5 ongoing requests per replica held it at about 5)."""
+    base, _ = servers
+    body = {**CHAT, "max_tokens": 400, "temperature": 0.8}
+    most, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal most
+        while not done.is_set():
+            most = max(most, _rows_running(base))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(lambda _: call(base + "/v1/chat/completions", body), range(24)))
+    done.set()
+    watcher.join()
+    assert all(status == 200 for status, _ in replies), replies[0]
+    assert most >= 12

@@ -137,6 +137,7 @@ class TTSServer:
         self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")
         self.inflight = 0
         self.hub = hub  # the app's metrics, shared by every replica
+        self.counting: set[asyncio.Task] = set()  # 499s being counted (references kept)
 
     def check_health(self) -> None:
         """Serve's health probe: a tensor-parallel replica whose rank died is unhealthy, so
@@ -160,6 +161,13 @@ class TTSServer:
         client has its answer). `trajectories`: the `stats` entries of each."""
         acceptance = [t["stats"]["acceptance_length"] for t in trajectories]
         await self.hub.record.remote(route, status, time.monotonic() - started, usage, acceptance)
+
+    def _count_gone(self, route: str, started: float) -> None:
+        """Count a request whose client went away (499) from a handler being cancelled: in a
+        task of its own, which the cancellation does not reach."""
+        task = asyncio.get_running_loop().create_task(self._count(route, 499, started))
+        self.counting.add(task)
+        task.add_done_callback(self.counting.discard)
 
     def _admit(self) -> None:
         """Count a request in, or refuse it (429) when the replica holds its maximum."""
@@ -212,7 +220,14 @@ class TTSServer:
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(await self.hub.text.remote(), media_type=CONTENT_TYPE)
+        """The app's metrics (the hub's), and the rows decoding now in the replica that
+        answers (vLLM's num_requests_running, per replica)."""
+        rows = (
+            "# HELP tts_rows_running Rows in the answering replica's decoding batch now.\n"
+            "# TYPE tts_rows_running gauge\n"
+            f"tts_rows_running {self.engine.host.rows_running()}\n"
+        )
+        return Response(await self.hub.text.remote() + rows.encode(), media_type=CONTENT_TYPE)
 
     async def _complete(self, request: Request, route: str, model_cls) -> object:
         started = time.monotonic()
@@ -226,6 +241,9 @@ class TTSServer:
             result = await self._run_watched(request, self.engine.complete, job, cancel)
         except ApiError as e:
             await self._count(route, e.status, started)
+            raise
+        except asyncio.CancelledError:  # the client went away: Serve cancels its handler
+            self._count_gone(route, started)
             raise
         trajectories = result.get("tts", {}).get("trajectories", [])
         await self._count(route, _status(result), started, result.get("usage"), trajectories)
@@ -253,6 +271,8 @@ class TTSServer:
             status, usage = 200, None
             try:
                 usage = await self._run(self.engine.stream, job, cancel, emit)
+                if cancel.is_set():  # set before the end only by the client leaving
+                    status = 499
             except ApiError as e:
                 status = e.status
                 raise
@@ -290,6 +310,9 @@ class TTSServer:
         except ApiError as e:
             await self._count("solve", e.status, started)
             raise
+        except asyncio.CancelledError:
+            self._count_gone("solve", started)
+            raise
         trajectories = result.get("stats", {}).get("trajectories", [])
         await self._count("solve", _status(result), started, result.get("usage"), trajectories)
         return result
@@ -298,7 +321,14 @@ class TTSServer:
 def build_app(cfg: ServeConfig):
     """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config), with
     the one metrics hub they share."""
-    options: dict = {"ray_actor_options": {"num_cpus": cfg.cpus_per_replica}}
+    options: dict = {
+        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica},
+        # every request reaches a replica, which runs it, queues it for its runner (fair
+        # admission) or answers 429 at once; Serve's default (5) kept the rest in the proxy,
+        # unbounded, and the batch at about 5 rows. Beyond twice that, Serve answers 503.
+        "max_ongoing_requests": 2 * cfg.max_queued_requests,
+        "max_queued_requests": cfg.max_queued_requests,
+    }
     if cfg.tensor_parallel > 1:  # the replica is rank 0, in bundle 0; its other ranks follow
         gpu = {"GPU": 1} if cfg.model.device.startswith("cuda") else {}
         rank = {"CPU": cfg.cpus_per_replica, **gpu}
