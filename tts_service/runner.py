@@ -415,7 +415,12 @@ class TrajectoryRunner:
                 sub.finish(e)
         if joining:
             t0 = time.perf_counter()
-            decoder.join(list(joining))
+            try:
+                decoder.join(list(joining))
+            except BaseException as e:  # their submissions are in neither the queue nor the batch
+                for sub in {id(r.submission): r.submission for r in joining}.values():
+                    sub.finish(e)
+                raise
             for sub in {id(r.submission): r.submission for r in joining}.values():
                 sub.report.forwards.prefill_s += time.perf_counter() - t0
         if not decoder.active:

@@ -215,3 +215,48 @@ def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatc
     for res in report.results:
         ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
         assert res.output.token_ids == ref.token_ids
+
+
+def test_more_new_prompts_in_one_join_than_the_prompt_cache_keeps(tiny_model):
+    """12 distinct prompts join one batch at once, past the prompt cache's 8: every row still
+    equals plain (the cache evicting this join's own prompts made the join fail)."""
+    gen = make_generator(tiny_model)
+    requests = [
+        TrajectoryRequest(
+            "p",
+            i,
+            [1 + i, 2 + i, 3 + i, 4],
+            SamplingConfig(temperature=0, max_new_tokens=4, seed=i),
+            DRAFTER_CONFIGS["stand"],
+            InMemoryNgramStore(),
+        )
+        for i in range(12)
+    ]
+    report = TrajectoryRunner(gen, 12).run(requests)
+    assert len(report.results) == 12
+    for res in report.results:
+        ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
+        assert res.output.token_ids == ref.token_ids
+
+
+def test_a_join_that_fails_answers_its_own_requests(tiny_model, monkeypatch):
+    """Requests whose rows were joining when the engine failed are in neither the queue nor
+    the batch: they must hear of the failure, not wait forever."""
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.runner import RunnerLoop
+
+    def broken(self, rows):
+        raise RuntimeError("prefill failed")
+
+    monkeypatch.setattr(BatchDecoder, "join", broken)
+    loop = RunnerLoop(TrajectoryRunner(make_generator(tiny_model), 4))
+    request = TrajectoryRequest(
+        "p",
+        0,
+        [1, 2, 3],
+        SamplingConfig(max_new_tokens=2),
+        DRAFTER_CONFIGS["stand"],
+        InMemoryNgramStore(),
+    )
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        loop.submit([request]).wait(timeout=60)

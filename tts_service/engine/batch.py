@@ -38,7 +38,7 @@ from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import GraphedForward, forward_at
-from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV
+from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV, padded_rows
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import Stream, node_uniforms, stream_seed
@@ -231,16 +231,16 @@ class BatchDecoder:
 
     def _cached_prefill(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
         """The prompts' prefilled KV: those the prompt cache lacks are prefilled together
-        first, and kept."""
+        first, and kept (more new prompts than the cache keeps are still all used here)."""
         cache = self.prompts
         assert cache is not None
-        missing = [p for p in prompts if p not in cache]
+        entries = {p: e for p in prompts if (e := cache.get(p)) is not None}
+        missing = [p for p in prompts if p not in entries]
         if missing:
             new, _ = self._prefill([list(p) for p in missing])
             for i, p in enumerate(missing):
                 n = len(p)
-                cache.put(
-                    p,
+                entries[p] = (
                     [
                         LayerKV(
                             layer.keys[i : i + 1, :, layer.keys.shape[2] - n :].clone(),
@@ -249,9 +249,10 @@ class BatchDecoder:
                         for layer in new.layers
                     ]
                     if n
-                    else [],
+                    else []
                 )
-        return cache.rows(prompts)
+                cache.put(p, entries[p])
+        return padded_rows(prompts, [entries[p] for p in prompts])
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
         """Left-padded prefill of `prompts` (each a row's tokens but its root), into a cache

@@ -88,8 +88,12 @@ class PromptCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
 
-    def __contains__(self, prompt: tuple[int, ...]) -> bool:
-        return prompt in self._entries
+    def get(self, prompt: tuple[int, ...]) -> list[LayerKV] | None:
+        """The prompt's entry, now the most recently used; None if not kept."""
+        if prompt not in self._entries:
+            return None
+        self._entries.move_to_end(prompt)
+        return self._entries[prompt]
 
     def put(self, prompt: tuple[int, ...], layers: list[LayerKV]) -> None:
         self._entries[prompt] = layers
@@ -97,30 +101,28 @@ class PromptCache:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def rows(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
-        """Every prompt's entry (all must be here), left padded to the longest."""
-        for p in prompts:
-            self._entries.move_to_end(p)
-        width = max(len(p) for p in prompts)
-        entries = [self._entries[p] for p in prompts]
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-        layers: list[LayerKV] = []
-        sample = next((e for e in entries if e), None)
-        if sample is not None:
-            for i in range(len(sample)):
-                k = sample[i].keys
-                shape = (len(prompts), k.shape[1], width, k.shape[3])
-                keys = torch.zeros(shape, dtype=k.dtype, device=k.device)
-                values = torch.zeros(shape, dtype=k.dtype, device=k.device)
-                for b, (p, e) in enumerate(zip(prompts, entries, strict=True)):
-                    if p:
-                        keys[b, :, width - len(p) :] = e[i].keys[0]
-                        values[b, :, width - len(p) :] = e[i].values[0]
-                layers.append(LayerKV(keys, values))
-        for b, p in enumerate(prompts):
-            valid[b, width - len(p) :] = True  # an empty prompt's slice is empty
-        device = sample[0].keys.device if sample is not None else valid.device
-        return PrefilledRows(layers, valid.to(device))
+
+def padded_rows(prompts: list[tuple[int, ...]], entries: list[list[LayerKV]]) -> PrefilledRows:
+    """Each prompt's prefilled entry (`PromptCache`'s form), left padded to the longest."""
+    width = max(len(p) for p in prompts)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    layers: list[LayerKV] = []
+    sample = next((e for e in entries if e), None)
+    if sample is not None:
+        for i in range(len(sample)):
+            k = sample[i].keys
+            shape = (len(prompts), k.shape[1], width, k.shape[3])
+            keys = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            values = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            for b, (p, e) in enumerate(zip(prompts, entries, strict=True)):
+                if p:
+                    keys[b, :, width - len(p) :] = e[i].keys[0]
+                    values[b, :, width - len(p) :] = e[i].values[0]
+            layers.append(LayerKV(keys, values))
+    for b, p in enumerate(prompts):
+        valid[b, width - len(p) :] = True  # an empty prompt's slice is empty
+    device = sample[0].keys.device if sample is not None else valid.device
+    return PrefilledRows(layers, valid.to(device))
 
 
 class StaticKV(Cache):

@@ -95,15 +95,15 @@ def test_rows_join_leave_and_compact_in_place():
 
 
 def test_the_prompt_cache_keeps_the_latest_prompts_left_padded():
-    from tts_service.engine.kv import LayerKV, PromptCache
+    from tts_service.engine.kv import LayerKV, PromptCache, padded_rows
 
     cache = PromptCache(capacity=2)
     for p in [(1, 2, 3), (4,), (5, 6)]:
         kv = torch.arange(len(p), dtype=torch.float32).reshape(1, 1, len(p), 1) + 10 * p[0]
         cache.put(p, [LayerKV(kv, -kv)])
-    assert (1, 2, 3) not in cache and (4,) in cache and (5, 6) in cache
+    assert cache.get((1, 2, 3)) is None and cache.get((4,)) and cache.get((5, 6))
     cache.put((), [])  # a one-token prompt has nothing to prefill
-    rows = cache.rows([(5, 6), ()])
+    rows = padded_rows([(5, 6), ()], [cache.get((5, 6)), cache.get(())])
     assert rows.valid.tolist() == [[True, True], [False, False]]
     assert rows.layers[0].keys[0, 0, :, 0].tolist() == [50.0, 51.0]
     assert rows.layers[0].values[1].abs().sum() == 0
