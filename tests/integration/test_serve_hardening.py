@@ -170,9 +170,12 @@ def test_loose_types_are_refused_not_coerced(servers, field, value):
     assert status == 400 and _openai_error(text)["param"] == field
 
 
-def test_a_text_plain_body_is_refused(servers):
+def test_a_text_plain_body_is_refused_and_curl_s_default_type_is_read_as_json(servers):
     status, text = call(servers[0] + "/v1/chat/completions", CHAT, kind="text/plain")
     assert status == 415 and "application/json" in _openai_error(text)["message"]
+    form = "application/x-www-form-urlencoded"  # what `curl -d '{...}'` sends
+    status, text = call(servers[0] + "/v1/chat/completions", CHAT, kind=form)
+    assert status == 200 and json.loads(text)["object"] == "chat.completion", text
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,9 @@ class SamplingConfig(StrictConfig):
         "checked when the prompt is known).",
     )
     seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
-    stop: tuple[str, ...] = Field((), description="Stop strings; the output ends with the first.")
+    stop: tuple[str, ...] = Field(
+        (), description="Stop strings: the output ends before the first of them to appear."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks only).")
 
     @property

@@ -80,9 +80,13 @@ class BearerAuth:
 fastapi_app.add_middleware(BearerAuth)
 
 
+JSON_BODIES = ("application/json", "application/x-www-form-urlencoded")
+"""Content types read as JSON: `curl -d` sends the second by default (vLLM reads it as JSON)."""
+
+
 async def _body(request: Request, limit: int) -> bytes:
     kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    if kind.lower() != "application/json":
+    if kind.lower() not in JSON_BODIES:
         raise ApiError(415, f"Content-Type must be application/json, not {kind!r}", "body")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

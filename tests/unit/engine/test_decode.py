@@ -123,3 +123,22 @@ def test_a_vocabulary_of_8_tokens_runs_through_every_drafter(small_vocab_model, 
     sampled = SamplingConfig(temperature=0.8, max_new_tokens=24, seed=3)
     res = generate(small_vocab_model, prompt, drafter, sampled, eos_ids=[])
     assert len(res.token_ids) == 24 and all(0 <= t < VOCAB for t in res.token_ids)
+
+
+def test_decoding_prints_no_past_key_values_deprecation():
+    """transformers >= 5.24 warns on every forward given `past_key_values`; the engine (which
+    passes it, as every transformers 5.x accepts) silences that one warning."""
+    import subprocess
+    import sys
+
+    code = (
+        "from tests.conftest import tiny_llama\n"
+        "from tts_service.config import SamplingConfig\n"
+        "from tts_service.engine.decode import plain_generate\n"
+        "cfg = SamplingConfig(temperature=0, max_new_tokens=2)\n"
+        "plain_generate(tiny_llama(), [1, 2, 3], cfg, eos_ids=[])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "past_key_values" not in out.stderr
