@@ -16,7 +16,15 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tts_service.config.decoding import MAX_CONTEXT
 from tts_service.drafters.registry import MethodName
@@ -46,6 +54,8 @@ class _Request(BaseModel):
     spec_method: MethodName | None = Field(None, description="Speculative method (extension).")
     aggregate: Literal["majority"] | None = Field(None, description="Vote over the n choices.")
     task: Literal["math", "choice", "code"] = Field("math", description="How to vote.")
+    ignore_eos: bool = Field(False, description="Decode past EOS to max_tokens (vLLM's).")
+    metadata: dict[str, str] | None = Field(None, description="The caller's tags (OpenAI).")
 
     @field_validator("stop")
     @classmethod
@@ -56,15 +66,65 @@ class _Request(BaseModel):
         return stops
 
 
+class TextPart(BaseModel):
+    """One part of a message's content; only text (images and audio are 400s naming `type`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: object) -> object:
+        """Name the part this server cannot read (an image, audio) rather than the union."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {i}: type {kind!r} is not supported (text only)")
+        return v
+
+    name: str | None = Field(
+        None, description="The author's name (OpenAI; not shown to the model)."
+    )
+
+    def template_entry(self) -> dict:
+        """The message as chat templates take it: `developer` is the newer API's `system`,
+        content parts joined."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_CONTEXT, description="The current OpenAI name of max_tokens."
+    )
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees(cls, v: int | None, info: ValidationInfo) -> int | None:
+        given = info.data.get("max_tokens")
+        if v is not None and given is not None and given != v:
+            raise ValueError(f"differs from max_tokens ({given}): give one")
+        return v
+
+    @model_validator(mode="after")
+    def _one_token_limit(self) -> ChatCompletionRequest:
+        """`max_completion_tokens` (what the current OpenAI SDK sends) is `max_tokens`."""
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class CompletionRequest(_Request):
@@ -125,6 +185,8 @@ NO_OP_VALUES: dict[str, tuple] = {
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "min_tokens": (None, 0),
+    "store": (None, False),
+    "parallel_tool_calls": (None, True, False),  # no tools: nothing to run in parallel
 }
 
 
@@ -167,7 +229,8 @@ def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(x) for x in first["loc"]) or "body"
-        raise ApiError(400, f"{param}: {first['msg']}", param) from e
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {msg}", param) from e
     if isinstance(req, _Request) and req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
     return req

@@ -154,6 +154,8 @@ class ServeEngine:
             stop=tuple(req.stop)
             if isinstance(req, CompletionRequest | ChatCompletionRequest)
             else (),
+            ignore_eos=isinstance(req, CompletionRequest | ChatCompletionRequest)
+            and req.ignore_eos,
         )
 
     def _fit(self, ids: list[int], sampling: SamplingConfig, field: str) -> None:
@@ -171,7 +173,7 @@ class ServeEngine:
         if chat:
             try:
                 enc = tok.apply_chat_template(
-                    [m.model_dump() for m in req.messages],
+                    [m.template_entry() for m in req.messages],
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=True,

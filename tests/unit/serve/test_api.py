@@ -86,3 +86,41 @@ def test_an_oversized_integer_in_any_numeric_field_is_a_400_naming_it(cls, name,
 def test_max_tokens_beyond_any_context_is_refused_before_a_model_runs():
     assert _param(max_tokens=2**22) == "max_tokens"
     assert _parse(max_tokens=4096).max_tokens == 4096
+
+
+def test_what_the_current_openai_sdk_sends_for_chat_is_accepted():
+    """`max_completion_tokens`, content parts, the `developer` role and a `name`, `store`,
+    `metadata`, `parallel_tool_calls` and vLLM's `ignore_eos` (issue 29)."""
+    req = _parse(
+        messages=[
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                "name": "ops",
+            },
+            {"role": "user", "content": "hi", "name": "ann"},
+        ],
+        max_completion_tokens=7,
+        store=False,
+        metadata={"run": "a"},
+        parallel_tool_calls=True,
+        ignore_eos=True,
+    )
+    assert req.max_tokens == 7 and req.ignore_eos
+    assert [m.template_entry() for m in req.messages] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert _parse(max_completion_tokens=5, max_tokens=5).max_tokens == 5
+
+
+def test_what_this_server_cannot_do_is_a_400_naming_the_field():
+    assert _param(max_completion_tokens=5, max_tokens=6) == "max_completion_tokens"
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with pytest.raises(ApiError) as e:
+        _parse(messages=[{"role": "user", "content": image}])
+    assert (
+        e.value.param == "messages.0.content" and "image_url" in e.value.body()["error"]["message"]
+    )
+    assert _param(store=True) == "store"
+    assert _param(messages=[{"role": "tool", "content": "x"}]) == "messages.0.role"
