@@ -50,7 +50,10 @@ def output_dir(path: str | Path) -> Path:
         JobInputError: it, or the nearest of its parents that exists, is not a writable
             directory."""
     out = Path(path)
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    try:
+        existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    except OSError as e:  # a parent that cannot be searched
+        raise JobInputError(f"--out: cannot write results to {out}: {e.strerror}") from e
     if not existing.is_dir():
         raise JobInputError(f"--out: cannot write results to {out}: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):

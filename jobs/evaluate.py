@@ -418,7 +418,11 @@ def _grader(
             print(
                 f"[eval] item {item_id}: grader error ({why[:200]}); counted, going on", flush=True
             )
-            row = grade_item(item, records, job.limits, failure=why)
+            try:
+                row = grade_item(item, records, job.limits, failure=why)
+            except Exception as again:  # noqa: BLE001 - records even the row cannot be built of
+                why = f"{why}; then {type(again).__name__}: {again}"
+                row = grade_item(item, [{"index": i} for i in range(len(records))], failure=why)
         graded.append(row)
         if job.log_samples:
             with (job.run_dir / "samples.jsonl").open("a", encoding="utf-8") as f:

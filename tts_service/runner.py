@@ -391,6 +391,7 @@ class TrajectoryRunner:
         subs |= {id(r.submission): r.submission for r in self._rows()}
         self.queue.clear()
         self.decoder.drop(list(self.decoder.active))
+        self.decoder.cache.clear()  # rows a failed join had appended, with no row to drop
         for sub in subs.values():
             sub.finish(error)
 

@@ -260,3 +260,38 @@ def test_a_join_that_fails_answers_its_own_requests(tiny_model, monkeypatch):
     )
     with pytest.raises(RuntimeError, match="prefill failed"):
         loop.submit([request]).wait(timeout=60)
+
+
+def test_a_failed_join_into_an_empty_batch_leaves_no_stale_cache_rows(tiny_model, monkeypatch):
+    """A join that fails after appending its rows' KV to an empty batch: the next requests
+    still decode exactly (stale rows below them would shift every row's cache)."""
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.engine.kv import StaticKV
+
+    gen = make_generator(tiny_model)
+    runner = TrajectoryRunner(gen, 4)
+    append = StaticKV.append_rows
+    calls = []
+
+    def append_then_fail(self, *args, **kwargs):
+        append(self, *args, **kwargs)
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("failed after appending")
+
+    monkeypatch.setattr(StaticKV, "append_rows", append_then_fail)
+    request = lambda i: TrajectoryRequest(  # noqa: E731
+        "p",
+        i,
+        [1 + i, 2, 3],
+        SamplingConfig(temperature=0, max_new_tokens=4),
+        DRAFTER_CONFIGS["stand"],
+        InMemoryNgramStore(),
+    )
+    with pytest.raises(RuntimeError, match="after appending"):
+        runner.run([request(0)])
+    assert isinstance(runner.decoder, BatchDecoder) and runner.decoder.cache.rows == 0
+    report = runner.run([request(1), request(2)])
+    for res in report.results:
+        ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
+        assert res.output.token_ids == ref.token_ids

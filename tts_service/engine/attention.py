@@ -39,7 +39,15 @@ def grouped_sdpa(
     groups = getattr(module, "num_key_value_groups", 1)
     r, heads, n, _ = query.shape
     mask = attention_mask
-    if groups == 1 or mask is None or mask.shape[1] != 1 or groups * n > MAX_FOLDED:
+    extras = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    if (
+        groups == 1
+        or mask is None
+        or mask.shape[1] != 1
+        or groups * n > MAX_FOLDED
+        or heads != key.shape[1] * groups
+        or extras  # what only transformers' path applies (or refuses)
+    ):
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout, scaling, is_causal, **kwargs
         )

@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.kv import StaticKV
 
@@ -231,6 +232,8 @@ def stop(decoder: BatchDecoder) -> None:
 def follow(model: PreTrainedModel) -> None:
     """A follower's loop: apply every call the leader broadcasts to this rank's shard, until
     `stop`."""
+    if model.device.type == "cuda":  # as the leader's decoder does (`BatchDecoder`)
+        use_grouped_attention(model)
     link, cache = Link(model.device), StaticKV(model, shards=dist.get_world_size())
     prefill: DynamicCache | None = None
     while True:

@@ -280,6 +280,9 @@ class TTSServer:
             except ApiError as e:
                 status = e.status
                 raise
+            except Exception:  # reported in-band as a 500
+                status = 500
+                raise
             finally:  # before the stream's [DONE]
                 await self._count(route, status, started, usage)
 

@@ -138,7 +138,8 @@ def value_matches(actual_json: str | None, expected_json: str) -> bool:
     A value deeper than `MAX_VALUE_DEPTH` or longer than `MAX_VALUE_BYTES` does not match."""
     if actual_json is None or len(actual_json) > MAX_VALUE_BYTES:
         return False
-    if json_depth(actual_json, MAX_VALUE_DEPTH) > MAX_VALUE_DEPTH:
+    brackets = actual_json.count("[") + actual_json.count("{")
+    if brackets > MAX_VALUE_DEPTH and json_depth(actual_json, MAX_VALUE_DEPTH) > MAX_VALUE_DEPTH:
         return False
     try:
         return _same_value(json.loads(actual_json), json.loads(expected_json))
@@ -217,7 +218,9 @@ def grade_item(
         failure: grade nothing; every trajectory is a `grader_error` for this reason (the row
             of an item whose grading failed outside one trajectory, so a resume skips it).
     """
-    records = sorted(records, key=lambda r: r["index"])
+    records = sorted(
+        ({**r, "index": r.get("index", i)} for i, r in enumerate(records)), key=lambda r: r["index"]
+    )
     by_program: dict[str, Grade] = {}  # identical programs are run once
     grades = []
     for rec in records:
@@ -229,7 +232,10 @@ def grade_item(
         except Exception as e:  # noqa: BLE001 - one trajectory's text never ends the job
             grades.append(grader_error(None, e))
             continue
-        key = normalize_code(answer) if item.task == "lcb" and answer is not None else None
+        try:
+            key = normalize_code(answer) if item.task == "lcb" and answer is not None else None
+        except Exception:  # noqa: BLE001 - unparseable code is graded, just not deduplicated
+            key = None
         if key is not None and key in by_program:
             grades.append(by_program[key])
             continue
@@ -245,8 +251,9 @@ def grade_item(
     trajectories = []
     for rec, g in zip(records, grades, strict=True):
         row = {"index": rec["index"], "answer": g.answer, "correct": g.correct}
-        row["finish_reason"] = rec["finish_reason"]
-        row.update({k: rec["stats"][k] for k in ("new_tokens", "target_forwards", "wall_s")})
+        row["finish_reason"] = rec.get("finish_reason")
+        stats = rec.get("stats") or {}  # a record cut short still gets its row
+        row.update({k: stats.get(k, 0) for k in ("new_tokens", "target_forwards", "wall_s")})
         if item.task == "lcb":
             row["tests"] = g.summary(len(item.tests))
         if g.cases and g.cases[-1].reason == "grader_error":

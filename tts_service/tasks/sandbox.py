@@ -37,6 +37,7 @@ import functools
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -114,13 +115,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _verdict(rc: int, timed_out: bool, overflowed: bool, stderr: str) -> tuple[Status, str]:
+def _verdict(
+    rc: int, timed_out: bool, overflowed: bool, stderr: str, cpu_spent: bool = False
+) -> tuple[Status, str]:
     """The status from how the program ended, as this process saw it. The child's marker
     (the last stderr line) only says which failure it was: a program that forges one has
-    still failed."""
+    still failed. `cpu_spent`: the children used the CPU-time limit (a SIGKILL is then the
+    kernel's, at the hard limit, for a program that ignored SIGXCPU)."""
     if timed_out:
         return "timeout", "wall-clock limit"
-    if rc == -signal.SIGXCPU:
+    if rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and cpu_spent):
         return "timeout", "CPU-time limit"
     if overflowed:
         return "runtime_error", "File too large: the output passed its size limit"
@@ -196,6 +200,7 @@ def _execute(
             open(files / "stderr", "wb") as ferr,
         ):
             start = time.perf_counter()
+            used = resource.getrusage(resource.RUSAGE_CHILDREN)
             proc = subprocess.Popen(
                 cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=box, env=env, start_new_session=True
             )
@@ -207,10 +212,12 @@ def _execute(
             finally:
                 _kill_group(proc)  # nothing the program started outlives the call
             wall = time.perf_counter() - start
+            now = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
         overflowed = (files / "stdout").stat().st_size >= limits.max_output_mb << 20
         stdout = _read(files / "stdout", _MAX_READ)
         stderr = _read(files / "stderr", 4000, tail=True)
-    status, detail = _verdict(proc.returncode, timed_out, overflowed, stderr)
+    status, detail = _verdict(proc.returncode, timed_out, overflowed, stderr, cpu >= spec["cpu_s"])
     value = None
     if status == "ok" and func_name is not None:
         stdout, _, value = stdout.rstrip("\n").rpartition("\n")

@@ -171,3 +171,11 @@ def test_a_trajectory_the_grader_cannot_grade_is_counted_wrong_and_the_item_row_
     assert row["maj_correct"]["3"]
     failed = grade_item(item, records, failure="ValueError: boom")
     assert failed["correct"] == [False] * 3 and failed["grader_errors"] == 3
+
+
+def test_an_item_row_is_written_even_from_records_missing_their_counters(items):
+    """The failure row of jobs.evaluate: records cut short still give one row per trajectory."""
+    item = items["aime24"][0]
+    row = grade_item(item, [{"index": 1, "text": "\\boxed{24}"}, {"text": "x"}], failure="boom")
+    assert row["correct"] == [False, False] and row["grader_errors"] == 2
+    assert row["stats"] == {"new_tokens": 0, "target_forwards": 0, "wall_s": 0}

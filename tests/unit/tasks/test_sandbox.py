@@ -130,3 +130,17 @@ def test_runaway_output_and_crashes_are_runtime_errors():
     result = run_python("raise SystemExit(3)\n", limits=FAST)
     assert result.status == "runtime_error"
     assert run_python("print(1)\nraise SystemExit(0)\n", limits=FAST).status == "ok"
+
+
+def test_a_sigkill_after_the_cpu_limit_was_spent_is_a_timeout():
+    """The kernel's SIGKILL at the hard CPU limit (a program that ignored SIGXCPU) is the
+    CPU-time limit; another SIGKILL stays a runtime error."""
+    import signal
+
+    from tts_service.tasks.sandbox import _verdict
+
+    assert _verdict(-signal.SIGKILL, False, False, "", cpu_spent=True) == (
+        "timeout",
+        "CPU-time limit",
+    )
+    assert _verdict(-signal.SIGKILL, False, False, "")[0] == "runtime_error"
