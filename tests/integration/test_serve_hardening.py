@@ -137,7 +137,7 @@ def _hostile() -> list[tuple[str, bytes, str]]:
     routes = ["/v1/chat/completions", "/v1/completions", "/v1/solve"]
     for route, raw in itertools.product(routes, RAW):
         reqs.append((route, raw, "application/json"))
-    for kind in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]:
+    for kind in ["text/plain", "multipart/form-data"]:  # curl -d's form type is read as JSON
         reqs.append(("/v1/chat/completions", json.dumps(CHAT).encode(), kind))
     return reqs
 

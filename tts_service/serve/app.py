@@ -328,13 +328,15 @@ class TTSServer:
 def build_app(cfg: ServeConfig):
     """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config), with
     the one metrics hub they share."""
+    # every request reaches a replica, which runs it, queues it for its runner (fair
+    # admission) or answers 429 at once: Serve's default (5 ongoing) kept the rest in its
+    # proxy, unbounded, and the batch at about 5 rows. Serve's own queue, past that, is
+    # bounded too (503), far enough out that a refusal is the replica's 429
+    ongoing = 2 * cfg.max_queued_requests + 8
     options: dict = {
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica},
-        # every request reaches a replica, which runs it, queues it for its runner (fair
-        # admission) or answers 429 at once; Serve's default (5) kept the rest in the proxy,
-        # unbounded, and the batch at about 5 rows. Beyond twice that, Serve answers 503.
-        "max_ongoing_requests": 2 * cfg.max_queued_requests,
-        "max_queued_requests": cfg.max_queued_requests,
+        "max_ongoing_requests": ongoing,
+        "max_queued_requests": 2 * ongoing,
     }
     if cfg.tensor_parallel > 1:  # the replica is rank 0, in bundle 0; its other ranks follow
         gpu = {"GPU": 1} if cfg.model.device.startswith("cuda") else {}
