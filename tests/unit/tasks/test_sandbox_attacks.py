@@ -31,6 +31,12 @@ def _needs(available: object, what: str) -> None:
         pytest.skip(f"this platform lacks {what}: {LAYERS}")
 
 
+def _assert_refused(code: str, limits: Limits, success: str) -> None:
+    """The kernel refused what `code` tried: it failed as refused, before printing `success`."""
+    result = run_python(code, limits=limits)
+    assert result.status == "refused" and success not in result.stdout, result
+
+
 def test_memfd_cannot_hold_memory_beyond_the_limit():
     _needs(LAYERS["seccomp_no_new_processes"], "seccomp")
     code = (
@@ -39,8 +45,7 @@ def test_memfd_cannot_hold_memory_beyond_the_limit():
         "    for _ in range(64):\n        os.write(fd, b'x' * (1 << 20))\n"
         "    fds.append(fd)\nprint('held', len(fds) * 64, 'MiB')\n"
     )
-    result = run_python(code, limits=SMALL)
-    assert result.status == "refused" and "held" not in result.stdout, result
+    _assert_refused(code, SMALL, "held")
 
 
 def test_files_in_the_box_are_capped_in_total_even_once_unlinked():
@@ -64,8 +69,7 @@ def test_sysv_shared_memory_is_refused():
         "if shm < 0:\n    raise OSError(ctypes.get_errno(), 'shmget')\n"
         "libc.shmctl(shm, 0, None)\nprint('segment', shm)\n"  # IPC_RMID: leave nothing behind
     )
-    result = run_python(code, limits=OS_ONLY)
-    assert result.status == "refused" and "segment" not in result.stdout, result
+    _assert_refused(code, OS_ONLY, "segment")
 
 
 def _cheat(kind: str) -> str:
@@ -196,8 +200,7 @@ def test_io_uring_is_refused():
         "if fd < 0:\n    raise OSError(ctypes.get_errno(), 'io_uring_setup')\n"
         "print('ring', fd)\n"
     )
-    result = run_python(code, limits=OS_ONLY)
-    assert result.status == "refused" and "ring" not in result.stdout, result
+    _assert_refused(code, OS_ONLY, "ring")
 
 
 def test_the_cpu_limit_has_a_hard_ceiling_a_program_cannot_ignore():
