@@ -34,31 +34,32 @@ class NgramRow:
 
 
 def merge(
-    old: NgramEntry | None, ids: Sequence[int], probs: Sequence[float], topk: int
+    old: NgramEntry | None, ids: Sequence[int], probs: Sequence[float], topk: int, order: int = 0
 ) -> NgramEntry:
-    """STAND's merge: count-weighted running mean over the union of ids, truncated to `topk`.
+    """STAND's merge: count-weighted running mean over the union of ids, truncated to `topk`;
+    `order` is the n-gram length the entry is stored under (what a lookup returns).
 
     Ties are broken by token id so every backend produces the same entry.
     """
     if old is None:
         pairs = sorted(zip(ids, probs, strict=True), key=lambda t: (-t[1], t[0]))[:topk]
-        return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), 1)
+        return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), 1, order)
     k = old.count
     acc: dict[int, float] = {i: p * k / (k + 1) for i, p in zip(old.ids, old.probs, strict=True)}
     for i, p in zip(ids, probs, strict=True):
         acc[i] = acc.get(i, 0.0) + p / (k + 1)
     pairs = sorted(acc.items(), key=lambda t: (-t[1], t[0]))[:topk]
-    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), k + 1)
+    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), k + 1, order)
 
 
-def mean_entry(count: int, sums: dict[int, float], topk: int) -> NgramEntry | None:
+def mean_entry(count: int, sums: dict[int, float], topk: int, order: int = 0) -> NgramEntry | None:
     """The commutative form of the merge: per-id probability sums over `count` observations ->
     the mean distribution's top k (ties: lower id). Order-independent, so concurrent writers
     agree; it equals STAND's running mean without the intermediate truncations."""
     if count <= 0:
         return None
     pairs = sorted(((i, s / count) for i, s in sums.items()), key=lambda t: (-t[1], t[0]))[:topk]
-    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), count)
+    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), count, order)
 
 
 class NgramStore(Protocol):

@@ -39,9 +39,9 @@ class InMemoryNgramStore:
         entries = self._entries
         for n in range(min(self.max_order, len(context)), 0, -1):
             hit = entries.get(tuple(context[-n:]))
-            if hit is not None:
+            if hit is not None:  # stored with its order (`add`)
                 self._hits[n] += 1
-                return NgramEntry(hit.ids, hit.probs, hit.count, n)
+                return hit
         self._misses += 1
         return None
 
@@ -51,13 +51,13 @@ class InMemoryNgramStore:
             for n in range(1, min(self.max_order, len(row.context)) + 1):
                 key = tuple(row.context[-n:])
                 if self.merge == "stand":
-                    entries[key] = merge(entries.get(key), row.ids, row.probs, self.topk)
+                    entries[key] = merge(entries.get(key), row.ids, row.probs, self.topk, n)
                 else:
                     sums = self._sums.setdefault(key, {})
                     for token, p in zip(row.ids, row.probs, strict=True):
                         sums[token] = sums.get(token, 0.0) + p
                     count = entries[key].count + 1 if key in entries else 1
-                    entries[key] = mean_entry(count, sums, self.topk)
+                    entries[key] = mean_entry(count, sums, self.topk, n)
                 entries.move_to_end(key)
         while len(entries) > self.max_entries:
             key, _ = entries.popitem(last=False)

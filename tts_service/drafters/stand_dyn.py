@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from pydantic import Field
 
@@ -61,48 +61,68 @@ class StandDynDrafterConfig(StrictConfig):
     )
 
 
-class Candidate(NamedTuple):
-    token: int
-    kind: int  # `candidate_kind(source, order, count, agree, suffix)`: what calibration keys on
-    q: float  # the source's own probability of the token
-    alpha: float  # calibrated acceptance rate given the parent was reached
+Candidate = tuple[float, int, int, float]
+"""A node's candidate child: (−α̂, token, kind, q). −α̂ is its calibrated acceptance rate given
+the parent was reached, negated so that sorting puts the best first (ties: the lower token);
+`kind` is `candidate_kind(...)`, what calibration keys on; `q` the source's own probability.
+A plain tuple: drafting builds ~10 per opened node, and a named tuple costs 4× as much here."""
 
 
 class AcceptanceCalibration:
     """How often a candidate of a given kind and stored probability was accepted once its
     parent was reached: per (kind, probability decile), a count and a hit count, with
-    `prior_weight` pseudo-draws at `prior_scale` × q (stores are overconfident)."""
+    `prior_weight` pseudo-draws at `prior_scale` × q (stores are overconfident).
+
+    α̂ = (hits + w·s·q) / (drawn + w) (`rates.smoothed_rate`) is linear in q within a key, so
+    each key keeps its (intercept, slope) and ranking a candidate is one dict probe."""
 
     def __init__(self, prior_weight: float = 4.0, prior_scale: float = 0.8, bins: int = 10):
         self.prior_weight, self.prior_scale, self.bins = prior_weight, prior_scale, bins
         self.drawn: dict[int, float] = {}  # key: kind * bins + the probability's decile
         self.hits: dict[int, float] = {}
+        self.lines: dict[int, tuple[float, float]] = {}  # key -> (intercept, slope) in q
+        self.prior_line = (0.0, prior_scale)  # a key never drawn: α̂ = s·q
 
     def _key(self, kind: int, q: float) -> int:
-        return kind * self.bins + min(int(q * self.bins), self.bins - 1)
+        return kind * self.bins + (int(q * self.bins) if q < 1.0 else self.bins - 1)
 
     def rank(self, found: dict[int, tuple[int, float]]) -> list[Candidate]:
-        """`found` (token -> (kind, q)) as candidates with their calibrated rates
-        (`rates.smoothed_rate` toward `prior_scale` × q), best first. Drafting's hot loop."""
-        weight, scale = self.prior_weight, self.prior_scale
-        hits, drawn, key = self.hits.get, self.drawn.get, self._key
+        """`found` (token -> (kind, q), 0 <= q <= 1) as candidates, best first. Drafting's hot
+        loop: every opened node ranks ~10."""
+        bins, top, line, prior = self.bins, self.bins - 1, self.lines.get, self.prior_line
         out = []
         for token, (kind, q) in found.items():
-            at = key(kind, q)
-            alpha = smoothed_rate(hits(at, 0.0), drawn(at, 0.0), scale * q, weight)
-            out.append(Candidate(token, kind, q, alpha))
-        out.sort(key=lambda c: (-c.alpha, c.token))
+            a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
+            out.append((-a - b * q, token, kind, q))
+        out.sort()
         return out
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
         key = self._key(kind, q)
-        self.drawn[key] = self.drawn.get(key, 0.0) + 1.0
-        self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
+        drawn = self.drawn[key] = self.drawn.get(key, 0.0) + 1.0
+        hits = self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
+        w = self.prior_weight
+        self.lines[key] = (
+            smoothed_rate(hits, drawn, 0.0, w),
+            smoothed_rate(0.0, drawn, self.prior_scale, w),
+        )
 
 
 def candidate_kind(source: int, order: int, count: int, agree: int, suffix: int) -> int:
     """One int for (source 0-3, order 0-8, count 0-4, agree 0-1, suffix flag 0-3)."""
     return (((source * 10 + order) * 5 + count) * 2 + agree) * 4 + suffix
+
+
+KINDS = tuple(
+    tuple(
+        tuple(candidate_kind(source, order, count, 0, 0) for count in range(5))
+        for order in range(9)
+    )
+    for source in range(4)
+)
+"""`KINDS[source][order][count]`: `candidate_kind` without the agree and suffix flags (a table:
+drafting looks up ~3 kinds per opened node)."""
+AGREE = candidate_kind(0, 0, 0, 1, 0)  # added to a kind whose token the shorter order agrees on
 
 
 def suffix_flags(order: int) -> tuple[int, int]:
@@ -139,34 +159,35 @@ class StandDynDrafter:
 
     def candidates(self, tail: Sequence[int]) -> list[Candidate]:
         """The candidates after `tail`, best first by calibrated acceptance."""
-        order = self.store.max_order
         n, counts = self.suffix.lookup(tail)
         absent, named = suffix_flags(n)
         found: dict[int, tuple[int, float]] = {}  # token -> (kind, q)
-        longest = self.store.lookup(tail[-order:])
+        longest = self.store.lookup(tail[-self.store.max_order :])
         if longest is not None:
             shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
-            agree_with = shorter.ids[0] if shorter is not None and shorter.ids else -1
-            base = candidate_kind(STORE, longest.order, min(longest.count, 4), 0, 0)
-            scale = sum(longest.probs) or 1.0
+            base = KINDS[STORE][longest.order][min(longest.count, 4)]
+            inv = 1.0 / (sum(longest.probs) or 1.0)
             for token, p in zip(longest.ids, longest.probs, strict=True):
                 if p > 0:
-                    flag = named if token in counts else absent
-                    found[token] = (base + 4 * (token == agree_with) + flag, p / scale)
+                    found[token] = (base + (named if token in counts else absent), p * inv)
             if shorter is not None:
-                base = candidate_kind(BACKOFF, shorter.order, min(shorter.count, 4), 0, 0)
-                scale = sum(shorter.probs) or 1.0
+                top = shorter.ids[0] if shorter.ids else -1
+                if top in found:  # the next shorter order's top choice agrees
+                    kind, q = found[top]
+                    found[top] = (kind + AGREE, q)
+                base = KINDS[BACKOFF][shorter.order][min(shorter.count, 4)]
+                inv = 1.0 / (sum(shorter.probs) or 1.0)
                 for token, p in zip(shorter.ids, shorter.probs, strict=True):
                     if p > 0 and token not in found:
-                        found[token] = (base + (named if token in counts else absent), p / scale)
+                        found[token] = (base + (named if token in counts else absent), p * inv)
         if n >= MIN_SUFFIX:
-            total = sum(counts.values())
-            base = candidate_kind(SUFFIX, 0, 0, 0, 0)
+            inv = 1.0 / sum(counts.values())
+            kind = KINDS[SUFFIX][0][0] + named
             for token, k in counts.items():
                 if token not in found:
-                    found[token] = (base + named, k / total)
+                    found[token] = (kind, k * inv)
         if not found and tail:
-            base = candidate_kind(SUCCESSOR, 0, 0, 0, 0)
+            base = KINDS[SUCCESSOR][0][0]
             for token, p in self.successors.successors(-1, tail[-1]):
                 if p > 0:
                     found[token] = (base + (named if token in counts else absent), p)
@@ -177,36 +198,39 @@ class StandDynDrafter:
         limit = min(self.cfg.num_nodes, ctx.max_nodes)
         cost = self.cost.at(len(ctx.tokens)) if self.cost is not None else None
         builder = TreeBuilder(ctx.tokens[-1])
-        self._tails, self._kinds = [tuple(ctx.tokens[-TAIL:])], [None]
+        tails: list[tuple[int, ...]] = [tuple(ctx.tokens[-TAIL:])]
+        kinds: list[Candidate | None] = [None]
+        self._tails, self._kinds = tails, kinds
         alpha = [1.0]
         plans: dict[int, list[Candidate]] = {}
         # (-α̂ of the slot, node, candidate rank); rank -1: the node's candidates are not
         # looked up yet, and α̂ of the node bounds every child's, so it is opened only when
         # that bound is the best slot left (most leaves never are)
         heap: list[tuple[float, int, int]] = [(-1.0, 0, -1)]
-        expected = 1.0
-        while heap and len(builder) - 1 < limit:
-            neg, node, rank = heapq.heappop(heap)
+        push, pop = heapq.heappush, heapq.heappop
+        expected, size = 1.0, 1  # expected tokens committed; tree tokens, root included
+        while heap and size <= limit:
+            neg, node, rank = pop(heap)
             if rank < 0:
-                plan = self.candidates(self._tails[node])
+                plan = self.candidates(tails[node])
                 if plan:
                     plans[node] = plan
-                    heapq.heappush(heap, (-alpha[node] * plan[0].alpha, node, 0))
+                    push(heap, (alpha[node] * plan[0][0], node, 0))
                 continue
-            if cost is not None and not worth_growing(
-                cost, len(builder), expected, -neg, limit + 1
-            ):
+            if cost is not None and not worth_growing(cost, size, expected, -neg, limit + 1):
                 break
-            cand = plans[node][rank]
-            child = builder.add(node, cand.token)
-            self._tails.append((*self._tails[node], cand.token)[-TAIL:])
-            self._kinds.append(cand)
+            plan = plans[node]
+            cand = plan[rank]
+            token = cand[1]
+            child = builder.add(node, token)
+            size += 1
+            tails.append((*tails[node], token)[-TAIL:])
+            kinds.append(cand)
             alpha.append(-neg)
             expected -= neg
-            if rank + 1 < len(plans[node]):
-                nxt = plans[node][rank + 1]
-                heapq.heappush(heap, (-alpha[node] * nxt.alpha, node, rank + 1))
-            heapq.heappush(heap, (neg, child, -1))
+            if rank + 1 < len(plan):
+                push(heap, (alpha[node] * plan[rank + 1][0], node, rank + 1))
+            push(heap, (neg, child, -1))
         return builder.build()
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred:
@@ -236,7 +260,8 @@ class StandDynDrafter:
         for v in range(1, tree.size):
             cand = kinds[v]
             if cand is not None and tree.parents[v] in reached:
-                self.calibration.record(cand.kind, cand.q, v in acc.path)
+                _, _, kind, q = cand
+                self.calibration.record(kind, q, v in acc.path)
         order = self.store.max_order
         feed_store(
             self.store, [t[-order:] for t in tails], tree, acc, topk, self.cfg.harvest_rejected

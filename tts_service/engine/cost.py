@@ -112,14 +112,16 @@ def worth_growing(
     (1 + Σ α̂) / T(m) is linear over linear between measured sizes, so checking the next size
     and every measured size beyond it is exact.
     """
+    if tree_tokens >= max_tokens:
+        return False
     rate = expected_len / cost.time(tree_tokens)
+    if (expected_len + alpha) / cost.time(tree_tokens + 1) > rate:  # the usual answer: cheap
+        return True
     ends = [m for m in cost.sizes if tree_tokens + 1 < m < max_tokens]
-    for m in (tree_tokens + 1, *ends, max_tokens):
-        if m > max_tokens:
-            break
-        if (expected_len + (m - tree_tokens) * alpha) / cost.time(m) > rate:
-            return True
-    return False
+    return any(
+        (expected_len + (m - tree_tokens) * alpha) / cost.time(m) > rate
+        for m in (*ends, max_tokens)
+    )
 
 
 def sync_device(device: torch.device) -> None:

@@ -16,6 +16,7 @@ from tts_service.drafters.stand_dyn import (
     STORE,
     SUFFIX_ORDERS,
     AcceptanceCalibration,
+    Candidate,
     StandDynDrafter,
     StandDynDrafterConfig,
     candidate_kind,
@@ -44,9 +45,14 @@ def _ctx(tokens, max_nodes=80) -> DraftContext:
     return DraftContext(list(tokens), 1, max_nodes)
 
 
+def tokens(cands: list[Candidate]) -> list[int]:
+    return [token for _, token, _, _ in cands]
+
+
 def rate(cal: AcceptanceCalibration, kind: int, q: float) -> float:
     """The calibrated rate of one candidate (token 0) of `kind` and stored probability `q`."""
-    return cal.rank({0: (kind, q)})[0].alpha
+    neg_alpha, _, _, _ = cal.rank({0: (kind, q)})[0]
+    return -neg_alpha
 
 
 def test_calibration_starts_below_the_stored_probability_and_learns_the_real_rate():
@@ -83,14 +89,14 @@ def test_backoff_adds_the_shorter_orders_ids_and_calibration_reorders_them():
     store.add([NgramRow((2, 3), (4,), (1.0,)), NgramRow((9, 3), (5,), (1.0,))])
     # the 2-gram (2, 3) says 4; the 1-gram (3,) merged both rows: 4 and 5 at 0.5 each
     d = _drafter(store)
-    first = d.candidates([2, 3])
-    assert [c.token for c in first] == [4, 5]
-    assert first[0].kind == candidate_kind(STORE, 2, 1, 1, 0)  # the 1-gram also ranks 4 first
-    assert first[1].kind == candidate_kind(BACKOFF, 1, 2, 0, 0)  # 5 is the 1-gram's back-off
+    (_, four, four_kind, four_q), (_, five, five_kind, five_q) = d.candidates([2, 3])
+    assert (four, five) == (4, 5)
+    assert four_kind == candidate_kind(STORE, 2, 1, 1, 0)  # the 1-gram also ranks 4 first
+    assert five_kind == candidate_kind(BACKOFF, 1, 2, 0, 0)  # 5 is the 1-gram's back-off
     for _ in range(50):  # the 2-gram's choice is never accepted, the back-off always
-        d.calibration.record(first[0].kind, first[0].q, False)
-        d.calibration.record(first[1].kind, first[1].q, True)
-    assert [c.token for c in d.candidates([2, 3])] == [5, 4]
+        d.calibration.record(four_kind, four_q, False)
+        d.calibration.record(five_kind, five_q, True)
+    assert tokens(d.candidates([2, 3])) == [5, 4]
 
 
 def test_suffix_counts_put_a_long_shared_continuation_first():
@@ -106,13 +112,15 @@ def test_suffix_counts_put_a_long_shared_continuation_first():
         StandDynDrafterConfig(sizing="fixed"), store, suffix, AdjacencyTable(VOCAB, 10), cal
     )
     now.start([1])
-    cands = now.candidates([1, 2, 3, 4, 5, 6, 7])
-    assert [(c.token, c.kind % 4) for c in cands] == [(8, 1), (9, 2)]  # 9 is named by a match
+    (_, eight, eight_kind, eight_q), (_, nine, nine_kind, nine_q) = now.candidates(
+        [1, 2, 3, 4, 5, 6, 7]
+    )
+    assert [(eight, eight_kind % 4), (nine, nine_kind % 4)] == [(8, 1), (9, 2)]  # 9: a match
     for _ in range(30):
-        cal.record(cands[1].kind, cands[1].q, True)
-        cal.record(cands[0].kind, cands[0].q, False)
+        cal.record(nine_kind, nine_q, True)
+        cal.record(eight_kind, eight_q, False)
     now.draft(_ctx([1, 2, 3, 4, 5, 6, 7]))
-    assert [c.token for c in now.candidates([1, 2, 3, 4, 5, 6, 7])] == [9, 8]
+    assert tokens(now.candidates([1, 2, 3, 4, 5, 6, 7])) == [9, 8]
 
 
 def test_an_unknown_context_falls_back_to_the_successor_table():
