@@ -20,6 +20,7 @@ from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig, default_max_rows
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.decode import GenerationOutput
+from tts_service.engine.scoring import TokenLogprobs, score_tokens
 from tts_service.runner import (
     Admission,
     RunnerLoop,
@@ -123,6 +124,13 @@ class RunnerHost:
         report = self.run(requests, on_result, skip)
         report.results.sort(key=lambda r: r.request.index)
         return report
+
+    def score(self, ids: Sequence[int], start: int, top: int) -> TokenLogprobs:
+        """The target's logprobs of `ids[start:]` with `top` alternatives at each
+        (`engine.scoring`): one forward, between two of the runner's steps when threaded."""
+        model = self.generator.loaded.model
+        work = lambda: score_tokens(model, ids, start, top)  # noqa: E731
+        return self.loop.between_steps(work) if self.loop is not None else work()
 
     def generate(
         self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig

@@ -7,7 +7,8 @@ a plain local run), or of any OpenAI-compatible server.
         [--set key=value ...] [--test-timeout 6] \\
         [--endpoint http://host:port/v1 [--api-key K] [--concurrent 4]]
 
-`--tasks` takes one or more names, comma-separated (lm-eval's `gpqa_diamond` is `gpqa`).
+`--tasks` takes one or more names, comma-separated, as we, lm-eval (`gpqa_diamond_zeroshot`) or
+lighteval (`lighteval|aime24|0|0`, `gpqa:diamond`) spell them.
 `--method` is one or more names in `tts_service.drafters.registry.METHODS` (default auto);
 `auto` runs, and names the run after, the method it resolves to on the model's device. Several
 methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
@@ -54,7 +55,7 @@ from jobs.common import (
 from jobs.endpoint import Endpoint, EndpointError
 from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
 from tts_service.schemas import JobConfig, Problem
-from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName
+from tts_service.tasks.items import TASK_ALIASES, TASK_NAMES, EvalItem, TaskName, task_name
 from tts_service.tasks.loaders import DEFAULT_RELEASE, DatasetUnavailable, DataSource, load_rows
 from tts_service.tasks.prompts import build_items
 from tts_service.tasks.sandbox import Limits
@@ -93,12 +94,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _tasks(value: str) -> list[TaskName]:
-    names = [TASK_ALIASES.get(t.strip(), t.strip()) for t in value.split(",") if t.strip()]
-    bad = [t for t in names if t not in TASK_NAMES]
+    spelled = [t.strip() for t in value.split(",") if t.strip()]
+    names = [task_name(t) for t in spelled]
+    bad = [t for t, name in zip(spelled, names, strict=True) if name is None]
     if bad or not names:
-        known = ", ".join([*TASK_NAMES, *TASK_ALIASES])
+        known = ", ".join([*TASK_NAMES, *TASK_ALIASES, "lighteval|aime24|0|0"])
         raise argparse.ArgumentTypeError(f"unknown task {', '.join(bad) or value!r} ({known})")
-    return list(dict.fromkeys(names))  # type: ignore[arg-type]
+    return list(dict.fromkeys(n for n in names if n is not None))
 
 
 def _methods(value: str) -> list[str]:

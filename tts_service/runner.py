@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
@@ -42,6 +42,8 @@ from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
 MAX_NODES = 64  # the most draft nodes a row may get in one step
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -558,6 +560,12 @@ class RunnerLoop:
         skip: Callable[[TrajectoryRequest], bool] | None = None,
     ) -> RunReport:
         return self.submit(requests, on_result, skip).wait()
+
+    def between_steps(self, work: Callable[[], T]) -> T:
+        """Run `work` in the caller's thread while the loop waits between two steps: another
+        forward on the same model (scoring) never overlaps a step or a CUDA graph capture."""
+        with self._lock:
+            return work()
 
     def _loop(self) -> None:
         while True:

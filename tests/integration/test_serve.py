@@ -159,9 +159,16 @@ MALFORMED = [
     ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {**CHAT, "min_p": "0.1"}, "min_p"),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"continuous": True}}, "stream_options"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),  # no logprobs
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "stream": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, -2]}, "prompt"),
+    ("/v1/completions", {"prompt": [10**8]}, "prompt"),  # beyond the vocabulary
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"], "aggregate": "majority"}, "aggregate"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),
@@ -261,6 +268,53 @@ def test_the_openai_client_works_unchanged(server):
         client.models.retrieve("gpt-9")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=6)
+
+
+def test_the_openai_client_reads_logprobs_echo_and_prompt_lists(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_completion_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy: the top one
+    out = client.completions.create(
+        model="tiny",
+        prompt=[[1, 2, 3], [4, 5]],
+        max_tokens=1,
+        logprobs=1,
+        echo=True,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    lengths = [len(c.logprobs.tokens) for c in out.choices]
+    assert lengths == [4, 4, 3, 3]  # the prompt's tokens, then the one completion token
+    for c in out.choices:
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="x", logprobs=1, stream=True)
+
+
+def test_lm_eval_s_remote_tokenizer_finds_vllm_s_tokenizer_routes(server):
+    status, text = call(server, "/tokenizer_info", method="GET")
+    assert status == 200 and "eos_token" in json.loads(text)
+    status, text = call(server, "/tokenize", {"prompt": "test", "add_special_tokens": False})
+    tokens = json.loads(text)["tokens"]
+    assert status == 200 and tokens and all(isinstance(t, int) for t in tokens)
+    status, text = call(server, "/detokenize", {"tokens": tokens})
+    assert status == 200 and json.loads(text)["prompt"] == "test"
+    status, text = call(server, "/tokenize", {"text": "x"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "text"
 
 
 def test_a_cancelled_stream_stops_decoding(tiny_model_dir):

@@ -88,13 +88,13 @@ BAD_VALUES = {
     "task": ["poetry", 1],
     "model": ["gpt-9", 5],
     "user": [5, ["a"]],
-    "logprobs": [True, 1],
-    "top_logprobs": [5, "1"],
+    "logprobs": ["yes", -1, 21],
+    "top_logprobs": [5, "1", 21],
     "presence_penalty": [0.5, -1, "0"],
     "frequency_penalty": [1, False],
     "logit_bias": [{"1": 5}],
     "best_of": [2],
-    "echo": [True],
+    "echo": ["yes", 1],
     "suffix": ["x"],
     "stream_options": [{"include_usage": True}, {"include_usage": "yes"}, {"x": 1}, True],
     "tools": [[{"type": "function"}]],
@@ -180,12 +180,17 @@ def test_a_text_plain_body_is_refused_and_curl_s_default_type_is_read_as_json(se
 
 @pytest.mark.parametrize(
     "field,value",
-    [("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5), ("best_of", 3)],
+    [
+        ("frequency_penalty", 0.5),
+        ("logit_bias", {"1": 5}),
+        ("presence_penalty", 0.5),
+        ("best_of", 3),
+    ],
 )
 def test_unimplemented_parameters_are_named_unless_they_ask_for_nothing(servers, field, value):
     status, text = call(servers[0] + "/v1/chat/completions", {**CHAT, field: value})
     assert status == 400 and _openai_error(text)["param"] == field
-    neutral = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "best_of": 1}
+    neutral = {"frequency_penalty": 0, "logit_bias": {}, "presence_penalty": 0.0, "best_of": 1}
     status, text = call(servers[0] + "/v1/chat/completions", {**CHAT, field: neutral[field]})
     assert status == 200, text
 

@@ -73,11 +73,13 @@ def add_field(
     path: str,
     preset: dict | None = None,
     flag: str | None = None,
+    aliases: tuple[str, ...] = (),
     **kw: Any,
 ) -> None:
-    """`--name` for the schema field at `path`: its help is the field's description and default
-    (the preset's value, if it has one), so neither can drift from the schema. The flag itself
-    defaults to None: what is not given is left to the preset and the schema."""
+    """`--name` (and `aliases`) for the schema field at `path`: its help is the field's
+    description and default (the preset's value, if it has one), so neither can drift from the
+    schema. The flag itself defaults to None: what is not given is left to the preset and the
+    schema."""
     field, default = schema_field(model, path)
     leaf = path.rsplit(".", 1)[-1]
     if preset is not None:
@@ -85,7 +87,7 @@ def add_field(
     if "type" not in kw and "action" not in kw and field.annotation in (int, float, str):
         kw["type"] = field.annotation
     flag = flag or f"--{leaf.replace('_', '-')}"
-    p.add_argument(flag, help=with_default(field.description, default), **kw)
+    p.add_argument(flag, *aliases, help=with_default(field.description, default), **kw)
 
 
 def add_common_flags(p: argparse.ArgumentParser, model: type[BaseModel]) -> None:

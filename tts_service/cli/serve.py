@@ -22,37 +22,53 @@ from tts_service.cli.common import (
     field_error,
     with_default,
 )
-from tts_service.config import load_yaml
+from tts_service.config import ModelConfig, load_yaml
 from tts_service.schemas import ServeConfig
 from tts_service.timing import phase
 
 SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")
 
 
+DTYPES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings of ours
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser(
         "serve",
         help="the OpenAI-compatible HTTP endpoint on Ray Serve",
-        description="The OpenAI-compatible HTTP endpoint on Ray Serve. Flags override the "
-        "config file; the defaults shown are configs/serve.yaml's.",
+        description="The OpenAI-compatible HTTP endpoint on Ray Serve, with `vllm serve`'s "
+        "flags for what it shares. Flags override the config file; the defaults shown are "
+        "configs/serve.yaml's.",
     )
     preset = load_yaml(SERVE_PRESET)
     args = (preset.get("applications") or [{}])[0].get("args", {})
     http = preset.get("http_options", {})
+    model_args = args.get("model", {})
+    srv.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it"
+    )
     srv.add_argument(
         "--config", default=str(SERVE_PRESET), help="a Serve config file (configs/serve.yaml)"
     )
-    add_field(srv, ServeConfig, "model.name", args.get("model", {}), flag="--model")
-    add_field(srv, ServeConfig, "host", http)
-    add_field(srv, ServeConfig, "port", http)
-    add_field(srv, ServeConfig, "served_model_name", args)
-    add_field(srv, ServeConfig, "model.max_model_len", args.get("model", {}))
-    add_field(srv, ServeConfig, "tensor_parallel", args)
-    srv.add_argument(
+    model = srv.add_argument_group("model")
+    add_field(model, ServeConfig, "model.name", model_args, flag="--model")
+    add_field(model, ServeConfig, "served_model_name", args)
+    add_field(model, ServeConfig, "model.max_model_len", model_args)
+    dtypes = [*ModelConfig.model_fields["dtype"].annotation.__args__, *DTYPES]
+    add_field(model, ServeConfig, "model.dtype", model_args, choices=dtypes)
+    add_field(model, ServeConfig, "chat_template", args)
+    add_field(model, ServeConfig, "seed", args, type=int)
+    server = srv.add_argument_group("server")
+    add_field(server, ServeConfig, "host", http)
+    add_field(server, ServeConfig, "port", http)
+    server.add_argument(
         "--api-key",
         help=with_default(ServeConfig.model_fields["api_key"].description, None)
         + " (or $TTS_API_KEY, which keeps it out of the process list)",
     )
+    engine = srv.add_argument_group("engine")
+    add_field(engine, ServeConfig, "max_rows", args, flag="--max-num-seqs", type=int)
+    add_field(engine, ServeConfig, "tensor_parallel", args, aliases=("--tensor-parallel-size",))
     srv.set_defaults(func=run)
 
 
@@ -73,12 +89,20 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "served_model_name": args.served_model_name,
         "tensor_parallel": args.tensor_parallel,
         "api_key": os.environ.get("TTS_API_KEY") if args.api_key is None else args.api_key,
+        "max_rows": args.max_num_seqs,
+        "seed": args.seed,
+        "chat_template": args.chat_template,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
-    if args.model is not None:
-        model["name"] = args.model
-    if args.max_model_len is not None:
-        model["max_model_len"] = args.max_model_len
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        raise UsageError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ: give one")
+    name = args.model_tag or args.model
+    model_flags = {
+        "name": name,
+        "max_model_len": args.max_model_len,
+        "dtype": DTYPES.get(args.dtype, args.dtype),
+    }
+    model.update({k: v for k, v in model_flags.items() if v is not None})
     raw["model"] = model
     try:
         return data, ServeConfig.model_validate(raw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, field_validator
 
 from store.config import StoreConfig
@@ -50,6 +52,18 @@ class ServeConfig(StrictConfig):
     max_queued_requests: int = Field(
         64, ge=1, le=4096, description="Requests a replica holds, running or waiting; then 429."
     )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seeds the requests that give none, in arrival order (vLLM's --seed); "
+        "none: each gets a random seed.",
+    )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="A Jinja chat template, or a file holding one, over the tokenizer's "
+        "(vLLM's --chat-template).",
+    )
 
     @field_validator("default_method")
     @classmethod
@@ -57,6 +71,17 @@ class ServeConfig(StrictConfig):
         if v not in METHOD_NAMES:
             raise ValueError(f"unknown method {v!r} (choose {', '.join(METHOD_NAMES)})")
         return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        """A file's template is read here, so replicas on other nodes get its text."""
+        if v is None or "{" in v:
+            return v
+        try:
+            return Path(v).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"neither a Jinja template nor a readable file: {e}") from e
 
     @field_validator("store")
     @classmethod

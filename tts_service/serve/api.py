@@ -4,9 +4,10 @@ Requests are validated here, at the boundary; an invalid one becomes an OpenAI-s
 body that names the field (`{"error": {"message", "type", "param", "code"}}`), never a 500.
 Validation is strict (`n: "4"`, `max_tokens: true` and `stream: "yes"` are errors, not
 coerced) and unknown fields are errors. OpenAI parameters this server does not implement
-(`logprobs`, `presence_penalty`, ...) are accepted only at their no-op value, so the OpenAI
+(`presence_penalty`, `tools`, ...) are accepted only at their no-op value, so the OpenAI
 client works unchanged and nothing a user asks for is silently ignored. `top_k` and `min_p`
-are vLLM's extensions, with its conventions.
+are vLLM's extensions, with its conventions. Log-probabilities (`logprobs`, `top_logprobs`,
+`echo`) are the target's raw distribution (`engine.scoring`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pydantic import (
 
 from tts_service.config.decoding import MAX_CONTEXT
 from tts_service.drafters.registry import MethodName
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 
 
 class StreamOptions(BaseModel):
@@ -106,7 +109,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    """`logprobs`: the chosen tokens' log-probabilities; `top_logprobs` k: the k most likely
+    tokens at each too (OpenAI's rule: only with `logprobs`)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(
         None, ge=1, le=MAX_CONTEXT, description="The current OpenAI name of max_tokens."
     )
@@ -119,6 +127,13 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"differs from max_tokens ({given}): give one")
         return v
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("only with logprobs true")
+        return v
+
     @model_validator(mode="after")
     def _one_token_limit(self) -> ChatCompletionRequest:
         """`max_completion_tokens` (what the current OpenAI SDK sends) is `max_tokens`."""
@@ -127,8 +142,73 @@ class ChatCompletionRequest(_Request):
         return self
 
 
+Prompt = str | list[int]
+
+
+def _is_id(x: object) -> bool:
+    return type(x) is int and 0 <= x < 2**31
+
+
 class CompletionRequest(_Request):
-    prompt: str = Field(min_length=1)
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists;
+    every prompt gets `n` choices (choice index = prompt's position × n + its own index).
+    `logprobs` k: the chosen tokens' log-probabilities and the k most likely at each; `echo`:
+    the prompt comes back before the completion (with its logprobs when asked)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, v: object) -> object:
+        """One message naming what is wrong (the union's own would name its four members)."""
+        if isinstance(v, str) or (isinstance(v, list) and v and _is_id(v[0])):
+            prompts = [v]
+        elif isinstance(v, list) and v:
+            prompts = v
+        else:
+            raise ValueError("a string, a list of strings, of token ids, or of token id lists")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if isinstance(p, list) and not all(_is_id(t) for t in p):
+                raise ValueError(f"prompt {i}: token ids are integers from 0 to 2**31 - 1")
+            if type(p) is not type(prompts[0]):
+                raise ValueError("prompts of one kind: all strings or all token id lists")
+        return v
+
+    def prompts(self) -> list[Prompt]:
+        """Every prompt, each a string or a list of token ids."""
+        v = self.prompt
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class SolveHttpRequest(BaseModel):
@@ -168,16 +248,12 @@ class ApiError(Exception):
 
 
 # OpenAI parameters without an implementation here, and the values that ask for nothing
-# (`logprobs`: the runner does not return the target's log-probabilities yet)
 NO_OP_VALUES: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),

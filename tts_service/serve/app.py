@@ -6,7 +6,9 @@ through Serve's ingress wrapper, or it reads `request` as a query parameter.)
 Routes: POST /v1/chat/completions and /v1/completions (OpenAI shapes, `stream` as server-sent
 events, plus `spec_method`, `aggregate: "majority"` and `task`), POST /v1/solve (best-of-N
 with the vote), GET /v1/models and /v1/models/{id}, GET /metrics (Prometheus, the whole app's
-counts: metrics.py), GET /healthz. Started by `serve run configs/serve.yaml` or `tts serve`.
+counts: metrics.py), GET /healthz, and vLLM's tokenizer routes (POST /tokenize, /detokenize,
+GET /tokenizer_info: what lm-eval's remote tokenizer uses). Started by `serve run
+configs/serve.yaml` or `tts serve`.
 A replica's requests share one continuously batched runner: a short request joins the running
 batch at the next step instead of waiting for a long one to finish. A replica holds at most
 `max_queued_requests` requests (429 beyond; the `tts_queue_depth` gauge shows them); a
@@ -34,7 +36,9 @@ from tts_service.serve.api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SolveHttpRequest,
+    TokenizeRequest,
     parse,
 )
 from tts_service.serve.engine import ServeEngine
@@ -221,6 +225,20 @@ class TTSServer:
     async def model(self, model_id: str) -> dict:
         self.engine.check_model(model_id)
         return {**self.engine.model_card(), "id": model_id}
+
+    @fastapi_app.get("/tokenizer_info")
+    async def tokenizer_info(self) -> dict:
+        return self.engine.tokenizer_info()
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        raw = await _body(request, self.cfg.max_body_bytes)
+        return self.engine.tokenize(parse(TokenizeRequest, raw))
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        raw = await _body(request, self.cfg.max_body_bytes)
+        return self.engine.detokenize(parse(DetokenizeRequest, raw))
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:

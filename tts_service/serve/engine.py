@@ -8,6 +8,7 @@ turns requests into engine calls, and shapes OpenAI responses with our extension
 from __future__ import annotations
 
 import contextlib
+import random
 import secrets
 import threading
 from collections import Counter
@@ -24,16 +25,27 @@ from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import RunReport, TrajectoryResult, TrajectoryRow, Waiting
+from tts_service.runner import (
+    RunReport,
+    TrajectoryResult,
+    TrajectoryRow,
+    Waiting,
+    trajectory_requests,
+)
 from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    Prompt,
     SolveHttpRequest,
+    TokenizeRequest,
     new_id,
     now,
 )
+from tts_service.serve.logprobs import LogprobFormat, ScoredTokens
 
 _DRAFTER = TypeAdapter(DrafterConfig)
 HttpRequest = CompletionRequest | ChatCompletionRequest | SolveHttpRequest
@@ -45,10 +57,11 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    """A validated request, ready to run: what the routes hand the engine."""
+    """A validated request, ready to run: what the routes hand the engine. `prompts`: one for
+    chat and /v1/solve, one or more for completions (each gets n choices)."""
 
     chat: bool
-    prompt_ids: list[int]
+    prompts: tuple[list[int], ...]
     n: int
     sampling: SamplingConfig
     method: str
@@ -57,10 +70,17 @@ class Job:
     task: Task
     return_trajectories: bool = False  # /v1/solve: the texts and answers with the vote
     include_usage: bool = False  # a stream's last chunk carries `usage`
+    logprobs: int | None = None  # None: not asked; k: the chosen tokens' and k alternatives
+    echo: bool = False  # completions: the prompt comes back first (with its logprobs)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The one prompt (chat, /v1/solve, a stream)."""
+        return self.prompts[0]
 
     def usage(self, completion_tokens: int) -> dict:
-        """OpenAI's `usage`: the prompt counts once, whatever n."""
-        prompt = len(self.prompt_ids)
+        """OpenAI's `usage`: each prompt counts once, whatever n."""
+        prompt = sum(len(ids) for ids in self.prompts)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
@@ -100,6 +120,11 @@ class ServeEngine:
         else:
             self.generator = Generator.load(cfg.model)
         self.served_name = cfg.served_model_name or cfg.model.name
+        if cfg.chat_template is not None:  # vLLM's --chat-template, over the tokenizer's
+            self.generator.loaded.tokenizer.chat_template = cfg.chat_template
+        # vLLM's --seed: the seeds of requests that give none, in arrival order
+        self.seeds = random.Random(cfg.seed) if cfg.seed is not None else None
+        self.logprob_format = LogprobFormat(self.generator.loaded.tokenizer)
         self.created = now()
         # concurrent requests share the batch; a short one joins while a long one decodes
         self.host = RunnerHost(
@@ -120,6 +145,41 @@ class ServeEngine:
             "object": "model",
             "created": self.created,
             "owned_by": "tts-service",
+        }
+
+    # -- the tokenizer (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------------
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if req.messages is not None:
+            ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = self.generator.loaded.tokenizer(
+                req.prompt, add_special_tokens=req.add_special_tokens
+            )["input_ids"]
+        limit = (
+            self.generator.max_model_len
+            or self.generator.loaded.model.config.max_position_embeddings
+        )
+        return {"count": len(ids), "max_model_len": limit, "tokens": list(ids), "token_strs": None}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab = self.generator.loaded.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"tokens: ids are from 0 to {vocab - 1}", "tokens")
+        return {"prompt": self.generator.loaded.tokenizer.decode(req.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """What lm-eval's remote tokenizer reads: the special tokens and the chat template."""
+        tok = self.generator.loaded.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": self.generator.loaded.model.config.max_position_embeddings,
         }
 
     # -- validation beyond the schema --------------------------------------------------
@@ -150,13 +210,16 @@ class ServeEngine:
             top_k=max(req.top_k, 0),  # vLLM's -1 is our 0
             min_p=req.min_p,
             max_new_tokens=max_new,
-            seed=secrets.randbelow(2**31) if req.seed is None else req.seed,
+            seed=self._seed() if req.seed is None else req.seed,
             stop=tuple(req.stop)
             if isinstance(req, CompletionRequest | ChatCompletionRequest)
             else (),
             ignore_eos=isinstance(req, CompletionRequest | ChatCompletionRequest)
             and req.ignore_eos,
         )
+
+    def _seed(self) -> int:
+        return self.seeds.randrange(2**31) if self.seeds is not None else secrets.randbelow(2**31)
 
     def _fit(self, ids: list[int], sampling: SamplingConfig, field: str) -> None:
         try:
@@ -169,29 +232,20 @@ class ServeEngine:
         chat = isinstance(req, ChatCompletionRequest)
         field = "messages" if chat else "prompt"
         sampling = self._sampling(req)
-        tok = self.generator.loaded.tokenizer
         if chat:
-            try:
-                enc = tok.apply_chat_template(
-                    [m.template_entry() for m in req.messages],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )
-            except Exception as e:  # the model's own template refused them: the input's fault
-                raise ApiError(
-                    400, f"messages: the chat template rejected them: {e}", "messages"
-                ) from e
-            ids = list(enc["input_ids"])
+            prompts = [self._chat_ids(req.messages)]
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            echo = False
         else:
-            ids = list(tok(req.prompt)["input_ids"])
-        if not ids:
-            raise ApiError(400, f"{field}: encodes to no tokens", field)
-        self._fit(ids, sampling, field)
+            prompts = [self._prompt_ids(p, i) for i, p in enumerate(req.prompts())]
+            logprobs, echo = req.logprobs, req.echo
+        self._check_shape(req, len(prompts), logprobs, echo)
+        for ids in prompts:
+            self._fit(ids, sampling, field)
         method, drafter = self._drafter(req.spec_method)
         return Job(
             chat,
-            ids,
+            tuple(prompts),
             req.n,
             sampling,
             method,
@@ -199,7 +253,59 @@ class ServeEngine:
             req.aggregate == "majority",
             req.task,
             include_usage=req.stream_options is not None and req.stream_options.include_usage,
+            logprobs=logprobs,
+            echo=echo,
         )
+
+    def _chat_ids(self, messages: list[ChatMessage], generation_prompt: bool = True) -> list[int]:
+        try:
+            enc = self.generator.loaded.tokenizer.apply_chat_template(
+                [m.template_entry() for m in messages],
+                add_generation_prompt=generation_prompt,
+                tokenize=True,
+                return_dict=True,
+            )
+        except Exception as e:  # the model's own template refused them: the input's fault
+            raise ApiError(
+                400, f"messages: the chat template rejected them: {e}", "messages"
+            ) from e
+        ids = list(enc["input_ids"])
+        if not ids:
+            raise ApiError(400, "messages: encodes to no tokens", "messages")
+        return ids
+
+    def _prompt_ids(self, prompt: Prompt, i: int) -> list[int]:
+        """A completions prompt as token ids: a string encoded, ids checked against the vocab."""
+        if isinstance(prompt, str):
+            ids = list(self.generator.loaded.tokenizer(prompt)["input_ids"])
+            if not ids:
+                raise ApiError(400, f"prompt: prompt {i} encodes to no tokens", "prompt")
+            return ids
+        vocab = self.generator.loaded.model.config.vocab_size
+        if max(prompt) >= vocab:
+            raise ApiError(
+                400, f"prompt: prompt {i} has token id {max(prompt)} (vocab {vocab})", "prompt"
+            )
+        return list(prompt)
+
+    def _check_shape(
+        self, req: HttpRequest, prompts: int, logprobs: int | None, echo: bool
+    ) -> None:
+        """What this server does not combine: a 400 naming the field."""
+        if prompts * req.n > self.cfg.max_n:
+            raise ApiError(
+                400, f"prompt: {prompts} prompts x n {req.n} > max_n {self.cfg.max_n}", "prompt"
+            )
+        if req.stream and prompts > 1:
+            raise ApiError(400, "prompt: a stream takes one prompt", "prompt")
+        if req.aggregate and prompts > 1:
+            raise ApiError(400, "aggregate: the vote takes one prompt", "aggregate")
+        if req.stream and logprobs is not None:
+            raise ApiError(400, "logprobs: not with stream (ask without streaming)", "logprobs")
+        if req.stream and echo:
+            raise ApiError(400, "echo: not with stream", "echo")
+        if logprobs is not None and self.tp is not None:
+            raise ApiError(400, "logprobs: not on a tensor-parallel replica", "logprobs")
 
     def prepare_solve(self, req: SolveHttpRequest) -> Job:
         self.check_model(req.model)
@@ -208,13 +314,13 @@ class ServeEngine:
         self._fit(ids, sampling, "question")
         method, drafter = self._drafter(req.method)
         return Job(
-            True, ids, req.n, sampling, method, drafter, True, req.task, req.return_trajectories
+            True, (ids,), req.n, sampling, method, drafter, True, req.task, req.return_trajectories
         )
 
     # -- execution -----------------------------------------------------------------------
-    def _store(self, job: Job) -> NgramStore:
+    def _store(self, ids: list[int]) -> NgramStore:
         try:
-            return self.host.problem_store(problem_id(job.prompt_ids))
+            return self.host.problem_store(problem_id(ids))
         except StoreUnavailableError as e:
             raise ApiError(503, str(e), None, "service_unavailable") from e
 
@@ -228,29 +334,34 @@ class ServeEngine:
     def _run(
         self,
         job: Job,
-        store: NgramStore,
         cancel: threading.Event,
         on_commit: Callable[[int, Sequence[int]], bool] | None = None,
         on_result: Callable[[TrajectoryResult], None] | None = None,
     ) -> RunReport:
-        """The request's n trajectories (in index order) on the replica's host, each stopping
-        at its next step once `cancel` is set (the client went away)."""
-        return self.host.trajectories(
-            "request",
-            job.prompt_ids,
-            range(job.n),
-            job.sampling,
-            job.drafter,
-            store,
-            on_commit=on_commit or (lambda _i, _t: not cancel.is_set()),
-            on_result=on_result,
-            skip=lambda _r: cancel.is_set(),
-        )
+        """The request's trajectories, n per prompt, all in the replica's one batch, their
+        results in choice order (prompt, then index); each stops at its next step once `cancel`
+        is set (the client went away). `on_commit(choice, tokens)` sees every step."""
+        keep_going = on_commit or (lambda _i, _t: not cancel.is_set())
+        with contextlib.ExitStack() as stores:  # the request's end is its stores'
+            requests = []
+            for p, ids in enumerate(job.prompts):
+                store = stores.enter_context(contextlib.closing(self._store(ids)))
+                requests += trajectory_requests(
+                    str(p),
+                    ids,
+                    range(job.n),
+                    job.sampling,
+                    job.drafter,
+                    store,
+                    on_commit=lambda i, p=p: lambda tokens: keep_going(p * job.n + i, tokens),
+                )
+            report = self.host.run(requests, on_result, skip=lambda _r: cancel.is_set())
+        report.results.sort(key=lambda r: (int(r.request.problem_id), r.request.index))
+        return report
 
     def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
         """Every trajectory of the request, or `Cancelled`."""
-        with contextlib.closing(self._store(job)) as store:  # the request's end is its store's
-            report = self._run(job, store, cancel)
+        report = self._run(job, cancel)
         if cancel.is_set():
             raise Cancelled
         return report
@@ -274,25 +385,26 @@ class ServeEngine:
             return {}
         outs = [r.output for r in report.results]
         finish = {"cancelled": "stop"}
-        if job.chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": finish.get(o.finish_reason, o.finish_reason),
-                }
-                for i, o in enumerate(outs)
-            ]
-        else:
-            choices = [
-                {
-                    "index": i,
-                    "text": o.text,
-                    "logprobs": None,
-                    "finish_reason": finish.get(o.finish_reason, o.finish_reason),
-                }
-                for i, o in enumerate(outs)
-            ]
+        choices = []
+        for i, o in enumerate(outs):
+            prompt = job.prompts[i // job.n]
+            if job.chat:
+                choice: dict = {"index": i, "message": {"role": "assistant", "content": o.text}}
+                if job.logprobs is not None:
+                    scored = self._score(prompt, o.token_ids, len(prompt), job.logprobs)
+                    choice["logprobs"] = self.logprob_format.chat(scored, job.logprobs)
+                else:
+                    choice["logprobs"] = None
+            else:
+                # the prompt as its tokens read (special ones too), so `text_offset` fits it
+                echoed = self.generator.loaded.tokenizer.decode(prompt) if job.echo else ""
+                choice = {"index": i, "text": echoed + o.text, "logprobs": None}
+                if job.logprobs is not None:
+                    start = 0 if job.echo else len(prompt)
+                    scored = self._score(prompt, o.token_ids, start, job.logprobs)
+                    choice["logprobs"] = self.logprob_format.completion(scored, job.logprobs)
+            choice["finish_reason"] = finish.get(o.finish_reason, o.finish_reason)
+            choices.append(choice)
         return {
             "id": new_id("chatcmpl" if job.chat else "cmpl"),
             "object": "chat.completion" if job.chat else "text_completion",
@@ -303,6 +415,13 @@ class ServeEngine:
             "tts": self._extension(job, report),
         }
 
+    def _score(
+        self, prompt: list[int], completion: Sequence[int], start: int, top: int
+    ) -> ScoredTokens:
+        """The target's logprobs of (prompt + completion)[start:], with `top` alternatives."""
+        ids = [*prompt, *completion]
+        return ScoredTokens(ids[start:], self.host.score(ids, start, top))
+
     def stream(
         self, job: Job, cancel: threading.Event, emit: Callable[[dict | None], None]
     ) -> dict:
@@ -312,15 +431,14 @@ class ServeEngine:
         stream. Returns the usage (a cancelled stream's: the tokens it decoded)."""
         out = ChoiceStream(job, self.served_name, self.generator.decode, emit)
         try:
-            with contextlib.closing(self._store(job)) as store:
-                for i in range(job.n):
-                    out.chunk(i, None, None, first=True)
+            for i in range(job.n):
+                out.chunk(i, None, None, first=True)
 
-                def on_commit(i: int, tokens: Sequence[int]) -> bool:
-                    out.commit(i, tokens)
-                    return not cancel.is_set()
+            def on_commit(i: int, tokens: Sequence[int]) -> bool:
+                out.commit(i, tokens)
+                return not cancel.is_set()
 
-                self._run(job, store, cancel, on_commit, out.finish)
+            self._run(job, cancel, on_commit, out.finish)
             return out.end()
         finally:
             emit(None)

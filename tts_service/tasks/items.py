@@ -14,8 +14,28 @@ from tts_service.aggregate import Task
 
 TaskName = Literal["aime24", "gpqa", "lcb"]
 TASK_NAMES: tuple[TaskName, ...] = ("aime24", "gpqa", "lcb")
-TASK_ALIASES: dict[str, TaskName] = {"gpqa_diamond": "gpqa", "livecodebench": "lcb"}
-"""lm-eval / lighteval spellings `--tasks` also accepts."""
+TASK_ALIASES: dict[str, TaskName] = {
+    "gpqa_diamond": "gpqa",  # lm-eval's group
+    "gpqa_diamond_zeroshot": "gpqa",
+    "gpqa_diamond_cot_zeroshot": "gpqa",
+    "gpqa_diamond_generative_n_shot": "gpqa",
+    "gpqa:diamond": "gpqa",  # lighteval's
+    "livecodebench": "lcb",
+    "lcb:codegeneration": "lcb",  # lighteval's
+}
+"""lm-eval / lighteval spellings `--tasks` also accepts (a lighteval spec `suite|task|k|t`
+names its task second: `lighteval|aime24|0|0`)."""
+
+
+def task_name(spelled: str) -> TaskName | None:
+    """Our name for a task spelled as we, lm-eval or lighteval spell it; None if unknown."""
+    name = spelled.strip()
+    if name.count("|") == 3:  # lighteval's suite|task|few-shot|truncate
+        name = name.split("|")[1]
+    if name in TASK_NAMES:
+        return name  # type: ignore[return-value]
+    return TASK_ALIASES.get(name)
+
 
 ANSWER_KIND: dict[TaskName, Task] = {"aime24": "math", "gpqa": "choice", "lcb": "code"}
 """How `tts_service.aggregate` extracts and votes on each task's answers."""

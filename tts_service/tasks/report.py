@@ -6,7 +6,8 @@ invocation that ran it: when, on which host, under what load, and its speed) and
 A speed ratio to plain decoding is given only when both runs were measured in one invocation;
 runs measured apart (another time, host or load) are listed with those conditions and never
 divided. Written: `report.json`, `report.md`, `accuracy_vs_n.png` (maj@k and pass@k against k
-per task) and `speed.png` (tokens/s and acceptance length per method).
+per task), `speed.png` (tokens/s and acceptance length per method), and lm-eval's layout
+(`lm-eval/<model>/results_<time>.json`, `samples_<task>_<time>.jsonl`).
 """
 
 from __future__ import annotations
@@ -347,9 +348,16 @@ def plot_speed(report: dict, path: Path) -> None:
     axes[0].set_ylabel("tokens/s (new tokens / s)")
     cross = any(r["speed_vs_plain"]["basis"] == "cross-run" for r in runs)
     axes[0].set_title("tokens/s" + " (cross-run: measured apart)" * cross, fontsize=10)
-    est = [r["metrics"]["acceptance_length"] or {"value": 0, "low": 0, "high": 0} for r in runs]
+    known = [i for i, r in enumerate(runs) if r["metrics"]["acceptance_length"]]
+    est = [runs[i]["metrics"]["acceptance_length"] for i in known]
     err = [[e["value"] - e["low"] for e in est], [e["high"] - e["value"] for e in est]]
-    axes[1].bar(labels, [e["value"] for e in est], yerr=err, capsize=4, color=colors)
+    axes[1].bar(
+        known, [e["value"] for e in est], yerr=err, capsize=4, color=[colors[i] for i in known]
+    )
+    for i in sorted(set(x) - set(known)):  # an endpoint's runs: no counters, no bar
+        axes[1].text(i, 0.05, "unknown", ha="center", rotation=90, fontsize=8)
+    axes[1].set_xticks(list(x), labels)
+    axes[1].set_xlim(-0.6, len(runs) - 0.4)
     axes[1].axhline(1.0, color="black", linestyle=":", linewidth=1, label="plain decoding (1.0)")
     axes[1].set_ylabel("committed tokens per target forward")
     axes[1].set_title("acceptance length", fontsize=10)
@@ -362,8 +370,103 @@ def plot_speed(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _stderr(e: dict) -> float:
+    """A standard error read off a 95% interval (what lm-eval's `*_stderr` fields hold)."""
+    return (e["high"] - e["low"]) / (2 * 1.96)
+
+
+def lm_eval_results(report: dict) -> dict[str, dict]:
+    """Per run, its lm-eval task name (`<task>`, or `<task>_<method>` where one task ran with
+    several methods) and its `results` entry in lm-eval's `"<metric>,<filter>"` keys:
+    `exact_match` is pass@1; maj@N and pass@N keep their names."""
+    methods: dict[str, int] = {}
+    for r in report["runs"]:
+        methods[r["task"]] = methods.get(r["task"], 0) + 1
+    out = {}
+    for r in report["runs"]:
+        name = r["task"] if methods[r["task"]] == 1 else f"{r['task']}_{r['method']}"
+        m, n = r["metrics"], r["metrics"]["n"]
+        entry = {"alias": name}
+        for key, metric in (
+            ("exact_match", "pass@1"),
+            (f"maj@{n}", "maj@n"),
+            (f"pass@{n}", "pass@n"),
+        ):
+            entry[f"{key},none"] = m[metric]["value"]
+            entry[f"{key}_stderr,none"] = _stderr(m[metric])
+        out[name] = {"run": r, "results": entry}
+    return out
+
+
+def write_lm_eval(out: Path, report: dict) -> list[Path]:
+    """lm-eval's output layout beside our report, for tools that read it:
+    `lm-eval/<model>/results_<time>.json` and, for runs with `--log-samples`,
+    `samples_<task>_<time>.jsonl` (one line per item: its trajectories as `resps`, the
+    extracted answers as `filtered_resps`, pass@1 as `exact_match`)."""
+    stamp = time.strftime("%Y-%m-%dT%H-%M-%S")
+    runs = lm_eval_results(report)
+    models = sorted({r["model"] for r in report["runs"]})
+    folder = out / "lm-eval" / "__".join(m.replace("/", "__") for m in models)
+    folder.mkdir(parents=True, exist_ok=True)
+    results = {
+        "results": {name: v["results"] for name, v in runs.items()},
+        "versions": {name: "tts-service" for name in runs},
+        "n-shot": {name: 0 for name in runs},
+        "higher_is_better": {
+            name: {k.split(",")[0]: True for k in v["results"] if "stderr" not in k and "," in k}
+            for name, v in runs.items()
+        },
+        "n-samples": {
+            name: {
+                "original": v["run"]["metrics"]["items"],
+                "effective": v["run"]["metrics"]["items"],
+            }
+            for name, v in runs.items()
+        },
+        "config": {
+            "model": "tts-service",
+            "model_args": "; ".join(
+                f"{name}: model={v['run']['model']},method={v['run']['method']},"
+                f"n={v['run']['metrics']['n']}"
+                for name, v in runs.items()
+            ),
+        },
+        "model_name": ", ".join(models),
+        "date": time.time(),
+    }
+    paths = [folder / f"results_{stamp}.json"]
+    paths[0].write_text(json.dumps(results, indent=1), encoding="utf-8")
+    for name, v in runs.items():
+        samples = out / v["run"]["task"] / v["run"]["method"] / "samples.jsonl"
+        if not samples.is_file():
+            continue
+        items: dict[str, list[dict]] = {}
+        for line in samples.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                items.setdefault(row["id"], []).append(row)
+        path = folder / f"samples_{name}_{stamp}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for doc_id, (item, rows) in enumerate(items.items()):
+                rows.sort(key=lambda t: t["index"])
+                line = {
+                    "doc_id": doc_id,
+                    "doc": {"id": item, "prompt": rows[0]["prompt"]},
+                    "target": rows[0]["reference"],
+                    "resps": [[t["text"] for t in rows]],
+                    "filtered_resps": [t["answer"] for t in rows],
+                    "filter": "none",
+                    "metrics": ["exact_match"],
+                    "exact_match": sum(bool(t["correct"]) for t in rows) / len(rows),
+                }
+                f.write(json.dumps(line) + "\n")
+        paths.append(path)
+    return paths
+
+
 def write(out: Path) -> list[Path]:
-    """Write the report files into `out`; returns their paths (none if nothing is graded)."""
+    """Write the report files into `out`, and lm-eval's layout under `out/lm-eval/`; returns
+    their paths (none if nothing is graded)."""
     report = build(out)
     if not report["runs"]:
         return []
@@ -372,4 +475,4 @@ def write(out: Path) -> list[Path]:
     paths[1].write_text(markdown(report), encoding="utf-8")
     plot_accuracy(report, paths[2])
     plot_speed(report, paths[3])
-    return paths
+    return paths + write_lm_eval(out, report)

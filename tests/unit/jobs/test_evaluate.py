@@ -97,6 +97,27 @@ def test_several_tasks_in_one_run_with_lm_eval_names(tmp_path):
     assert job.task == "gpqa"  # --task is the same option
 
 
+@pytest.mark.parametrize(
+    "spelled,ours",
+    [
+        ("gpqa_diamond_zeroshot", "gpqa"),  # lm-eval
+        ("gpqa_diamond_cot_zeroshot", "gpqa"),
+        ("lighteval|aime24|0|0", "aime24"),  # lighteval
+        ("lighteval|gpqa:diamond|0|0", "gpqa"),
+        ("extended|lcb:codegeneration|0|0", "lcb"),
+        ("gpqa:diamond", "gpqa"),
+    ],
+)
+def test_lm_eval_and_lighteval_task_names(tmp_path, spelled, ours):
+    (job,) = parse(["--tasks", spelled, "--data", "fixtures", "--out", str(tmp_path)])
+    assert job.task == ours
+
+
+def test_an_unknown_task_name_is_exit_2_listing_the_known_ones(tmp_path, capsys):
+    _fails(capsys, ["--tasks", "mmlu", "--data", "fixtures", "--out", str(tmp_path)], "mmlu")
+    _fails(capsys, ["--tasks", "lighteval|mmlu|0|0", "--out", str(tmp_path)], "lighteval|mmlu")
+
+
 def test_several_methods_run_interleaved_in_rounds_of_alternating_order(tmp_path):
     argv = [*FIXTURES, "--out", str(tmp_path), "--method", "plain,stand", "--limit", "5"]
     jobs = parse([*argv, "--round-items", "2"])

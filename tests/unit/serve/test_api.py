@@ -23,9 +23,9 @@ def _parse(cls=ChatCompletionRequest, **fields):
     return parse(cls, json.dumps({**base, **fields}).encode())
 
 
-def _param(**fields) -> str:
+def _param(cls=ChatCompletionRequest, **fields) -> str:
     with pytest.raises(ApiError) as e:
-        _parse(**fields)
+        _parse(cls, **fields)
     assert e.value.status == 400
     return e.value.param
 
@@ -44,22 +44,25 @@ def test_stream_options_need_a_stream_and_know_only_include_usage():
     assert _param(stream=True, stream_options={"x": 1}) == "stream_options.x"
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2)])
-def test_log_probabilities_are_refused_naming_the_field(field, value):
-    assert _param(**{field: value}) == field
+def test_chat_logprobs_and_top_logprobs_follow_openai_s_rule():
+    req = _parse(logprobs=True, top_logprobs=5)
+    assert req.logprobs and req.top_logprobs == 5
+    assert _param(top_logprobs=2) == "top_logprobs"  # only with logprobs
+    assert _parse(top_logprobs=0).top_logprobs == 0  # asks for nothing
+    assert _param(logprobs=True, top_logprobs=21) == "top_logprobs"
+    assert _param(logprobs=1) == "logprobs"  # a bool, strictly
 
 
-@pytest.mark.parametrize(
-    "field,value", [("logprobs", False), ("logprobs", None), ("top_logprobs", 0)]
-)
-def test_log_probabilities_not_asked_for_are_no_ops(field, value):
-    assert _parse(**{field: value}).n == 1
-
-
-def test_legacy_completions_logprobs_0_asks_for_the_sampled_token_s_and_is_refused():
-    with pytest.raises(ApiError) as e:
-        _parse(CompletionRequest, logprobs=0)
-    assert e.value.param == "logprobs"
+def test_completions_logprobs_echo_and_every_prompt_form():
+    req = _parse(CompletionRequest, logprobs=0, echo=True)
+    assert req.logprobs == 0 and req.echo and req.prompts() == ["hi"]
+    assert _parse(CompletionRequest, prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert _parse(CompletionRequest, prompt=[5, 6]).prompts() == [[5, 6]]
+    assert _parse(CompletionRequest, prompt=[[5], [6, 7]]).prompts() == [[5], [6, 7]]
+    for bad in ([], [""], [[]], [[1], []], [1, -1], ["a", [1]], [1.5]):
+        assert _param(CompletionRequest, prompt=bad).startswith("prompt"), bad
+    assert _param(CompletionRequest, logprobs=21) == "logprobs"
+    assert _param(CompletionRequest, logprobs=True) == "logprobs"
 
 
 BASES = {ChatCompletionRequest: CHAT, CompletionRequest: {"prompt": "hi"}}

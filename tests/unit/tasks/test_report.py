@@ -79,7 +79,7 @@ def _two_methods(out, stand_invocation, stand_host="box-a"):
 
 def test_report_compares_methods_and_writes_json_markdown_and_plots(tmp_path):
     _two_methods(tmp_path, "inv1")
-    paths = report.write(tmp_path)
+    paths = report.write(tmp_path)[:4]
     assert [p.name for p in paths] == ["report.json", "report.md", "accuracy_vs_n.png", "speed.png"]
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -184,3 +184,42 @@ def test_sessions_recorded_before_the_split_timed_the_decoding_alone(tmp_path):
     run_file.write_text(json.dumps(info))
     speed = next(r for r in report.build(tmp_path)["runs"] if r["method"] == "stand")["speed"]
     assert (speed["decode_s"], speed["setup_s"], speed["decode_tokens_per_s"]) == (5.0, 0.0, 20.0)
+
+
+def test_lm_eval_s_layout_is_written_beside_the_report(tmp_path):
+    _two_methods(tmp_path, "inv1")
+    samples = tmp_path / "aime24" / "stand" / "samples.jsonl"
+    lines = [
+        {"id": f"q{i}", "index": j, "prompt": "p", "text": f"t{j}", "answer": "1",
+         "reference": "1", "correct": j == 0, "finish_reason": "stop", "task": "aime24"}
+        for i in range(2) for j in (1, 0)
+    ]  # fmt: skip
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    paths = report.write(tmp_path)[4:]
+    results = json.loads(paths[0].read_text())
+    assert paths[0].parent == tmp_path / "lm-eval" / "tiny"
+    assert paths[0].name.startswith("results_") and paths[0].suffix == ".json"
+    stand = results["results"]["aime24_stand"]  # two methods ran the task: both kept apart
+    assert stand["alias"] == "aime24_stand" and stand["exact_match,none"] == 0.625
+    assert stand["maj@2,none"] == 1.0 and stand["exact_match_stderr,none"] >= 0
+    assert set(results["results"]) == {"aime24_plain", "aime24_stand"}
+    assert results["n-samples"]["aime24_stand"] == {"original": 4, "effective": 4}
+    (sample_path,) = paths[1:]  # only the run that logged samples
+    assert sample_path.name.startswith("samples_aime24_stand_")
+    docs = [json.loads(x) for x in sample_path.read_text().splitlines()]
+    assert [d["doc_id"] for d in docs] == [0, 1] and docs[0]["doc"]["id"] == "q0"
+    assert docs[0]["resps"] == [["t0", "t1"]] and docs[0]["exact_match"] == 0.5
+
+
+def test_an_unknown_acceptance_length_is_no_bar_at_zero(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    _two_methods(tmp_path, "inv1")
+    rep = report.build(tmp_path)
+    rep["runs"][0]["metrics"]["acceptance_length"] = None  # an endpoint's run: no counters
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    report.plot_speed(rep, tmp_path / "speed.png")
+    al = saved[0].axes[1]
+    assert len(al.patches) == 1  # one bar: the run whose acceptance length is known
+    assert [t.get_text() for t in al.texts] == ["unknown"]

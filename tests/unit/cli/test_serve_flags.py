@@ -1,0 +1,46 @@
+"""`tts serve` takes `vllm serve`'s flags: parsed into the ServeConfig, nothing started."""
+
+import argparse
+
+import pytest
+
+from tts_service.cli.common import UsageError
+from tts_service.cli.serve import add_parser, serve_config
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_vllm_s_flags_set_the_config():
+    _, cfg = serve_config(
+        parse(
+            "some/model",
+            "--tensor-parallel-size", "2",
+            "--dtype", "half",
+            "--seed", "7",
+            "--max-num-seqs", "32",
+            "--chat-template", "{{ messages }}",
+            "--max-model-len", "2048",
+        )
+    )  # fmt: skip
+    assert cfg.model.name == "some/model" and cfg.tensor_parallel == 2
+    assert cfg.model.dtype == "float16" and cfg.seed == 7 and cfg.max_rows == 32
+    assert cfg.chat_template == "{{ messages }}" and cfg.model.max_model_len == 2048
+    assert serve_config(parse("--dtype", "float"))[1].model.dtype == "float32"
+    assert serve_config(parse("--tensor-parallel", "2"))[1].tensor_parallel == 2  # ours too
+
+
+def test_the_positional_model_and_model_flag_must_agree():
+    assert serve_config(parse("m", "--model", "m"))[1].model.name == "m"
+    with pytest.raises(UsageError, match="differ"):
+        serve_config(parse("a", "--model", "b"))
+
+
+def test_what_is_not_given_is_the_config_file_s():
+    _, cfg = serve_config(parse())
+    assert cfg.seed is None and cfg.chat_template is None and cfg.model.name == "smollm2-135m"
+    with pytest.raises(SystemExit):  # argparse: exit code 2
+        parse("--dtype", "int8")
