@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -360,16 +361,25 @@ def _at_least(plan: PlacementPlan, ranks: int, gpus: int) -> PlacementPlan:
     )
 
 
+STATUS_EVERY_S = 10.0  # a waiting placement says so this often
+
+
 def create_placement_groups(
-    plan: PlacementPlan, cpus_per_replica: float = 0.5, timeout_s: float = 30
+    plan: PlacementPlan,
+    cpus_per_replica: float = 0.5,
+    timeout_s: float = 30,
+    status: Callable[[str], None] | None = None,
 ) -> list[PlacementGroup]:
     """Reserve one STRICT_PACK placement group per replica, all or nothing.
 
     One bundle holds all of a replica's GPUs, so Ray must find them on one node (sharding a
     model across nodes would put every layer boundary on the network). All groups are created
     first and then awaited against one shared deadline, so N replicas wait at most `timeout_s`
-    in total. If any is not ready by then, every group created here is removed and
-    PlacementError is raised: a half-placed fleet would hold resources that nothing uses.
+    in total: a busy cluster's queue (another job holds the resources), with a `status` line
+    every `STATUS_EVERY_S` (default: printed, so a Ray job's log shows it). If any is not ready
+    by then, every group created here is removed and PlacementError says what is missing: what
+    no node of the cluster has (an autoscaler could still add it, so that waits too), or what
+    other work holds. A half-placed fleet would hold resources that nothing uses.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -381,29 +391,61 @@ def create_placement_groups(
         bundle["CPU"] = cpus_per_replica
     if not bundle:
         raise ValueError("a CPU plan needs cpus_per_replica > 0: the bundle would be empty")
+    say = status or (lambda line: print(line, flush=True))
 
     free = ray.available_resources()  # before this plan's own reservations
     groups: list[PlacementGroup] = []
     try:
         for _ in range(plan.num_replicas):
             groups.append(placement_group([dict(bundle)], strategy="STRICT_PACK"))
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         for index, group in enumerate(groups):
-            if not group.wait(max(0.0, deadline - time.monotonic())):
-                asked = {k: v * plan.num_replicas for k, v in bundle.items()}
-                raise PlacementError(
-                    f"placement group {index + 1} of {plan.num_replicas} (bundle {bundle}, "
-                    f"STRICT_PACK) was not placed within {timeout_s:g}s: asked for "
-                    f"{_amounts(asked)} in all; the cluster has "
-                    f"{_amounts(ray.cluster_resources(), bundle)} "
-                    f"(free: {_amounts(free, bundle)}). "
-                    f"All {len(groups)} groups created for this plan were removed."
+            while not group.wait(min(STATUS_EVERY_S, max(0.0, deadline - time.monotonic()))):
+                waited = time.monotonic() - start
+                if time.monotonic() >= deadline:
+                    asked = {k: v * plan.num_replicas for k, v in bundle.items()}
+                    raise PlacementError(
+                        f"placement group {index + 1} of {plan.num_replicas} (bundle {bundle}, "
+                        f"STRICT_PACK) was not placed within {timeout_s:g}s: asked for "
+                        f"{_amounts(asked)} in all; the cluster has "
+                        f"{_amounts(ray.cluster_resources(), bundle)} "
+                        f"(free: {_amounts(free, bundle)}); {_missing(bundle, asked)}. "
+                        f"All {len(groups)} groups created for this plan were removed."
+                    )
+                say(
+                    f"[placement] waiting for the cluster: {index} of {plan.num_replicas} "
+                    f"group(s) placed (bundle {_amounts(bundle)}); free now "
+                    f"{_amounts(ray.available_resources(), bundle)}; {waited:.0f} s of "
+                    f"{timeout_s:g} s (placement_timeout_s)"
                 )
     except BaseException:
         for group in groups:
             remove_placement_group(group)
         raise
     return groups
+
+
+def _missing(bundle: dict[str, float], asked: dict[str, float]) -> str:
+    """What keeps the plan from placing: a resource no node has enough of for one bundle or
+    the cluster lacks in total (missing whatever runs), else what other work holds."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    short = [
+        f"no node has {k} {v:g} (the largest has {max((n.get(k, 0) for n in nodes), default=0):g})"
+        for k, v in bundle.items()
+        if not any(n.get(k, 0) >= v for n in nodes)
+    ]
+    short += [
+        f"the cluster has {k} {total.get(k, 0):g} of {v:g}"
+        for k, v in asked.items()
+        if total.get(k, 0) < v
+    ]
+    if short:
+        return "missing however long it waits, unless nodes join: " + "; ".join(short)
+    return "the cluster could hold it: other work holds the rest (retry, or a longer timeout)"
 
 
 def _amounts(resources: dict[str, float], keys: dict | None = None) -> str:

@@ -1,5 +1,8 @@
 """Trajectories from any OpenAI-compatible server (`tts serve`, vLLM, ...) for `jobs.evaluate
---endpoint`: one chat completion with `n` choices per item, over plain HTTP (`requests`).
+--endpoint`: one chat completion with `n` choices per item, through the `openai` client, which
+retries what is worth retrying (connection errors, timeouts, 408, 409, 429 and 5xx) with
+exponential backoff and jitter, honouring the server's `Retry-After`; a refusal (another 4xx)
+is not retried.
 
 The choices become trajectory records shaped like the generator actors' (`text`,
 `finish_reason`, `stats`), so grading, votes and the report are the same code path. A server
@@ -10,15 +13,18 @@ equal share of it, and nothing about forwards (acceptance length is unknown: rep
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import requests
+import openai
 
 from tts_service.config import SamplingConfig
 
+RETRIES = 6  # with openai's backoff (0.5 s doubling, at most 8 s): about half a minute
+
 
 class EndpointError(RuntimeError):
-    """The server refused a request or answered something that is not a chat completion."""
+    """The server refused a request, never answered through the retries, or answered
+    something that is not a chat completion."""
 
 
 @dataclass(frozen=True)
@@ -26,49 +32,57 @@ class Endpoint:
     url: str  # the API base, e.g. http://127.0.0.1:8000/v1
     api_key: str | None = None
     timeout_s: float = 3600.0
+    retries: int = RETRIES
+    client: openai.OpenAI = field(init=False, repr=False, compare=False)
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def __post_init__(self) -> None:
+        client = openai.OpenAI(
+            base_url=self.url.rstrip("/"),
+            api_key=self.api_key or "unused",  # the client insists on one; sent only if given
+            timeout=self.timeout_s,
+            max_retries=self.retries,
+        )
+        object.__setattr__(self, "client", client)
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        url = f"{self.url.rstrip('/')}/{path}"
+    def _call(self, what: str, request):
         try:
-            r = requests.request(
-                method, url, json=body, headers=self._headers(), timeout=self.timeout_s
-            )
-        except requests.RequestException as e:
-            raise EndpointError(f"{url}: {e}") from e
-        if r.status_code != 200:
-            raise EndpointError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-        return r.json()
+            return request()
+        except openai.APIStatusError as e:
+            raise EndpointError(f"{self.url}/{what}: HTTP {e.status_code}: {e.message}") from e
+        except openai.APIError as e:  # connection, timeout, a body that is not JSON
+            raise EndpointError(f"{self.url}/{what}: {e}") from e
 
     def model(self) -> str:
-        """The first model the server lists (GET /models): what the run is named after."""
-        data = self._call("GET", "models").get("data") or []
+        """The first model the server lists (GET /models): what the run is named after. The
+        run's first call, so a wrong URL fails after two retries, not the whole backoff."""
+        client = self.client.with_options(max_retries=min(self.retries, 2))
+        data = self._call("models", lambda: client.models.list().data)
         if not data:
             raise EndpointError(f"{self.url}/models lists no model")
-        return data[0]["id"]
+        return data[0].id
 
     def trajectories(
         self, model: str, prompt: str, n: int, sampling: SamplingConfig, problem_id: str
     ) -> list[dict]:
         """The item's `n` trajectories as records (`index`, `text`, `finish_reason`, `stats`)."""
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "n": n,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_tokens": sampling.max_new_tokens,
-            "seed": sampling.seed,
-        }
         start = time.perf_counter()
-        reply = self._call("POST", "chat/completions", body)
+        reply = self._call(
+            "chat/completions",
+            lambda: self.client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=sampling.seed,
+            ),
+        )
         wall_s = time.perf_counter() - start
         try:
-            choices = sorted(reply["choices"], key=lambda c: c["index"])
-            tokens = int(reply["usage"]["completion_tokens"])
-        except (KeyError, TypeError, ValueError) as e:
+            choices = sorted(reply.choices, key=lambda c: c.index)
+            tokens = int(reply.usage.completion_tokens)
+        except (AttributeError, TypeError, ValueError) as e:
             raise EndpointError(f"not a chat completion: {str(reply)[:300]}") from e
         if len(choices) != n:
             raise EndpointError(f"asked for n={n} choices, got {len(choices)}")
@@ -77,8 +91,8 @@ class Endpoint:
             {
                 "problem_id": problem_id,
                 "index": i,
-                "text": c["message"]["content"] or "",
-                "finish_reason": c["finish_reason"],
+                "text": c.message.content or "",
+                "finish_reason": c.finish_reason,
                 "stats": {"new_tokens": shares[i], "target_forwards": 0, "wall_s": wall_s},
             }
             for i, c in enumerate(choices)

@@ -3,6 +3,7 @@ accelerate load path on CPU. No GPU needed: `ray.init(num_gpus=8)` declares the 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,6 +244,41 @@ def test_a_group_that_cannot_be_placed_fails_fast_and_leaves_nothing(ray_8_gpus:
         for pg in groups:
             remove_placement_group(pg)
     assert _live_groups() == before
+    assert _wait_for_free_gpus(8) == 8
+
+
+def test_a_busy_cluster_is_waited_for_and_a_missing_resource_is_named(
+    ray_8_gpus: None, monkeypatch
+) -> None:
+    """Another job holds every GPU: a new plan waits, saying so, and is placed once they are
+    freed. A plan no node can ever hold fails after the timeout naming what is missing."""
+    from ray.util.placement_group import remove_placement_group
+
+    from actors import placement
+
+    monkeypatch.setattr(placement, "STATUS_EVERY_S", 1.0)
+
+    assert _wait_for_free_gpus(8) == 8
+    other = create_placement_groups(_plan(gpus=2, replicas=4), timeout_s=10)  # all 8 GPUs
+    lines: list[str] = []
+    threading.Timer(4.0, lambda: [remove_placement_group(g) for g in other]).start()
+    groups = create_placement_groups(_plan(gpus=2, replicas=2), timeout_s=60, status=lines.append)
+    try:
+        assert len(groups) == 2 and lines  # it waited, and said so
+        assert "waiting for the cluster: 0 of 2 group(s) placed" in lines[0]
+        assert "placement_timeout_s" in lines[0]
+    finally:
+        for pg in groups:
+            remove_placement_group(pg)
+    with pytest.raises(RuntimeError, match=r"no node has GPU 16 \(the largest has 8\)"):
+        create_placement_groups(_plan(gpus=16, replicas=1), timeout_s=1, status=lines.append)
+    held = create_placement_groups(_plan(gpus=2, replicas=4), timeout_s=10)
+    try:
+        with pytest.raises(RuntimeError, match="other work holds the rest"):
+            create_placement_groups(_plan(gpus=2, replicas=1), timeout_s=1, status=lines.append)
+    finally:
+        for pg in held:
+            remove_placement_group(pg)
     assert _wait_for_free_gpus(8) == 8
 
 

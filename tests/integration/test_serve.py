@@ -305,6 +305,14 @@ def test_the_openai_client_reads_logprobs_echo_and_prompt_lists(server):
         client.completions.create(model="tiny", prompt="x", logprobs=1, stream=True)
 
 
+def test_unknown_fields_are_ignored_as_vllm_does_by_default(server):
+    body = {**CHAT, "guided_json": {"type": "object"}, "foo": 1}  # another server's extensions
+    status, text = call(server, "/v1/chat/completions", body)
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant"
+    status, text = call(server, "/v1/chat/completions", {**CHAT, "best_of": 3})
+    assert status == 400  # a known OpenAI field asking for what is not done is still refused
+
+
 def test_lm_eval_s_remote_tokenizer_finds_vllm_s_tokenizer_routes(server):
     status, text = call(server, "/tokenizer_info", method="GET")
     assert status == 200 and "eos_token" in json.loads(text)

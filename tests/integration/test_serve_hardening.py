@@ -26,8 +26,8 @@ LONG = {"messages": [{"role": "user", "content": "go"}], "n": 16, "max_tokens": 
 
 @pytest.fixture(scope="module")
 def servers(ray_local, tiny_model_dir):
-    """Two apps on one Serve instance: the defaults, and one with a 1-request queue and a 2 s
-    deadline."""
+    """Two apps on one Serve instance: the defaults in strict mode (an unknown field is a 400),
+    and one with a 1-request queue and a 2 s deadline."""
     from ray import serve
 
     from tts_service.serve.app import build_app
@@ -36,7 +36,11 @@ def servers(ray_local, tiny_model_dir):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(
-        build_app(ServeConfig(model=model, cpus_per_replica=0.5, max_tokens_cap=400)),
+        build_app(
+            ServeConfig(
+                model=model, cpus_per_replica=0.5, max_tokens_cap=400, reject_unknown_fields=True
+            )
+        ),
         name="tts-hard",
         route_prefix="/open",
     )

@@ -66,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=with_default(ServeConfig.model_fields["api_key"].description, None)
         + " (or $TTS_API_KEY, which keeps it out of the process list)",
     )
+    add_field(server, ServeConfig, "reject_unknown_fields", args, action="store_true", default=None)
     engine = srv.add_argument_group("engine")
     add_field(engine, ServeConfig, "max_rows", args, flag="--max-num-seqs", type=int)
     add_field(engine, ServeConfig, "tensor_parallel", args, aliases=("--tensor-parallel-size",))
@@ -92,6 +93,7 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "max_rows": args.max_num_seqs,
         "seed": args.seed,
         "chat_template": args.chat_template,
+        "reject_unknown_fields": args.reject_unknown_fields,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
     if args.model_tag is not None and args.model not in (None, args.model_tag):

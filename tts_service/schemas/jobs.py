@@ -54,7 +54,10 @@ class JobConfig(StrictConfig):
     )
     gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU, for the plan.")
     placement_timeout_s: float = Field(
-        60.0, gt=0, description="Wait for the cluster to place every replica, then fail."
+        600.0,
+        gt=0,
+        description="How long a job waits for a busy cluster to place every replica (a status "
+        "line every 10 s), then fails naming what is missing.",
     )
     chat: bool = True
     early_stop: bool = Field(

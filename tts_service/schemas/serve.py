@@ -52,6 +52,11 @@ class ServeConfig(StrictConfig):
     max_queued_requests: int = Field(
         64, ge=1, le=4096, description="Requests a replica holds, running or waiting; then 429."
     )
+    reject_unknown_fields: bool = Field(
+        False,
+        description="A chat or completions field beyond OpenAI's API and ours is a 400; "
+        "default: dropped with a warning in the log, as vLLM does.",
+    )
     seed: int | None = Field(
         None,
         ge=0,

@@ -3,7 +3,8 @@
 Requests are validated here, at the boundary; an invalid one becomes an OpenAI-style error
 body that names the field (`{"error": {"message", "type", "param", "code"}}`), never a 500.
 Validation is strict (`n: "4"`, `max_tokens: true` and `stream: "yes"` are errors, not
-coerced) and unknown fields are errors. OpenAI parameters this server does not implement
+coerced); a field beyond OpenAI's API and ours is dropped with a warning, as vLLM does, or is an
+error in strict mode (`reject_unknown_fields`). OpenAI parameters this server does not implement
 (`presence_penalty`, `tools`, ...) are accepted only at their no-op value, so the OpenAI
 client works unchanged and nothing a user asks for is silently ignored. `top_k` and `min_p`
 are vLLM's extensions, with its conventions. Log-probabilities (`logprobs`, `top_logprobs`,
@@ -13,6 +14,7 @@ are vLLM's extensions, with its conventions. Log-probabilities (`logprobs`, `top
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Literal
@@ -29,6 +31,8 @@ from pydantic import (
 
 from tts_service.config.decoding import MAX_CONTEXT
 from tts_service.drafters.registry import MethodName
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
 
@@ -285,8 +289,12 @@ def _bounded_int(text: str) -> int | float:
     return float("-inf") if text.startswith("-") else float("inf")
 
 
-def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
-    """Bytes -> a validated request. Raises ApiError (400) naming the first bad field."""
+def parse(model_cls: type[BaseModel], raw: bytes, strict: bool = True) -> BaseModel:
+    """Bytes -> a validated request. Raises ApiError (400) naming the first bad field.
+
+    `strict=False` (vLLM's behaviour, the default of the OpenAI routes): a top-level field that
+    neither OpenAI's API nor ours defines is dropped with a warning in the log, not refused.
+    """
     try:
         data = json.loads(raw, parse_int=_bounded_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -296,6 +304,11 @@ def parse(model_cls: type[BaseModel], raw: bytes) -> BaseModel:
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", "body")
     if issubclass(model_cls, _Request):
+        unknown = [k for k in data if k not in model_cls.model_fields and k not in NO_OP_VALUES]
+        if unknown and not strict:
+            for key in unknown:
+                del data[key]
+            log.warning("request fields ignored (not in the API): %s", ", ".join(unknown))
         for key, allowed in NO_OP_VALUES.items():
             if key in data and not _no_op(data.pop(key), allowed):
                 shown = ", ".join(json.dumps(a) for a in allowed)

@@ -254,7 +254,8 @@ class TTSServer:
     async def _complete(self, request: Request, route: str, model_cls) -> object:
         started = time.monotonic()
         try:
-            req = parse(model_cls, await _body(request, self.cfg.max_body_bytes))
+            raw = await _body(request, self.cfg.max_body_bytes)
+            req = parse(model_cls, raw, strict=self.cfg.reject_unknown_fields)
             job = self.engine.prepare(req)
             self._admit()
             cancel = threading.Event()

@@ -127,3 +127,17 @@ def test_what_this_server_cannot_do_is_a_400_naming_the_field():
     )
     assert _param(store=True) == "store"
     assert _param(messages=[{"role": "tool", "content": "x"}]) == "messages.0.role"
+
+
+def test_unknown_fields_are_dropped_with_a_warning_unless_strict(caplog):
+    body = json.dumps({**CHAT, "guided_json": {}, "foo": 1}).encode()
+    with caplog.at_level("WARNING"):
+        req = parse(ChatCompletionRequest, body, strict=False)
+    assert req.messages[0].content == CHAT["messages"][0]["content"]
+    assert "guided_json, foo" in caplog.text
+    with pytest.raises(ApiError) as e:
+        parse(ChatCompletionRequest, body)
+    assert e.value.param == "guided_json"
+    nested = json.dumps({**CHAT, "stream_options": {"x": 1}}).encode()
+    with pytest.raises(ApiError):  # only top-level fields are another server's extensions
+        parse(ChatCompletionRequest, nested, strict=False)
