@@ -31,7 +31,7 @@ from jobs.common import (
     run_missing,
     run_settings,
 )
-from tts_service.drafters.registry import METHOD_NAMES
+from tts_service.drafters.registry import METHOD_NAMES, method_name
 from tts_service.engine.metrics import acceptance_length
 from tts_service.schemas import JobConfig, Problem, read_problems
 from tts_service.timing import TIMING_KEYS, process_started, with_setup
@@ -140,7 +140,7 @@ def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) 
         "total_tokens": tokens,
         "mean_acceptance_length": acceptance_length(tokens, forwards),
         **{k: timing[k] for k in TIMING_KEYS},
-        "method": cfg.drafter.kind,
+        "method": method_name(cfg.drafter),
         "n": cfg.n,
     }
 

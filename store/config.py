@@ -21,8 +21,9 @@ class StoreConfig(BaseModel):
     )
     url: str | None = Field(
         None,
-        description="None: in-process; 'redis://host:port/db'; or 'local-redis' (a private "
-        "redis-server for this command).",
+        description="None: in-process; 'redis://host:port/db'; "
+        "'redis+cluster://host:port[,host:port...]' (a Redis Cluster); or 'local-redis' (a "
+        "private redis-server for this command).",
     )
     fallback: bool = Field(
         False, description="If Redis is unreachable at start, go on with a local store."
@@ -42,9 +43,10 @@ class StoreConfig(BaseModel):
         if (
             v is not None
             and v != "local-redis"
-            and not v.startswith(("redis://", "rediss://", "unix://"))
+            and not v.startswith(("redis://", "rediss://", "unix://", "redis+cluster://"))
         ):
             raise ValueError(
-                "expected redis://host:port/db, rediss://..., unix://... or local-redis"
+                "expected redis://host:port/db, rediss://..., unix://..., "
+                "redis+cluster://host:port[,host:port...] or local-redis"
             )
         return v

@@ -45,6 +45,7 @@ BACKENDS: dict[str | None, Opener] = {
     "redis": _redis,
     "rediss": _redis,
     "unix": _redis,
+    "redis+cluster": _redis,  # a Redis Cluster: scopes spread over its slots
 }
 
 

@@ -9,9 +9,20 @@ mean is sum / count, truncated to the top k when read. This is STAND's running m
 its intermediate truncations (`InMemoryNgramStore(merge="sum")` computes the same thing
 in-process), and it is order-independent up to float rounding.
 
-Keys: `tts:{scope}:{scope_id}:{n}:{t1,...,tn}` hold a hash `{"_n": count, "<id>": sum}`;
-`tts:{scope}:{scope_id}:_recent` is a sorted set of keys by last write (for the entry cap).
-Every write refreshes the scope's TTL.
+Keys: `tts:{<scope>:<scope_id>}:<n>:<t1,...,tn>` hold a hash `{"_n": count, "<id>": sum}`;
+`tts:{<scope>:<scope_id>}:_recent` is a sorted set of keys by last write (for the entry cap).
+Every write refreshes the scope's TTL. The braces are a Redis Cluster hash tag: every key of a
+scope hashes to one slot, so on a cluster (`redis+cluster://`) a scope's script and pipelines
+run on the one node that owns it, and scopes spread over the 16,384 slots.
+
+A cluster. The round trips go to the scope's node over its own connection (redis-py's cluster
+pipeline refuses scripts); when the cluster moves the slot (a failover promotes a replica, a
+resharding migrates it) the node answers MOVED, ASK or TRYAGAIN, or stops answering: that is
+a failed round trip like any other (the batch stays unacknowledged, the store degrades and
+retries), and the routing is refreshed from the cluster before the next try. Replication is
+asynchronous, so a master that dies may take writes it acknowledged with it: on a node with
+replicas a round trip also sends WAIT, and its batches count as stored only once a replica
+holds them (else they are resent: the new master applies them, the old one skipped them).
 
 Exactly once. A round trip that times out may still run: its commands wait in the socket of
 a hung server and execute when it resumes, and the retry would add them a second time. So
@@ -45,15 +56,20 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from store.base import NgramEntry, NgramRow, mean_entry
 
 log = logging.getLogger(__name__)
 
-_ERRORS = (redis.RedisError, OSError)  # lost connection, timeouts, and server refusals (OOM)
+# lost connection, timeouts, server refusals (OOM), a cluster's redirections (MOVED, ASK,
+# TRYAGAIN, CLUSTERDOWN) and cluster client errors
+ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 FLUSH_ROWS = 512  # rows per round trip: a long outage's queue drains in bounded pipelines
+WAIT_MS = 200  # how long a cluster write waits for a replica to hold it (Redis WAIT)
 
 # KEYS: _recent, _applied, _batches, then the entry keys of every batch in order.
 # ARGV: writer, ttl (0: none), now, then per batch: seq, rows, nkeys, and per key: count,
@@ -102,13 +118,46 @@ class StoreUnavailableError(RuntimeError):
     """Redis cannot be reached and no local fallback was asked for."""
 
 
+class ReplicationLagError(redis.RedisError):
+    """A cluster master applied a round trip's batches but no replica took them in time: a
+    failover now would lose them silently (replication is asynchronous), so the round trip
+    counts as failed and its batches are resent (a master that has them skips them)."""
+
+
+CLUSTER_SCHEME = "redis+cluster"
+Client = redis.Redis | RedisCluster
+
+
+def client_from_url(url: str) -> Client:
+    """A client for `url`: `redis+cluster://[:password@]host:port[,host:port...]` is a
+    Redis Cluster reached through any of its nodes; anything else is one server."""
+    timeouts = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
+    parts = urlsplit(url)
+    if parts.scheme != CLUSTER_SCHEME:
+        return redis.Redis.from_url(url, **timeouts)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"store URL {url!r}: expected host:port, not {host!r}")
+        nodes.append(ClusterNode(name, int(port)))
+    user, _, password = auth.partition(":")
+    return RedisCluster(
+        startup_nodes=nodes, username=user or None, password=password or None, **timeouts
+    )
+
+
 def ping(url: str) -> None:
     """Raise StoreUnavailableError unless the Redis at `url` answers: the edges call it before
     a model loads, so that a wrong URL fails in seconds, not after the load."""
-    client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        client = client_from_url(url)
+    except ERRORS as e:  # a cluster client asks its nodes for the slots as it is made
+        raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
     try:
         client.ping()
-    except _ERRORS as e:
+    except ERRORS as e:
         raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
     finally:
         client.close()
@@ -125,7 +174,7 @@ class RedisScope:
 
     @property
     def prefix(self) -> str:
-        return f"tts:{self.scope}:{self.scope_id}:"
+        return f"tts:{{{self.scope}:{self.scope_id}}}:"  # a cluster hash tag: one slot
 
     @property
     def meta_keys(self) -> tuple[str, str, str]:
@@ -155,7 +204,7 @@ class RedisLogitNgramStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Client,
         scope: RedisScope = RedisScope(),
         max_order: int = 4,
         topk: int = 10,
@@ -184,6 +233,7 @@ class RedisLogitNgramStore:
         self._seq = 0
         self._sending = threading.Lock()  # a store dropped by another thread is closed there
         self._degraded_since: float | None = None
+        self._replicas = 0  # a cluster node's replicas: batches wait until one holds them
         self._last_error = ""
         self._reported_lost = 0
         self._counts = dict(
@@ -202,19 +252,50 @@ class RedisLogitNgramStore:
     @classmethod
     def connect(cls, url: str, fallback: bool = False, **kw) -> RedisLogitNgramStore:
         """Connect and ping. Raises StoreUnavailableError unless `fallback` (then the store
-        starts degraded, serving from its local cache, and says so in logs and stats)."""
-        client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        starts degraded, serving from its local cache, and says so in logs and stats). A
+        cluster must answer at start, fallback or not: its slots say where the scope lives."""
+        try:
+            client = client_from_url(url)
+        except ERRORS as e:  # a cluster must answer once, to say which node owns which slot
+            raise StoreUnavailableError(f"cannot reach the Redis Cluster at {url}: {e}") from e
         store = cls(client, **kw)
         try:
-            client.ping()
-            client.script_load(APPLY_BATCHES)
+            store.node().ping()
+            store.node().script_load(APPLY_BATCHES)
+            store._replicas = store._count_replicas()
             store.warm()
-        except _ERRORS as e:
+        except ERRORS as e:
             if not fallback:
                 raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
             log.warning("Redis at %s unreachable (%s): using the local store until it is", url, e)
             store._degrade()
         return store
+
+    def node(self) -> redis.Redis:
+        """The connection that serves this scope's keys: the server itself, or on a cluster
+        the node that owns the scope's slot now (as the client last learned the slots)."""
+        if not isinstance(self.client, RedisCluster):
+            return self.client
+        owner = self.client.get_node_from_key(self.scope.meta_keys[0])
+        return self.client.get_redis_connection(owner)
+
+    def _reroute(self) -> None:
+        """After a failed round trip on a cluster: learn the slots again (a failover or a
+        resharding may have moved the scope's), so the next try goes to the new owner, and
+        how many replicas that owner has now."""
+        if isinstance(self.client, RedisCluster):
+            try:
+                self.client.nodes_manager.initialize()
+                self._replicas = self._count_replicas()
+            except ERRORS as e:  # no node answers yet: the next retry asks again
+                log.info("Redis Cluster slots not refreshed: %s", e)
+
+    def _count_replicas(self) -> int:
+        """The replicas of the scope's node on a cluster (0 for one server: writes are as safe
+        as that server's persistence, and WAIT would only add its timeout)."""
+        if not isinstance(self.client, RedisCluster):
+            return 0
+        return int(self.node().info("replication").get("connected_slaves", 0))
 
     # -- NgramStore ----------------------------------------------------------------------
     def lookup(self, context: Sequence[int]) -> NgramEntry | None:
@@ -296,17 +377,18 @@ class RedisLogitNgramStore:
         self._wanted.clear()
         self._pending.clear()
         self._unacked.clear()
-        delete_scope(self.client, self.scope.prefix)
+        delete_scope(self.node(), self.scope.prefix)
 
     def warm(self, chunk: int = 1000) -> int:
         """Load the scope's most recently written entries into the local cache, so a new actor
         drafts from what others learned from its first step (a miss is only fetched with the
         next round trip, one step behind a sequence the cache has never seen)."""
-        keys = self.client.zrevrange(self.scope.meta_keys[0], 0, self.cache_entries - 1)
+        node = self.node()
+        keys = node.zrevrange(self.scope.meta_keys[0], 0, self.cache_entries - 1)
         now = time.monotonic()
         for start in range(0, len(keys), chunk):
             part = keys[start : start + chunk]
-            pipe = self.client.pipeline(transaction=False)
+            pipe = node.pipeline(transaction=False)
             for key in part:
                 pipe.hgetall(key)
             for key, raw in zip(part, pipe.execute(), strict=True):
@@ -340,9 +422,10 @@ class RedisLogitNgramStore:
         wanted = list(self._wanted)[: self.refresh_batch]
         try:
             applied, replies = self._round_trip(wanted)
-        except _ERRORS as e:
+        except ERRORS as e:
             self._counts["errors"] += 1
             self._last_error = str(e)
+            self._reroute()
             if isinstance(e, redis.exceptions.OutOfMemoryError):
                 self._last_error += " (set maxmemory-policy volatile-lru: every key has a TTL)"
             if self._degraded_since is None:
@@ -387,40 +470,48 @@ class RedisLogitNgramStore:
     def _round_trip(self, wanted: list[tuple[int, ...]]) -> tuple[int, list]:
         """(rows applied, the wanted hashes). A server that lost the script (a restart) gets
         it again, and the round trip is redone: NOSCRIPT means nothing ran."""
-        replies = self._pipeline(wanted)
+        node = self.node()
+        replies = self._pipeline(node, wanted)
         if self._unacked and isinstance(replies[0], redis.exceptions.NoScriptError):
-            self.client.script_load(APPLY_BATCHES)
-            replies = self._pipeline(wanted)
+            node.script_load(APPLY_BATCHES)  # a restarted server, a promoted replica
+            replies = self._pipeline(node, wanted)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         if not self._unacked:
             return 0, replies
-        self._enforce_cap()  # after the writes landed; best effort, never retried
-        return int(replies[0]), replies[1:]
+        applied, replies = int(replies[0]), replies[1:]
+        if self._replicas:  # WAIT's reply: the replicas that hold the batches now
+            taken, replies = int(replies[0]), replies[1:]
+            if taken < 1:
+                raise ReplicationLagError(f"no replica took the batches within {WAIT_MS} ms")
+        self._enforce_cap(node)  # after the writes landed; best effort, never retried
+        return applied, replies
 
-    def _pipeline(self, wanted: list[tuple[int, ...]]) -> list:
-        pipe = self.client.pipeline(transaction=False)
+    def _pipeline(self, node: redis.Redis, wanted: list[tuple[int, ...]]) -> list:
+        pipe = node.pipeline(transaction=False)
         if self._unacked:
             keys = [*self.scope.meta_keys, *(k for b in self._unacked for k in b.keys)]
             args = [self._writer, self.scope.ttl_s or 0, repr(time.time())]
             args += [a for b in self._unacked for a in b.args]
             pipe.evalsha(APPLY_SHA, len(keys), *keys, *args)
+            if self._replicas:
+                pipe.execute_command("WAIT", 1, WAIT_MS)
         for ctx in wanted:
             pipe.hgetall(self._key(ctx))
         replies = pipe.execute(raise_on_error=False)
         self._counts["round_trips"] += 1
         return replies
 
-    def _enforce_cap(self) -> None:
+    def _enforce_cap(self, node: redis.Redis) -> None:
         recent = self.scope.meta_keys[0]
         try:
-            excess = int(self.client.zcard(recent)) - self.scope.max_entries
+            excess = int(node.zcard(recent)) - self.scope.max_entries
             if excess <= 0:
                 return
-            old = [k for k, _ in self.client.zpopmin(recent, excess)]
-            self.client.unlink(*old)
-        except _ERRORS as e:  # the cap is enforced again with the next write
+            old = [k for k, _ in node.zpopmin(recent, excess)]
+            node.unlink(*old)
+        except ERRORS as e:  # the cap is enforced again with the next write
             self._counts["errors"] += 1
             log.warning("Redis entry cap not enforced this step: %s", e)
 
@@ -430,11 +521,11 @@ class RedisLogitNgramStore:
         if not self.scope.ttl_s:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.node().pipeline(transaction=False)
             for key in self.scope.meta_keys[1:]:
                 pipe.expire(key, self.scope.ttl_s)
             pipe.execute()
-        except _ERRORS as e:  # they expire after the next writer's close
+        except ERRORS as e:  # they expire after the next writer's close
             log.warning("Redis store counters keep no TTL: %s", e)
 
     def _report_lost(self) -> None:
@@ -472,7 +563,7 @@ class RedisLogitNgramStore:
         self._trim()
 
 
-def delete_scope(client: redis.Redis, prefix: str) -> int:
+def delete_scope(client: Client, prefix: str) -> int:
     """Delete every key under `prefix`; returns how many."""
     deleted = 0
     batch: list[bytes] = []
@@ -486,7 +577,7 @@ def delete_scope(client: redis.Redis, prefix: str) -> int:
     return deleted
 
 
-def scope_stats(client: redis.Redis, prefix: str) -> dict:
+def scope_stats(client: Client, prefix: str) -> dict:
     """Entries per n-gram order, and updates applied, under `prefix`, which may span scopes
     ("tts:" is all of them). A SCAN: for operators and tests, not the hot path."""
     by_order: dict[str, int] = {}
@@ -498,10 +589,9 @@ def scope_stats(client: redis.Redis, prefix: str) -> dict:
             by_order[entry[1]] = by_order.get(entry[1], 0) + 1
         elif name.endswith(":_applied"):
             counters.append(key)
+    mget = client.mget_nonatomic if isinstance(client, RedisCluster) else client.mget
     applied = sum(
-        int(v or 0)
-        for i in range(0, len(counters), 1000)
-        for v in client.mget(counters[i : i + 1000])
+        int(v or 0) for i in range(0, len(counters), 1000) for v in mget(counters[i : i + 1000])
     )
     return {
         "prefix": prefix,

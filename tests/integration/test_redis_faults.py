@@ -49,7 +49,7 @@ def _stored(url: str, scope_id: str) -> int:
     client = redis.Redis.from_url(url)
     return sum(
         int(client.hget(key, "_n"))
-        for key in client.scan_iter(match=f"tts:problem:{scope_id}:1:*", count=1000)
+        for key in client.scan_iter(match=f"tts:{{problem:{scope_id}}}:1:*", count=1000)
     )
 
 

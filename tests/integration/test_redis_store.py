@@ -106,12 +106,12 @@ def test_ttl_cap_stats_and_clear(redis_server):
     for t in range(9):
         store.add([NgramRow((t,), (1,), (1.0,))])
     client = redis.Redis.from_url(url)
-    keys = [k for k in client.scan_iter(match="tts:job:capped:1:*")]
+    keys = [k for k in client.scan_iter(match="tts:{job:capped}:1:*")]
     assert len(keys) == 5  # the oldest four were evicted
     assert 0 < client.ttl(keys[0]) <= 100
     assert main(["store", "stats", "--scope", "job", "--id", "capped", "--store", url]) == 0
     assert main(["store", "clear", "--scope", "job", "--id", "capped", "--store", url]) == 0
-    assert not list(client.scan_iter(match="tts:job:capped:*"))
+    assert not list(client.scan_iter(match="tts:{job:capped}:*"))
 
 
 def test_store_cli_reports_counts(redis_server, capsys):

@@ -175,3 +175,29 @@ def test_vllm_s_seed_and_chat_template_flags(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="readable file"):
         ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_a_generation_config_sets_the_defaults_a_request_leaves_unset(tiny_model_dir, tmp_path):
+    """vLLM's --generation-config: the folder's top_k 1 makes an unset top_k greedy, so a
+    request at T = 1 answers what T = 0 answers; a request that sets top_k keeps its own."""
+    from transformers import GenerationConfig
+
+    from tts_service.serve.engine import ServeEngine
+
+    GenerationConfig(do_sample=True, top_k=1, max_new_tokens=5).save_pretrained(tmp_path)
+    model = {"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"}
+    eng = ServeEngine(ServeConfig(model=model, generation_config=str(tmp_path)))
+    try:
+        assert eng.sampling_defaults == {"top_k": 1, "max_tokens": 5}
+        body = {"messages": CHAT["messages"], "temperature": 1.0, "seed": 3}
+        greedy = complete(eng, ChatCompletionRequest, {**body, "temperature": 0})
+        sampled = complete(eng, ChatCompletionRequest, body)
+        assert sampled["choices"][0]["message"] == greedy["choices"][0]["message"]
+        assert sampled["usage"]["completion_tokens"] <= 5  # max_new_tokens: the default
+        own = complete(eng, ChatCompletionRequest, {**body, "top_k": 0, "max_tokens": 12})
+        assert own["usage"]["completion_tokens"] > 5
+    finally:
+        eng.close()
+    plain = ServeEngine(ServeConfig(model=model, generation_config="vllm"))
+    assert plain.sampling_defaults == {}
+    plain.close()

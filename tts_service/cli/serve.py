@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_field(model, ServeConfig, "model.dtype", model_args, choices=dtypes)
     add_field(model, ServeConfig, "chat_template", args)
     add_field(model, ServeConfig, "seed", args, type=int)
+    add_field(model, ServeConfig, "generation_config", args)
     server = srv.add_argument_group("server")
     add_field(server, ServeConfig, "host", http)
     add_field(server, ServeConfig, "port", http)
@@ -69,6 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_field(server, ServeConfig, "reject_unknown_fields", args, action="store_true", default=None)
     engine = srv.add_argument_group("engine")
     add_field(engine, ServeConfig, "max_rows", args, flag="--max-num-seqs", type=int)
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="vLLM's; not taken here: the KV cache is not preallocated but grows with the rows "
+        "that decode (bound it with --max-num-seqs and --max-model-len)",
+    )
     add_field(engine, ServeConfig, "tensor_parallel", args, aliases=("--tensor-parallel-size",))
     srv.set_defaults(func=run)
 
@@ -94,6 +101,7 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "seed": args.seed,
         "chat_template": args.chat_template,
         "reject_unknown_fields": args.reject_unknown_fields,
+        "generation_config": args.generation_config,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
     if args.model_tag is not None and args.model not in (None, args.model_tag):
@@ -115,6 +123,11 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
 def run(args: argparse.Namespace) -> int:
     """Attach to RAY_ADDRESS or start a private loopback Ray, deploy the app, serve until
     SIGTERM or Ctrl-C, then stop the application (and the private Ray)."""
+    if args.gpu_memory_utilization is not None:
+        raise UsageError(
+            "--gpu-memory-utilization: not taken: the KV cache grows with the rows that "
+            "decode; bound it with --max-num-seqs and --max-model-len"
+        )
     data, cfg = serve_config(args)
     check_tensor_parallel(cfg)
     app = (data.get("applications") or [{}])[0]

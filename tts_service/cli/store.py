@@ -68,32 +68,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             help="default: %(default)s",
         )
         act.add_argument("--id", help="the scope's id (problem: the prompt hash in stats)")
-        act.add_argument("--store", help="redis://host:port/db (default: $TTS_STORE_URL)")
+        act.add_argument(
+            "--store",
+            help="redis://host:port/db or redis+cluster://host:port,... (default: $TTS_STORE_URL)",
+        )
         act.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     url = args.store or os.environ.get("TTS_STORE_URL")
-    if not url or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise UsageError("--store: give a redis://host:port/db URL (or set TTS_STORE_URL)")
+    if not url or not url.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
+        raise UsageError(
+            "--store: give a redis://host:port/db or redis+cluster://host:port,... URL "
+            "(or set TTS_STORE_URL)"
+        )
     if args.scope != "all" and args.id is None and args.scope != "global":
         raise UsageError(f"--id: the {args.scope} scope needs an id (or use --scope all)")
-    import redis
+    from redis.cluster import RedisCluster
 
-    from store.redis_store import delete_scope, scope_stats
+    from store.redis_store import (
+        ERRORS,
+        RedisScope,
+        client_from_url,
+        delete_scope,
+        scope_stats,
+    )
 
-    prefix = "tts:" if args.scope == "all" else f"tts:{args.scope}:{args.id or 'default'}:"
-    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    if args.scope == "all":
+        prefix = "tts:"
+    else:
+        prefix = RedisScope(args.scope, args.id or "default").prefix
     try:
+        client = client_from_url(url)
         if args.action == "stats":
+            cluster = isinstance(client, RedisCluster)
+            nodes = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}
+            memory = client.info("memory", **nodes)
+            policy = client.config_get("maxmemory-policy", **nodes)
+            if nodes:  # per node: {node: reply}
+                used = {n: m.get("used_memory_human") for n, m in memory.items()}
+                policy = next(iter(policy.values()), {})
+            else:
+                used = memory.get("used_memory_human")
             out = {
                 **scope_stats(client, prefix),
-                "used_memory": client.info("memory").get("used_memory_human"),
-                "maxmemory_policy": client.config_get("maxmemory-policy").get("maxmemory-policy"),
+                "used_memory": used,
+                "maxmemory_policy": policy.get("maxmemory-policy"),
             }
         else:
             out = {"prefix": prefix, "deleted": delete_scope(client, prefix)}
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+    except ERRORS as e:
         raise UsageError(f"--store: cannot reach Redis at {url}: {e}") from e
     print(json.dumps(out))
     return 0

@@ -45,6 +45,7 @@ __all__ = [
     "SPECS",
     "build_drafter",
     "method_drafter",
+    "method_name",
     "resolve_method",
     "size_field",
 ]
@@ -129,6 +130,17 @@ METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
 DEFAULT_METHOD = "auto"
 """What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
 MethodName = Literal[METHOD_NAMES]  # type: ignore[valid-type]
+
+
+def method_name(drafter: BaseModel) -> str:
+    """The method a drafter config runs, as users name it (`stand-dyn`, not its kind
+    `stand_dyn`): the kind's method whose fields the config has, else the kind's first."""
+    kind = drafter.kind  # type: ignore[attr-defined]
+    named = [m for m in METHODS.values() if m.kind == kind]
+    for m in sorted(named, key=lambda m: -len(m.fields)):  # the most specific first
+        if all(getattr(drafter, k, None) == v for k, v in m.fields.items()):
+            return m.name
+    return named[0].name if named else kind
 
 
 def resolve_method(method: str, device: str) -> str:

@@ -52,6 +52,13 @@ class ServeConfig(StrictConfig):
     max_queued_requests: int = Field(
         64, ge=1, le=4096, description="Requests a replica holds, running or waiting; then 429."
     )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="Sampling defaults for requests that leave them unset (temperature, "
+        "top_p, top_k, min_p, max_tokens): auto, the model's generation_config.json; vllm, "
+        "none; or a folder holding one (vLLM's --generation-config).",
+    )
     reject_unknown_fields: bool = Field(
         False,
         description="A chat or completions field beyond OpenAI's API and ours is a 400; "

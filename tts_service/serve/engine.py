@@ -88,6 +88,33 @@ class Job:
         }
 
 
+SAMPLING_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+"""Generation config field -> the request field whose default it sets (as vLLM maps them)."""
+
+
+def sampling_defaults(source: str, generator: Generator) -> dict:
+    """vLLM's --generation-config: the sampling defaults a model's `generation_config.json`
+    recommends, for requests that leave those fields unset. `auto`: the loaded model's;
+    `vllm`: none (the API's own defaults); else a folder holding a generation_config.json.
+    Only fields the file sets count (transformers' class defaults are not recommendations)."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        config = generator.loaded.model.generation_config
+    else:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig.from_pretrained(source)
+    given = config.to_diff_dict() if config is not None else {}
+    return {ours: given[k] for k, ours in SAMPLING_DEFAULTS.items() if given.get(k) is not None}
+
+
 def fair_admission(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
     """Serve's admission: the next row goes to the waiting submission holding the fewest rows,
     and a submission holding none may join a full batch, so a short request never waits
@@ -122,6 +149,7 @@ class ServeEngine:
         self.served_name = cfg.served_model_name or cfg.model.name
         if cfg.chat_template is not None:  # vLLM's --chat-template, over the tokenizer's
             self.generator.loaded.tokenizer.chat_template = cfg.chat_template
+        self.sampling_defaults = sampling_defaults(cfg.generation_config, self.generator)
         # vLLM's --seed: the seeds of requests that give none, in arrival order
         self.seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.logprob_format = LogprobFormat(self.generator.loaded.tokenizer)
@@ -201,14 +229,16 @@ class ServeEngine:
     def _sampling(self, req: HttpRequest) -> SamplingConfig:
         if req.n > self.cfg.max_n:
             raise ApiError(400, f"n: at most {self.cfg.max_n}", "n")
-        max_new = req.max_tokens or self.cfg.default_max_tokens
+        given = req.model_fields_set
+        default = {k: v for k, v in self.sampling_defaults.items() if k not in given}
+        max_new = req.max_tokens or default.get("max_tokens", self.cfg.default_max_tokens)
         if max_new > self.cfg.max_tokens_cap:
             raise ApiError(400, f"max_tokens: at most {self.cfg.max_tokens_cap}", "max_tokens")
         return SamplingConfig(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(req.top_k, 0),  # vLLM's -1 is our 0
-            min_p=req.min_p,
+            temperature=default.get("temperature", req.temperature),
+            top_p=default.get("top_p", req.top_p),
+            top_k=max(default.get("top_k", req.top_k), 0),  # vLLM's -1 is our 0
+            min_p=default.get("min_p", req.min_p),
             max_new_tokens=max_new,
             seed=self._seed() if req.seed is None else req.seed,
             stop=tuple(req.stop)

@@ -44,3 +44,17 @@ def test_what_is_not_given_is_the_config_file_s():
     assert cfg.seed is None and cfg.chat_template is None and cfg.model.name == "smollm2-135m"
     with pytest.raises(SystemExit):  # argparse: exit code 2
         parse("--dtype", "int8")
+
+
+def test_gpu_memory_utilization_is_refused_saying_what_bounds_memory_here():
+    from tts_service.cli.serve import run
+
+    with pytest.raises(UsageError, match="--max-num-seqs and --max-model-len"):
+        run(parse("--gpu-memory-utilization", "0.9"))
+
+
+def test_generation_config_and_strict_fields_flags():
+    _, cfg = serve_config(parse("--generation-config", "vllm", "--reject-unknown-fields"))
+    assert cfg.generation_config == "vllm" and cfg.reject_unknown_fields
+    _, cfg = serve_config(parse())
+    assert cfg.generation_config == "auto" and not cfg.reject_unknown_fields

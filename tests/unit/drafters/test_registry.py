@@ -128,3 +128,14 @@ def test_what_a_spec_declares_it_needs_is_needed(name):
             build_drafter(cfg, DraftEnv(32, InMemoryNgramStore()))
     else:
         build_drafter(cfg, DraftEnv(32, InMemoryNgramStore()))
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_method_s_drafter_config_names_the_method_back(name):
+    """Outputs say `stand-dyn`, as users write it, not the kind `stand_dyn`."""
+    from pydantic import TypeAdapter
+
+    from tts_service.drafters.registry import DrafterConfig, method_drafter, method_name
+
+    cfg = TypeAdapter(DrafterConfig).validate_python(method_drafter(name, {}, "cpu"))
+    assert method_name(cfg) == name
