@@ -13,9 +13,11 @@ object on the problem's one scope (as actors do; the in-process backend is one s
 Servers are started here on loopback ports and stopped by PID.
 
 Reported per (backend, concurrency): round trips and bytes on the wire per committed token
-(the servers' own `total_net_input_bytes` + `total_net_output_bytes`), p50/p99 of a step's
-`add` (its round trip) and of a lookup, and the problem's memory in Redis (`used_memory`
-before and after, over every master).
+(the servers' own `total_net_input_bytes` + `total_net_output_bytes`, clients' traffic; the
+replication traffic apart), p50/p99 of a step's `add` (its round trip) and of a lookup, and
+the problem's memory in Redis (`MEMORY USAGE` of its keys on their master), and the servers'
+CPU time per committed token (`used_cpu_user` + `used_cpu_sys`, every node: where a master
+saturates).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from store.config import StoreConfig
 from store.factory import open_store
 from store.local_server import LocalRedisCluster, LocalRedisServer
 from store.memory import InMemoryNgramStore
+from store.redis_store import RedisScope, client_from_url
 from tts_service.replay import LoggedProblem, parse_line
 
 LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")
@@ -88,14 +91,34 @@ def replay(store, tokens, top_ids, top_probs, prompt_len, args, add_s, lookup_s)
     return committed
 
 
-def wire(clients: list[redis.Redis]) -> tuple[int, int]:
-    """(bytes in + out, used memory) over the servers."""
-    total, used = 0, 0
+def server_cpu(clients: list[redis.Redis]) -> float:
+    """CPU seconds the servers have used (user + system, main thread and children)."""
+    total = 0.0
     for c in clients:
-        stats, memory = c.info("stats"), c.info("memory")
-        total += int(stats["total_net_input_bytes"]) + int(stats["total_net_output_bytes"])
-        used += int(memory["used_memory"])
-    return total, used
+        cpu = c.info("cpu")
+        total += float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    return total
+
+
+def wire(clients: list[redis.Redis]) -> tuple[int, int]:
+    """(client bytes in + out, replication bytes in + out) over the servers (Redis 7's
+    `total_net_*` include replication; `total_net_repl_*` are the replication part)."""
+    total, repl = 0, 0
+    for c in clients:
+        stats = c.info("stats")
+        both = int(stats["total_net_input_bytes"]) + int(stats["total_net_output_bytes"])
+        copy = int(stats.get("total_net_repl_input_bytes", 0))
+        copy += int(stats.get("total_net_repl_output_bytes", 0))
+        total, repl = total + both - copy, repl + copy
+    return total, repl
+
+
+def scope_memory(url: str, prefix: str) -> int:
+    """Bytes the scope's keys take on their master (`MEMORY USAGE` of each; replicas hold as
+    much again)."""
+    client = client_from_url(url)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    return sum(int(client.memory_usage(k) or 0) for k in keys)
 
 
 def cell(backend: str, url: str | None, clients, concurrency: int, args, trajectories) -> dict:
@@ -106,6 +129,7 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
         for _ in range(concurrency)
     ]
     before = wire(clients) if clients else (0, 0)
+    cpu_before = server_cpu(clients) if clients else 0.0
     add_s: list[float] = []
     lookup_s: list[float] = []
     done = [0] * concurrency
@@ -126,6 +150,8 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
     for s in {id(s): s for s in stores}.values():
         s.close()
     after = wire(clients) if clients else (0, 0)
+    cpu = server_cpu(clients) - cpu_before if clients else 0.0
+    memory = scope_memory(url, RedisScope("problem", scope_id).prefix) if url else None
     tokens = sum(done)
     trips = sum(s.get("round_trips", 0) for s in stats)
     return {
@@ -134,13 +160,16 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
         "committed_tokens": tokens,
         "round_trips_per_token": trips / tokens,
         "bytes_per_token": (after[0] - before[0]) / tokens,
+        "replication_bytes_per_token": (after[1] - before[1]) / tokens,
+        "server_cpu_us_per_token": cpu / tokens * 1e6,
         "add_ms_p50": percentile(add_s, 0.5) * 1e3,
         "add_ms_p99": percentile(add_s, 0.99) * 1e3,
         "lookup_us_p50": percentile(lookup_s, 0.5) * 1e6,
         "lookup_us_p99": percentile(lookup_s, 0.99) * 1e6,
         "lookup_us_mean": statistics.fmean(lookup_s) * 1e6 if lookup_s else 0.0,
-        "problem_memory_kb": (after[1] - before[1]) / 1024,
+        "problem_memory_kb": None if memory is None else memory / 1024,
         "lost_updates": sum(s.get("lost_updates", 0) for s in stats),
+        "replication_waits": sum(s.get("replication_waits", 0) for s in stats),
         "wall_s": wall,
     }
 
@@ -170,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{backend:14s} x{concurrency:<3d} "
                     f"trips/token {rec['round_trips_per_token']:.2f}"
-                    f"  bytes/token {rec['bytes_per_token']:7.0f}  add p50/p99 "
+                    f"  bytes/token {rec['bytes_per_token']:5.0f} "
+                    f"(+{rec['replication_bytes_per_token']:.0f} repl)  add p50/p99 "
                     f"{rec['add_ms_p50']:.2f}/{rec['add_ms_p99']:.2f} ms  lookup p50/p99 "
                     f"{rec['lookup_us_p50']:.1f}/{rec['lookup_us_p99']:.1f} us  problem "
-                    f"{rec['problem_memory_kb']:.0f} KiB  lost {rec['lost_updates']}",
+                    f"{rec['problem_memory_kb'] or 0:.0f} KiB  server cpu "
+                    f"{rec['server_cpu_us_per_token']:.1f} us/token  lost {rec['lost_updates']}  "
+                    f"waits {rec['replication_waits']}",
                     flush=True,
                 )
                 if args.json:

@@ -183,13 +183,15 @@ class LocalRedisCluster:
         return self
 
     def wait_ok(self, timeout_s: float = 30.0, nodes: list[LocalRedisServer] | None = None) -> None:
-        """Until every live node says `cluster_state:ok` and knows a master for every slot."""
+        """Until every live node says `cluster_state:ok` and every replica has synced."""
         deadline = time.monotonic() + timeout_s
         for node in nodes or self.live():
             client = redis.Redis(port=node.port, socket_connect_timeout=0.5)
             while True:
                 info = client.execute_command("CLUSTER INFO")  # parsed by redis-py
-                if info.get("cluster_state") == "ok":
+                repl = client.info("replication")
+                synced = repl["role"] == "master" or repl.get("master_link_status") == "up"
+                if info.get("cluster_state") == "ok" and synced:
                     break
                 if time.monotonic() > deadline:
                     raise RedisServerError(f"the cluster is not ok on port {node.port}: {info}")
