@@ -4,6 +4,7 @@ private redis-server."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 
@@ -12,6 +13,7 @@ import torch
 from pydantic import TypeAdapter
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from store.base import NgramRow
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.recycling import RecyclingDrafterConfig
@@ -141,3 +143,20 @@ def save_tiny_model(path, vocab_size: int, seed: int, scale: float, dtype=torch.
     model.save_pretrained(path)
     word_tokenizer(vocab_size).save_pretrained(path)
     return model
+
+
+def ngram_steps(seed: int, n: int, rows: int = 3) -> list[list[NgramRow]]:
+    """`n` decoding steps of `rows` store rows each: random 4-token contexts, 10 ids each (the
+    store tests' traffic)."""
+    rng = random.Random(seed)
+    return [
+        [
+            NgramRow(
+                tuple(rng.randrange(1000) for _ in range(4)),
+                tuple(rng.sample(range(100), 10)),
+                (0.1,) * 10,
+            )
+            for _ in range(rows)
+        ]
+        for _ in range(n)
+    ]

@@ -5,7 +5,6 @@ over by its replica with nothing lost silently and nothing applied twice."""
 
 from __future__ import annotations
 
-import random
 import shutil
 import time
 
@@ -19,6 +18,7 @@ from store.factory import open_problem_store, open_store, problem_id
 from store.local_server import LocalRedisCluster
 from store.memory import InMemoryNgramStore
 from store.redis_store import RedisLogitNgramStore, RedisScope, client_from_url, scope_stats
+from tests.conftest import ngram_steps
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-cli") is None or shutil.which("redis-server") is None,
@@ -32,21 +32,6 @@ def cluster():
         yield c
 
 
-def _steps(seed: int, n: int, rows: int = 3) -> list[list[NgramRow]]:
-    rng = random.Random(seed)
-    return [
-        [
-            NgramRow(
-                tuple(rng.randrange(1000) for _ in range(4)),
-                tuple(rng.sample(range(100), 10)),
-                (0.1,) * 10,
-            )
-            for _ in range(rows)
-        ]
-        for _ in range(n)
-    ]
-
-
 def _stored(client: RedisCluster, prefix: str) -> int:
     """Rows stored in a scope, read from the data: each row adds 1 to one 1-gram's `_n`."""
     keys = list(client.scan_iter(match=f"{prefix}1:*", count=1000))
@@ -56,7 +41,7 @@ def _stored(client: RedisCluster, prefix: str) -> int:
 def test_a_scope_lives_in_one_slot_and_its_counts_are_exact(cluster):
     store = open_store(StoreConfig(), cluster.url, "problem", "one-slot")
     assert isinstance(store, RedisLogitNgramStore) and isinstance(store.client, RedisCluster)
-    steps = _steps(0, 20)
+    steps = ngram_steps(0, 20)
     for step in steps:
         store.add(step)
     store.close()
@@ -117,7 +102,7 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
     store._replicas = store._count_replicas()
     assert store._replicas == 1
     victim = cluster.master_of(scope.meta_keys[0])
-    steps = _steps(1, 60)
+    steps = ngram_steps(1, 60)
     for i, step in enumerate(steps):
         if i == 20:
             victim.kill()

@@ -7,35 +7,18 @@ count `_n` of exactly one 1-gram key (its context's last token).
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 
 import pytest
 import redis
 
-from store.base import NgramRow
 from store.local_server import LocalRedisServer
 from store.redis_store import RedisLogitNgramStore, RedisScope, scope_stats
+from tests.conftest import ngram_steps
 
 ROWS = 3  # rows per decoding step
 TIMEOUT_S = 0.3  # the client's socket timeout: a hung server times a round trip out fast
-
-
-def _steps(seed: int, n: int) -> list[list[NgramRow]]:
-    """`n` steps of `ROWS` rows, contexts of 4 tokens, 10 ids each."""
-    rng = random.Random(seed)
-    return [
-        [
-            NgramRow(
-                tuple(rng.randrange(1000) for _ in range(4)),
-                tuple(rng.sample(range(100), 10)),
-                (0.1,) * 10,
-            )
-            for _ in range(ROWS)
-        ]
-        for _ in range(n)
-    ]
 
 
 def _store(url: str, scope_id: str, **kw) -> RedisLogitNgramStore:
@@ -73,7 +56,7 @@ def _settle(url: str, store: RedisLogitNgramStore) -> None:
 def test_a_batch_that_timed_out_on_a_hung_server_is_stored_once():
     """SIGSTOP: every round trip times out, and its batch waits in the server's socket; each
     retry sends it again. When the server resumes, all copies run: one may apply."""
-    steps = _steps(0, 12)
+    steps = ngram_steps(0, 12)
     with LocalRedisServer() as server:
         store = _store(server.url, "sigstop")
         for step in steps[:4]:
@@ -98,7 +81,7 @@ def test_a_batch_that_timed_out_on_a_hung_server_is_stored_once():
 def test_a_batch_that_landed_just_before_a_kill_9_is_not_stored_again(tmp_path):
     """The batch times out on a hung server, runs when it resumes, and the server dies before
     the retry: the restarted server (AOF) must remember that the batch is in."""
-    steps = _steps(1, 8)
+    steps = ngram_steps(1, 8)
     server = LocalRedisServer(data_dir=tmp_path / "aof", appendonly=True).start()
     try:
         store = _store(server.url, "kill9")
@@ -129,7 +112,7 @@ def test_a_batch_that_landed_just_before_a_kill_9_is_not_stored_again(tmp_path):
 def test_a_full_server_refuses_updates_loudly_or_evicts_old_ones(policy, capsys):
     """maxmemory with room for about half the run: `noeviction` refuses writes, and what is
     refused until close is reported lost; `volatile-lru` (recommended) refuses nothing."""
-    steps = _steps(2, 300)
+    steps = ngram_steps(2, 300)
     with LocalRedisServer() as server:
         admin = redis.Redis.from_url(server.url)
         admin.config_set("maxmemory-policy", policy)
@@ -158,10 +141,10 @@ def test_close_waits_a_bounded_time_for_a_hung_server_and_reports_the_loss(capsy
     one socket timeout, and says how many updates never got in."""
     with LocalRedisServer() as server:
         store = _store(server.url, "hung", close_timeout_s=0.5)
-        store.add(_steps(3, 1)[0])
+        store.add(ngram_steps(3, 1)[0])
         server.send_signal(signal.SIGSTOP)
         try:
-            store.add(_steps(4, 1)[0])
+            store.add(ngram_steps(4, 1)[0])
             start = time.monotonic()
             store.close()
             took = time.monotonic() - start
