@@ -33,9 +33,17 @@ class TrajectoryRecord:
     finish_reason: str
     stats: dict
     actor: str
+    node: str = ""  # the Ray node that decoded it (empty outside Ray)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _ray_node() -> str:
+    """This process's Ray node id, or "" outside Ray (tests build actors in-process)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 class GeneratorActor:
@@ -56,6 +64,7 @@ class GeneratorActor:
             generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
         )
         self.name = f"pid{os.getpid()}"
+        self.node = _ray_node()
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
 
@@ -112,6 +121,7 @@ class GeneratorActor:
                 o.finish_reason,
                 o.stats.to_dict(),
                 self.name,
+                self.node,
             ).to_dict()
             if res.top_ids is not None:  # only when logging: the replay format needs them
                 rec["prompt_ids"] = ids

@@ -38,7 +38,7 @@ class Endpoint:
     def __post_init__(self) -> None:
         client = openai.OpenAI(
             base_url=self.url.rstrip("/"),
-            api_key=self.api_key or "unused",  # the client insists on one; sent only if given
+            api_key=self.api_key or "unused",  # the client insists on one (sent either way)
             timeout=self.timeout_s,
             max_retries=self.retries,
         )
@@ -49,17 +49,19 @@ class Endpoint:
             return request()
         except openai.APIStatusError as e:
             raise EndpointError(f"{self.url}/{what}: HTTP {e.status_code}: {e.message}") from e
-        except openai.APIError as e:  # connection, timeout, a body that is not JSON
+        except openai.APIError as e:  # connection, timeout
             raise EndpointError(f"{self.url}/{what}: {e}") from e
+        except (ValueError, AttributeError) as e:  # a body that is not the API's JSON
+            raise EndpointError(f"{self.url}/{what}: not an OpenAI reply: {e}") from e
 
     def model(self) -> str:
         """The first model the server lists (GET /models): what the run is named after. The
         run's first call, so a wrong URL fails after two retries, not the whole backoff."""
         client = self.client.with_options(max_retries=min(self.retries, 2))
-        data = self._call("models", lambda: client.models.list().data)
+        data = self._call("models", lambda: [m.id for m in client.models.list().data])
         if not data:
             raise EndpointError(f"{self.url}/models lists no model")
-        return data[0].id
+        return data[0]
 
     def trajectories(
         self, model: str, prompt: str, n: int, sampling: SamplingConfig, problem_id: str
@@ -82,6 +84,7 @@ class Endpoint:
         try:
             choices = sorted(reply.choices, key=lambda c: c.index)
             tokens = int(reply.usage.completion_tokens)
+            texts = [c.message.content or "" for c in choices]
         except (AttributeError, TypeError, ValueError) as e:
             raise EndpointError(f"not a chat completion: {str(reply)[:300]}") from e
         if len(choices) != n:
@@ -91,7 +94,7 @@ class Endpoint:
             {
                 "problem_id": problem_id,
                 "index": i,
-                "text": c.message.content or "",
+                "text": texts[i],
                 "finish_reason": c.finish_reason,
                 "stats": {"new_tokens": shares[i], "target_forwards": 0, "wall_s": wall_s},
             }

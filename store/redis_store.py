@@ -23,8 +23,10 @@ retries), and the routing is refreshed from the cluster before the next try. Rep
 asynchronous, so a master that dies may take writes it acknowledged with it: on a node with
 replicas a round trip also sends WAIT, and its batches count as stored only once a replica
 holds them; until then they are resent with every round trip (the master skips what it has,
-a promoted replica applies what it lacks). Batches no replica took by `close()` are reported
-lost, though the master may hold them: never counted stored without a second copy.
+a promoted replica applies what it lacks; the script always writes, so WAIT covers a resend
+too). Batches no replica took by `close()` are reported lost, though the master may hold them.
+The replica count is learned at connect and after every failed or unreplicated round trip:
+a store that connected to a master without replicas does not wait for one added later.
 
 Exactly once. A round trip that times out may still run: its commands wait in the socket of
 a hung server and execute when it resumes, and the retry would add them a second time. So
@@ -104,8 +106,8 @@ while a <= #ARGV do
     last, done = seq, done + rows
   end
 end
+redis.call('HSET', batches, writer, last)  -- always a write: WAIT then covers this batch
 if done > 0 then
-  redis.call('HSET', batches, writer, last)
   redis.call('PERSIST', applied)
   redis.call('PERSIST', batches)
   if ttl > 0 then redis.call('EXPIRE', recent, ttl) end
@@ -440,7 +442,10 @@ class RedisLogitNgramStore:
             self._unacked.clear()
         else:  # only the master holds them: resent with the next round trip (it skips them)
             self._counts["replication_waits"] += 1
-            self._replicas = self._count_replicas()  # a replica gone for good: stop waiting
+            try:
+                self._replicas = self._count_replicas()  # a replica gone for good: stop waiting
+            except ERRORS as e:  # the master going too: the next round trip finds out
+                log.info("Redis replicas not recounted: %s", e)
         now = time.monotonic()
         for key, raw in zip(wanted, replies, strict=True):
             self._wanted.discard(key)

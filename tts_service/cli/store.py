@@ -100,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
         prefix = RedisScope(args.scope, args.id or "default").prefix
     try:
         client = client_from_url(url)
+    except ValueError as e:  # a malformed host list
+        raise UsageError(f"--store: {e}") from e
+    except ERRORS as e:
+        raise UsageError(f"--store: cannot reach Redis at {url}: {e}") from e
+    try:
         if args.action == "stats":
             cluster = isinstance(client, RedisCluster)
             nodes = {"target_nodes": RedisCluster.PRIMARIES} if cluster else {}

@@ -117,7 +117,7 @@ class ChatCompletionRequest(_Request):
     tokens at each too (OpenAI's rule: only with `logprobs`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = False  # null: false, as OpenAI's spec allows
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(
         None, ge=1, le=MAX_CONTEXT, description="The current OpenAI name of max_tokens."
@@ -161,7 +161,7 @@ class CompletionRequest(_Request):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False  # null: false
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -231,7 +231,8 @@ class ServeEngine:
             raise ApiError(400, f"n: at most {self.cfg.max_n}", "n")
         given = req.model_fields_set
         default = {k: v for k, v in self.sampling_defaults.items() if k not in given}
-        max_new = req.max_tokens or default.get("max_tokens", self.cfg.default_max_tokens)
+        suggested = default.get("max_tokens", self.cfg.default_max_tokens)
+        max_new = req.max_tokens or min(suggested, self.cfg.max_tokens_cap)  # a default fits
         if max_new > self.cfg.max_tokens_cap:
             raise ApiError(400, f"max_tokens: at most {self.cfg.max_tokens_cap}", "max_tokens")
         return SamplingConfig(
