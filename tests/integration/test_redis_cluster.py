@@ -133,3 +133,47 @@ def test_a_cluster_url_that_does_not_answer_is_a_clear_error():
     with pytest.raises(ValueError, match="host:port"):
         client_from_url("redis+cluster://nohostport")
     assert isinstance(client_from_url("redis://127.0.0.1:9/0"), redis.Redis)
+
+
+def test_the_problem_s_slot_resharded_mid_run_is_followed(cluster):
+    """The problem's slot migrates to another master while the store writes (CLUSTER SETSLOT
+    MIGRATING/IMPORTING, MIGRATE, then SETSLOT NODE): writes meanwhile are answered ASK or
+    TRYAGAIN, then MOVED; the store retries, relearns the slots and ends with every row stored
+    exactly once on the new owner."""
+    scope = RedisScope("problem", "reshard")
+    store = RedisLogitNgramStore(client_from_url(cluster.url), scope, retry_s=0.0)
+    store._replicas = store._count_replicas()
+    steps = ngram_steps(5, 40)
+    for step in steps[:10]:
+        store.add(step)
+    key = scope.meta_keys[0]
+    source = cluster.master_of(key)
+    masters = {cluster.master_of(f"{{k{i}}}").port for i in range(64)} - {source.port}
+    target = next(n for n in cluster.nodes if n.port == min(masters))
+    src, dst = redis.Redis(port=source.port), redis.Redis(port=target.port)
+    slot = src.execute_command("CLUSTER KEYSLOT", key)
+    src_id, dst_id = (c.execute_command("CLUSTER MYID").decode() for c in (src, dst))
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 10_000)
+    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+    for step in steps[10:20]:  # the slot half moved
+        store.add(step)
+    for node in cluster.nodes:  # the move completes: every master learns the owner
+        client = redis.Redis(port=node.port)
+        if client.info("replication")["role"] == "master":
+            client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    for step in steps[20:]:
+        store.add(step)
+    deadline = time.monotonic() + 30
+    while store.stats()["pending_updates"] and time.monotonic() < deadline:
+        store.flush()
+        time.sleep(0.1)
+    stats = store.stats()
+    store.close()
+    assert cluster.master_of(key).port == target.port
+    assert stats["errors"] >= 1  # it was redirected, and followed
+    sent = sum(len(s) for s in steps)
+    fresh = client_from_url(cluster.url)
+    assert _stored(fresh, scope.prefix) == sent == stats["flushed_updates"]
+    assert stats["lost_updates"] == 0
