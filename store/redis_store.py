@@ -58,7 +58,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -202,7 +202,7 @@ class RedisLogitNgramStore:
 
     def __init__(
         self,
-        client: Client,
+        client: Client | None,
         scope: RedisScope = RedisScope(),
         max_order: int = 4,
         topk: int = 10,
@@ -212,8 +212,12 @@ class RedisLogitNgramStore:
         max_pending: int = 100_000,
         retry_s: float = 1.0,
         close_timeout_s: float = 5.0,
+        connect: Callable[[], Client] | None = None,
     ) -> None:
-        self.client = client
+        if client is None and connect is None:
+            raise ValueError("a client, or how to connect one")
+        self.client = client  # None: not connected yet (`connect` makes it at a retry)
+        self._connect = connect
         self.scope = scope
         self.max_order = max_order
         self.topk = topk
@@ -251,12 +255,17 @@ class RedisLogitNgramStore:
     @classmethod
     def connect(cls, url: str, fallback: bool = False, **kw) -> RedisLogitNgramStore:
         """Connect and ping. Raises StoreUnavailableError unless `fallback` (then the store
-        starts degraded, serving from its local cache, and says so in logs and stats). A
-        cluster must answer at start, fallback or not: its slots say where the scope lives."""
+        starts degraded, serving from its local cache, and says so in logs and stats; a
+        cluster that did not answer is connected to at the first retry that it does)."""
         try:
             client = client_from_url(url)
-        except ERRORS as e:  # a cluster must answer once, to say which node owns which slot
-            raise StoreUnavailableError(f"cannot reach the Redis Cluster at {url}: {e}") from e
+        except ERRORS as e:  # a cluster answers its slots as the client is made
+            if not fallback:
+                raise StoreUnavailableError(f"cannot reach the Redis Cluster at {url}: {e}") from e
+            log.warning("Redis at %s unreachable (%s): using the local store until it is", url, e)
+            store = cls(None, connect=lambda: client_from_url(url), **kw)
+            store._degrade()
+            return store
         store = cls(client, **kw)
         try:
             store.node().ping()
@@ -273,6 +282,9 @@ class RedisLogitNgramStore:
     def node(self) -> redis.Redis:
         """The connection that serves this scope's keys: the server itself, or on a cluster
         the node that owns the scope's slot now (as the client last learned the slots)."""
+        if self.client is None:  # a cluster unreachable at start: connect now, or raise
+            self.client = self._connect()
+            self._replicas = self._count_replicas()
         if not isinstance(self.client, RedisCluster):
             return self.client
         owner = self.client.get_node_from_key(self.scope.meta_keys[0])
@@ -357,7 +369,8 @@ class RedisLogitNgramStore:
         elif self._seq:
             self._expire_counters()
         self._report_lost()
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
     def stats(self) -> dict:
         return {

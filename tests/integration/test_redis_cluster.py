@@ -17,7 +17,13 @@ from store.config import StoreConfig
 from store.factory import open_problem_store, open_store, problem_id
 from store.local_server import LocalRedisCluster
 from store.memory import InMemoryNgramStore
-from store.redis_store import RedisLogitNgramStore, RedisScope, client_from_url, scope_stats
+from store.redis_store import (
+    RedisLogitNgramStore,
+    RedisScope,
+    StoreUnavailableError,
+    client_from_url,
+    scope_stats,
+)
 from tests.conftest import ngram_steps
 
 pytestmark = pytest.mark.skipif(
@@ -126,7 +132,7 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
 
 
 def test_a_cluster_url_that_does_not_answer_is_a_clear_error():
-    from store.redis_store import StoreUnavailableError, ping
+    from store.redis_store import ping
 
     with pytest.raises(StoreUnavailableError, match="Redis"):
         ping("redis+cluster://127.0.0.1:9,127.0.0.1:10")
@@ -177,3 +183,25 @@ def test_the_problem_s_slot_resharded_mid_run_is_followed(cluster):
     fresh = client_from_url(cluster.url)
     assert _stored(fresh, scope.prefix) == sent == stats["flushed_updates"]
     assert stats["lost_updates"] == 0
+
+
+def test_a_cluster_down_at_start_is_a_local_store_until_it_answers():
+    """`fallback`: a cluster that does not answer at start leaves the store degraded, drafting
+    from its local cache; once the cluster is up, the next retry connects and flushes."""
+    later = LocalRedisCluster(masters=3, replicas=1)  # its ports chosen, nothing started
+    store = open_store(StoreConfig(fallback=True), later.url, "problem", "late")
+    steps = ngram_steps(7, 10)
+    store.add(steps[0])
+    assert store.stats()["degraded"] and store.stats()["fallbacks"] == 1
+    assert store.lookup(steps[0][0].context) is not None  # the local cache serves
+    with later:
+        store.retry_s = 0.0
+        for step in steps[1:]:
+            store.add(step)
+        stats = store.stats()
+        store.close()
+        assert not stats["degraded"] and stats["reconnects"] == 1
+        sent = sum(len(s) for s in steps)
+        assert _stored(client_from_url(later.url), store.scope.prefix) == sent
+    with pytest.raises(StoreUnavailableError):  # without fallback: a clear error at once
+        open_store(StoreConfig(), later.url, "problem", "late")
