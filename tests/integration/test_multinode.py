@@ -178,3 +178,76 @@ def test_a_job_spreads_over_two_nodes_and_survives_losing_one(two_nodes, tiny_mo
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trajectories"] == PROBLEMS * N
     assert summary["retries"] >= 1, stderr[-3000:]  # the lost node's calls went elsewhere
+
+
+_REPLICA_NODES = """
+import sys
+
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+nodes = sorted(
+    a["Address"]["NodeID"]
+    for a in ray._private.state.actors().values()
+    if a["State"] == "ALIVE" and a["ActorClassName"].endswith("TTSServer")
+)
+print(" ".join(nodes))
+"""
+
+
+def test_serve_replicas_spread_over_two_nodes_and_answer(two_nodes, tiny_model_dir, tmp_path):
+    """`tts serve` attached to the cluster (RAY_ADDRESS) with 2 one-CPU replicas: one on each
+    node, and both answer through the one HTTP endpoint."""
+    import urllib.request
+
+    import yaml
+
+    tmp, address, _ = two_nodes
+    port = free_port()
+    config = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["model"] = {"name": str(tiny_model_dir), "device": "cpu", "dtype": "float32"}
+    args.update(num_replicas=2, cpus_per_replica=1, served_model_name="tiny")
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "serve.log"
+    env = _env(RAY_ADDRESS=address, RAY_TMPDIR=tmp)
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tts_service", "serve", "--config", str(path)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 400
+        while "tts: serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        nodes = subprocess.run(
+            [sys.executable, "-c", _REPLICA_NODES, address],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout.split()
+        assert len(nodes) == 2 and len(set(nodes)) == 2, nodes  # one replica per node
+        body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 4}).encode()
+        for _ in range(4):  # Serve's router spreads them; every one is answered
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200 and json.loads(r.read())["choices"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
