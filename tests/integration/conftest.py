@@ -63,3 +63,18 @@ def refuse_to_start(monkeypatch) -> list[str]:
     for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
         monkeypatch.setattr(loader, refuse("a model"))
     return started
+
+
+def stop_served(proc, log) -> None:
+    """Stop a `tts serve` subprocess as a user would (SIGTERM: it must exit 0 and say why not
+    in its log), and kill its process group if it is still there (by PID)."""
+    import os
+    import signal
+
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from store.local_server import free_port
+from tests.integration.conftest import stop_served
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -245,9 +246,5 @@ def test_serve_replicas_spread_over_two_nodes_and_answer(two_nodes, tiny_model_d
             )
             with urllib.request.urlopen(req, timeout=120) as r:
                 assert r.status == 200 and json.loads(r.read())["choices"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_served(proc, log)

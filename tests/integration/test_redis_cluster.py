@@ -44,6 +44,17 @@ def _stored(client: RedisCluster, prefix: str) -> int:
     return sum(int(client.hget(k, "_n")) for k in keys)
 
 
+def _drain_and_close(store: RedisLogitNgramStore) -> dict:
+    """Flush until nothing is pending (a bounded wait), close; the stats before closing."""
+    deadline = time.monotonic() + 30
+    while store.stats()["pending_updates"] and time.monotonic() < deadline:
+        store.flush()
+        time.sleep(0.1)
+    stats = store.stats()
+    store.close()
+    return stats
+
+
 def test_a_scope_lives_in_one_slot_and_its_counts_are_exact(cluster):
     store = open_store(StoreConfig(), cluster.url, "problem", "one-slot")
     assert isinstance(store, RedisLogitNgramStore) and isinstance(store.client, RedisCluster)
@@ -114,12 +125,7 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
             victim.kill()
         store.add(step)
         time.sleep(0.05)  # a decoding step's pace: the failover happens during the run
-    deadline = time.monotonic() + 30
-    while store.stats()["pending_updates"] and time.monotonic() < deadline:
-        store.flush()
-        time.sleep(0.1)
-    stats = store.stats()
-    store.close()
+    stats = _drain_and_close(store)
     sent = sum(len(s) for s in steps)
     assert stats["errors"] >= 1 and stats["reconnects"] >= 1  # it failed over, and came back
     assert cluster.master_of(scope.meta_keys[0]).port != victim.port  # the replica took over
@@ -171,12 +177,7 @@ def test_the_problem_s_slot_resharded_mid_run_is_followed(cluster):
             client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
     for step in steps[20:]:
         store.add(step)
-    deadline = time.monotonic() + 30
-    while store.stats()["pending_updates"] and time.monotonic() < deadline:
-        store.flush()
-        time.sleep(0.1)
-    stats = store.stats()
-    store.close()
+    stats = _drain_and_close(store)
     assert cluster.master_of(key).port == target.port
     assert stats["errors"] >= 1  # it was redirected, and followed
     sent = sum(len(s) for s in steps)

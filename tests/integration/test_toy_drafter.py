@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import yaml
 
 from store.local_server import free_port
 from tests.conftest import save_tiny_model
+from tests.integration.conftest import stop_served
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -215,9 +215,5 @@ def test_serve_runs_the_toy_method_losslessly(toy, plain, tmp_path):
             texts[method] = [c["text"] for c in reply["choices"]]
         assert texts["toy"] == texts[None] == texts["plain"]
         assert texts["toy"] == [t["text"] for t in plain]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_served(proc, log)
