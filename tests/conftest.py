@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from store.base import NgramRow
-from store.local_server import LocalRedisServer
+from store.local_server import LocalRedisCluster, LocalRedisServer
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.recycling import RecyclingDrafterConfig
 from tts_service.drafters.registry import (
@@ -111,6 +111,16 @@ def redis_server():
         pytest.skip("redis-server not installed (apt-get install -y redis-server)")
     with LocalRedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """One Redis Cluster (3 masters, a replica each) on loopback ports for the session; tests
+    use their own scopes and must not kill its nodes (test_redis_cluster.py has its own)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli not installed (apt-get install -y redis-server)")
+    with LocalRedisCluster(masters=3, replicas=1) as cluster:
+        yield cluster
 
 
 def make_drafter(cfg, vocab_size: int, seed: int = 0):

@@ -1,6 +1,6 @@
 """The `NgramStore` contract (`test_contract_*`) run over every backend: in-process, tiered,
-Redis, and tiered over Redis. The Redis ones use the session's private redis-server (skipped
-where it is not installed)."""
+Redis, tiered over Redis, and a Redis Cluster. The Redis ones use the session's private
+redis-server or cluster (skipped where they are not installed)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,13 @@ class Backend:
         return store
 
 
-@pytest.fixture(params=["memory", "tiered", "redis", "tiered-redis"])
+@pytest.fixture(params=["memory", "tiered", "redis", "tiered-redis", "redis-cluster"])
 def backend(request) -> Backend:
-    url = request.getfixturevalue("redis_server").url if "redis" in request.param else None
+    url = None
+    if request.param == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    elif "redis" in request.param:
+        url = request.getfixturevalue("redis_server").url
     return Backend(url, tiered=request.param.startswith("tiered"))
 
 
