@@ -115,14 +115,47 @@ class RunnerHost:
     ) -> RunReport:
         """Trajectories `indices` of one problem (seeds: `sampling.seed + i`), their results in
         index order; `on_commit(i, tokens)` sees trajectory i's steps."""
-        per_index = None
+        per_problem = None
         if on_commit is not None:
-            per_index = lambda i: lambda tokens: on_commit(i, tokens)  # noqa: E731
-        requests = trajectory_requests(
-            problem_id, prompt_ids, indices, sampling, drafter, store, record, per_index
+            per_problem = lambda _p, i, tokens: on_commit(i, tokens)  # noqa: E731
+        return self.problems(
+            [(problem_id, prompt_ids, store)],
+            indices,
+            sampling,
+            drafter,
+            record,
+            per_problem,
+            on_result,
+            skip,
         )
+
+    def problems(
+        self,
+        problems: Sequence[tuple[str, list[int], NgramStore]],
+        indices: Sequence[int],
+        sampling: SamplingConfig,
+        drafter: DrafterConfig,
+        record: bool = False,
+        on_commit: Callable[[int, int, Sequence[int]], bool] | None = None,
+        on_result: Callable[[TrajectoryResult], None] | None = None,
+        skip: Skip | None = None,
+    ) -> RunReport:
+        """Trajectories `indices` of every (problem id, prompt ids, store) in one submission,
+        so they share the batch; results in (problem, index) order; `on_commit(p, i, tokens)`
+        sees trajectory i of problem p's steps."""
+        requests: list[TrajectoryRequest] = []
+        position: dict[int, int] = {}  # id of a request -> its problem's position
+        for p, (problem_id, prompt_ids, store) in enumerate(problems):
+            per_index = None
+            if on_commit is not None:
+                per_index = lambda i, p=p: lambda tokens: on_commit(p, i, tokens)  # noqa: E731
+            mine = trajectory_requests(
+                problem_id, prompt_ids, indices, sampling, drafter, store, record, per_index
+            )
+            position.update((id(r), p) for r in mine)
+            requests += mine
         report = self.run(requests, on_result, skip)
-        report.results.sort(key=lambda r: r.request.index)
+        report.results.sort(key=lambda r: (position[id(r.request)], r.request.index))
         return report
 
     def score(self, ids: Sequence[int], start: int, top: int) -> TokenLogprobs:

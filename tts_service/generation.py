@@ -102,10 +102,17 @@ class Generator:
         and GT's on-path statistics by the problem (one per store)."""
         return self.drafters.build(cfg, store, seed)
 
-    def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+    @property
+    def context_limit(self) -> int | None:
+        """The most tokens (prompt + new) a sequence may have: `max_model_len`, else the
+        model's context; None if neither is known."""
         limit = getattr(self.loaded.model.config, "max_position_embeddings", None)
         if self.max_model_len is not None:
             limit = min(limit or self.max_model_len, self.max_model_len)
+        return limit
+
+    def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        limit = self.context_limit
         if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
             raise InputTooLongError(
                 f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} new tokens "

@@ -25,13 +25,7 @@ from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import (
-    RunReport,
-    TrajectoryResult,
-    TrajectoryRow,
-    Waiting,
-    trajectory_requests,
-)
+from tts_service.runner import RunReport, TrajectoryResult, TrajectoryRow, Waiting
 from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
@@ -184,10 +178,7 @@ class ServeEngine:
             ids = self.generator.loaded.tokenizer(
                 req.prompt, add_special_tokens=req.add_special_tokens
             )["input_ids"]
-        limit = (
-            self.generator.max_model_len
-            or self.generator.loaded.model.config.max_position_embeddings
-        )
+        limit = self.generator.context_limit  # what `prepare` enforces
         return {"count": len(ids), "max_model_len": limit, "tokens": list(ids), "token_strs": None}
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
@@ -374,21 +365,19 @@ class ServeEngine:
         is set (the client went away). `on_commit(choice, tokens)` sees every step."""
         keep_going = on_commit or (lambda _i, _t: not cancel.is_set())
         with contextlib.ExitStack() as stores:  # the request's end is its stores'
-            requests = []
-            for p, ids in enumerate(job.prompts):
-                store = stores.enter_context(contextlib.closing(self._store(ids)))
-                requests += trajectory_requests(
-                    str(p),
-                    ids,
-                    range(job.n),
-                    job.sampling,
-                    job.drafter,
-                    store,
-                    on_commit=lambda i, p=p: lambda tokens: keep_going(p * job.n + i, tokens),
-                )
-            report = self.host.run(requests, on_result, skip=lambda _r: cancel.is_set())
-        report.results.sort(key=lambda r: (int(r.request.problem_id), r.request.index))
-        return report
+            problems = [
+                (str(p), ids, stores.enter_context(contextlib.closing(self._store(ids))))
+                for p, ids in enumerate(job.prompts)
+            ]
+            return self.host.problems(
+                problems,
+                range(job.n),
+                job.sampling,
+                job.drafter,
+                on_commit=lambda p, i, tokens: keep_going(p * job.n + i, tokens),
+                on_result=on_result,
+                skip=lambda _r: cancel.is_set(),
+            )
 
     def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
         """Every trajectory of the request, or `Cancelled`."""

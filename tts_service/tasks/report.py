@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from tts_service.tasks.metrics import ItemOutcome, summarize
@@ -379,9 +380,7 @@ def lm_eval_results(report: dict) -> dict[str, dict]:
     """Per run, its lm-eval task name (`<task>`, or `<task>_<method>` where one task ran with
     several methods) and its `results` entry in lm-eval's `"<metric>,<filter>"` keys:
     `exact_match` is pass@1; maj@N and pass@N keep their names."""
-    methods: dict[str, int] = {}
-    for r in report["runs"]:
-        methods[r["task"]] = methods.get(r["task"], 0) + 1
+    methods = Counter(r["task"] for r in report["runs"])
     out = {}
     for r in report["runs"]:
         name = r["task"] if methods[r["task"]] == 1 else f"{r['task']}_{r['method']}"
@@ -437,14 +436,11 @@ def write_lm_eval(out: Path, report: dict) -> list[Path]:
     paths = [folder / f"results_{stamp}.json"]
     paths[0].write_text(json.dumps(results, indent=1), encoding="utf-8")
     for name, v in runs.items():
-        samples = out / v["run"]["task"] / v["run"]["method"] / "samples.jsonl"
-        if not samples.is_file():
-            continue
         items: dict[str, list[dict]] = {}
-        for line in samples.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                items.setdefault(row["id"], []).append(row)
+        for row in read_rows(out / v["run"]["task"] / v["run"]["method"] / "samples.jsonl"):
+            items.setdefault(row["id"], []).append(row)
+        if not items:
+            continue
         path = folder / f"samples_{name}_{stamp}.jsonl"
         with path.open("w", encoding="utf-8") as f:
             for doc_id, (item, rows) in enumerate(items.items()):
