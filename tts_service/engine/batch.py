@@ -490,9 +490,8 @@ class BatchDecoder:
     def _uniforms(self, batch: list[Row], n: int) -> Uniforms:
         """Every row's (u, v, w) at its `n` nodes (`streams.node_uniforms`), counted at its
         root's position."""
-        keys = torch.tensor([r.verify_key for r in batch], dtype=torch.long)
-        counters = torch.tensor([len(r.tokens) for r in batch], dtype=torch.long)
-        return node_uniforms(keys.to(self.device), counters.to(self.device), n)
+        keys = [r.verify_key for r in batch]
+        return node_uniforms(keys, [len(r.tokens) for r in batch], n, self.device)
 
     def _accept_all(
         self,

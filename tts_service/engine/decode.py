@@ -121,7 +121,7 @@ def plain_generate(
 ) -> GenerationResult:
     """Reference autoregressive decoding with a KV cache: one forward per token."""
     start = time.perf_counter()
-    key = torch.tensor([stream_seed(cfg.seed, Stream.VERIFY)], device=model.device)
+    key = stream_seed(cfg.seed, Stream.VERIFY)
     rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
@@ -131,8 +131,7 @@ def plain_generate(
             token = int(logits[0].argmax())
         else:
             # the engine's draw at a root with no children, at the root's counter
-            at = torch.tensor([len(prompt_ids) + len(rule.out)], device=model.device)
-            _, v, _ = node_uniforms(key, at, 1)
+            _, v, _ = node_uniforms([key], [len(prompt_ids) + len(rule.out)], 1, model.device)
             token = int(residual_bonus(target_probs(logits, cfg)[None], v)[0, 0])
         rule.push([token])
         stats.record_step(0, 0, 1)

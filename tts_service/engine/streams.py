@@ -17,8 +17,10 @@ therefore a hash of (trajectory seed, domain); every caller gets its generators 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from enum import Enum
 
+import numpy as np
 import torch
 
 
@@ -42,43 +44,43 @@ LANES = 1 << 12
 """Uniforms one counter may draw (`counter_uniforms`): `LANES_PER_NODE` per tree node, so trees
 of up to 1365 nodes (calibration's largest is 1025)."""
 LANES_PER_NODE = 3
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed int64
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's constants
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's `>>` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser; uint64 products wrap modulo 2^64 as the algorithm wants."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser; int64 products wrap modulo 2^64 as the algorithm wants."""
-    x = (x ^ _shift(x, 30)) * _MIX1
-    x = (x ^ _shift(x, 27)) * _MIX2
-    return x ^ _shift(x, 31)
+def counter_uniforms(keys: Sequence[int], counters: Sequence[int], lanes: int) -> torch.Tensor:
+    """`[R, lanes]` float64 uniforms in [0, 1), on the CPU: lane j of row r is a hash of
+    (`keys[r]`, `counters[r]`, j), so every row draws from its own stream in one call for the
+    whole batch, and what a row draws does not depend on which rows share its batch.
 
-
-def counter_uniforms(keys: torch.Tensor, counters: torch.Tensor, lanes: int) -> torch.Tensor:
-    """`[R, lanes]` float64 uniforms in [0, 1): lane j of row r is a hash of (`keys[r]`,
-    `counters[r]`, j), so every row draws from its own stream in one call for the whole batch,
-    and what a row draws does not depend on which rows share its batch.
-
-    `keys`: `[R]` int64 stream seeds (`stream_seed(seed, Stream.VERIFY)`); `counters`: `[R]`
-    int64, a value a row never repeats (the verifier uses the root's position); `lanes` at
-    most `LANES`. splitmix64 (Steele et al. 2014) over the counter, mixed twice."""
+    `keys`: the rows' stream seeds (`stream_seed(seed, Stream.VERIFY)`); `counters`: a value a
+    row never repeats (the verifier uses the root's position); `lanes` at most `LANES`.
+    splitmix64 (Steele et al. 2014) over the counter, mixed twice. Hashed with numpy on the
+    host: a dozen array ops, where the same hash as torch ops is ~30 dispatches (a GPU
+    would launch each), then one copy to the device (`node_uniforms`)."""
     assert lanes <= LANES
-    lane = torch.arange(lanes, dtype=torch.long, device=keys.device)
-    x = keys[:, None] + (counters[:, None] * LANES + lane + 1) * _GOLDEN
-    return _shift(_mix(_mix(x)), 11).to(torch.float64) * (1.0 / (1 << 53))
+    key = np.asarray(keys, dtype=np.uint64)[:, None]
+    counter = np.asarray(counters, dtype=np.uint64)[:, None]
+    lane = np.arange(1, lanes + 1, dtype=np.uint64)
+    x = key + (counter * np.uint64(LANES) + lane) * _GOLDEN
+    return torch.from_numpy((_mix(_mix(x)) >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 def node_uniforms(
-    keys: torch.Tensor, counters: torch.Tensor, nodes: int
+    keys: Sequence[int], counters: Sequence[int], nodes: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's uniforms for the first `nodes` nodes of each row's tree, `[R, nodes]`
-    each: (u, accepting or rejecting the node; v, drawing the bonus from its residual on the
-    device; w, the host's draw of recursive rejection sampling). The one place the lane layout
-    lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the same counter."""
-    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes)
+    each, on `device`: (u, accepting or rejecting the node; v, drawing the bonus from its
+    residual on the device; w, the host's draw of recursive rejection sampling). The one place
+    the lane layout lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the
+    same counter."""
+    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes).to(device)
     return lanes[:, 0::3], lanes[:, 1::3], lanes[:, 2::3]

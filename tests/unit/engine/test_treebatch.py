@@ -145,7 +145,7 @@ def test_pad_nodes_see_only_themselves_and_no_real_node_sees_them():
 
 
 def test_counter_uniforms_are_splitmix64_and_uniform():
-    """A Python reference of the hash (modulo 2^64) gives the same numbers, so int64 products
+    """A Python reference of the hash (modulo 2^64) gives the same numbers, so uint64 products
     wrap here as the algorithm needs; and 10^6 draws look uniform."""
     mask = (1 << 64) - 1
 
@@ -158,11 +158,11 @@ def test_counter_uniforms_are_splitmix64_and_uniform():
         x = (key + (counter * LANES + lane + 1) * 0x9E3779B97F4A7C15) & mask
         return (mix(mix(x)) >> 11) / 2**53
 
-    keys, counters = torch.tensor([12345, 2**62 + 7]), torch.tensor([5, 99_999])
+    keys, counters = [12345, 2**62 + 7, 2**63 - 1], [5, 99_999, 2**40]
     got = counter_uniforms(keys, counters, 6)
-    want = [[ref(int(k), int(c), j) for j in range(6)] for k, c in zip(keys, counters, strict=True)]
-    assert got.tolist() == want
-    many = counter_uniforms(torch.arange(1000), torch.zeros(1000, dtype=torch.long), 1000)
+    want = [[ref(k, c, j) for j in range(6)] for k, c in zip(keys, counters, strict=True)]
+    assert got.dtype == torch.float64 and got.tolist() == want
+    many = counter_uniforms(range(1000), [0] * 1000, 1000)
     hist = torch.histc(many.flatten(), bins=10, min=0.0, max=1.0)
     assert ((hist - 1e5).abs() < 5 * (1e5 * 0.9) ** 0.5).all(), hist
     assert not torch.equal(many[0], many[1])  # rows are distinct streams
