@@ -1,7 +1,7 @@
 """Best-of-N over a problems file, as a Ray Job entrypoint (or a plain local run).
 
     python -m jobs.best_of_n --config configs/best_of_16.yaml --problems problems.jsonl \\
-        --out results/ [--method auto] [--set sampling.temperature=0.7 --set n=8 ...]
+        --out results/ [--method auto] [--set sampling.temperature=0.7 --set n=8 ...] [--log]
 
 Four steps only: parse, validate (a bad field exits 2 before any actor starts), run the pool,
 write results. Writes `run.json` (the settings, which a resume must match), `trajectories.jsonl`
@@ -59,13 +59,20 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     ap.add_argument("--method", choices=METHOD_NAMES, help="over the preset's method (there: auto)")
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument(
+        "--log",
+        action="store_true",
+        help="also write <out>/trajectory-log.jsonl, the trajectories with the target's top-k "
+        "(tts replay's input; the same as --set log_trajectories=true)",
+    )
+    ap.add_argument(
         "--new-run",
         action="store_true",
         help="if --out holds a run with other settings, use the first of <out>-2, <out>-3, ... "
         "that is new or holds a run with these settings",
     )
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.set, method=args.method)
+    overrides = [*args.set, "log_trajectories=true"] if args.log else args.set
+    cfg = load_config(args.config, overrides, method=args.method)
     problems = load_problems(Path(args.problems))
     out = output_dir(args.out)
     if args.new_run:

@@ -1,5 +1,6 @@
-"""The held-out prompt set is a valid problems file for `jobs.best_of_n`, and shares nothing
-with the prompts used for tuning (issue 19: report on prompts the drafters never saw)."""
+"""The held-out and unseen prompt sets are valid problems files for `jobs.best_of_n`, and share
+nothing with the prompts used for tuning (issues 19 and 31: report on prompts the drafters never
+saw); `--log` writes the trajectory log."""
 
 from __future__ import annotations
 
@@ -22,6 +23,31 @@ def test_heldout_prompts_are_new_and_load_as_problems():
     ]
     assert not {p.id for p in problems} & {t["id"] for t in tuning}
     assert not {p.question for p in problems} & {t["prompt"] for t in tuning}
+
+
+def test_unseen_sets_are_new_and_differ_in_source():
+    """Issue 31's unseen sets: competition math and science (AIME and GPQA fixtures) and code
+    (LiveCodeBench fixtures), none of them a tuning or held-out prompt."""
+    seen = {
+        json.loads(line).get("prompt") or json.loads(line).get("question")
+        for f in ("bench/prompts.jsonl", "configs/calibration.jsonl", "bench/heldout_prompts.jsonl")
+        for line in (ROOT / f).read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    }
+    science = load_problems(ROOT / "bench/unseen_math_science.jsonl")
+    code = load_problems(ROOT / "bench/unseen_code.jsonl")
+    assert {p.task for p in science} == {"math", "choice"} and {p.task for p in code} == {"code"}
+    assert not {p.question for p in science + code} & seen
+
+
+def test_log_flag_turns_the_trajectory_log_on(tmp_path):
+    from jobs.best_of_n import parse
+
+    problems = str(ROOT / "jobs" / "demo_problems.jsonl")
+    cfg, _, _ = parse(["--problems", problems, "--out", str(tmp_path / "a")])
+    assert not cfg.log_trajectories
+    cfg, _, _ = parse(["--problems", problems, "--out", str(tmp_path / "b"), "--log"])
+    assert cfg.log_trajectories
 
 
 def test_from_any_directory_the_preset_is_found_and_an_out_that_is_a_file_exits_2(
