@@ -3,7 +3,7 @@ acceptance length, tree size used and speed against plain decoding measured in t
 
     python bench/methods.py [--prompts 1] [--prompts-file bench/prompts.jsonl] [--n 16]
         [--max-new-tokens 128] [--temperature 0.6] [--methods plain pld recycle ...]
-        [--out runs/methods-t0.6.jsonl] [--assume-flat-cost] [--nodes N]
+        [--out runs/methods-t0.6.jsonl] [--assume-flat-cost] [--nodes N] [--set drawn=false]
 
 Each method runs the same prompts with the same seeds. Trajectory i drafts from what
 trajectories < i left behind (the store, the successor tables, the spine index), exactly as in
@@ -27,7 +27,13 @@ from tqdm import tqdm
 
 from store.memory import InMemoryNgramStore
 from tts_service.config import ModelConfig, SamplingConfig
-from tts_service.drafters.registry import METHODS, DrafterConfig, method_drafter, resolve_method
+from tts_service.drafters.registry import (
+    DRAFTER_CONFIGS,
+    METHODS,
+    DrafterConfig,
+    method_drafter,
+    resolve_method,
+)
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.generation import Generator
 from tts_service.replay import MAX_NODES, sized_fields
@@ -64,6 +70,13 @@ def main() -> None:
         "--nodes", type=int, help="cap every method's tree at N draft nodes (as tts replay does)"
     )
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a drafter field (a JSON value) for every method whose drafter has it: an ablation",
+    )
+    ap.add_argument(
         "--assume-flat-cost",
         action="store_true",
         help="size GT trees by a GPU-like flat cost curve instead of this machine's, and give "
@@ -81,16 +94,19 @@ def main() -> None:
     questions = [r.get("prompt", r.get("question")) for r in rows]  # bench or job problems
     encoded = [base.encode(q, chat=True) for q in questions]
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    base.run(encoded[0], None, sampling.model_copy(update={"max_new_tokens": 8}))  # warm-up
+    adapter = TypeAdapter(DrafterConfig)
+    warm = sampling.model_copy(update={"max_new_tokens": 8})
+    plain = adapter.validate_python(method_drafter("plain", {}, "cpu"))
+    warm_up = ProblemInput("warm-up", encoded[0], InMemoryNgramStore())
+    solve_problems(TrajectoryRunner(base, 1), [warm_up], 1, plain, warm)
     if args.assume_flat_cost:
         base.cost = CostModel.fixed(GPU_LIKE_COST)
     for ctx in {len(ids) + args.max_new_tokens for ids in encoded}:
         base.cost.at(ctx)  # the cost opened now (the surface's prior), outside every timing
-    adapter = TypeAdapter(DrafterConfig)
     fields = {m: method_drafter(m, {}, "cpu") for m in args.methods}
     if args.nodes:
         fields = {m: sized_fields(f, args.nodes) for m, f in fields.items()}
-    cfgs = {m: adapter.validate_python(f) for m, f in fields.items()}
+    cfgs = {m: adapter.validate_python(with_fields(f, args.set)) for m, f in fields.items()}
     # per method and prompt: a fresh generator over the one model (no inherited tables) and
     # its own store; trajectories are interleaved across methods, so a slow spell on this
     # shared machine lands on every method alike
@@ -126,6 +142,20 @@ def main() -> None:
             results[m] = by_n
             f.write(json.dumps({"method": m, "kind": cfgs[m].kind, "by_n": by_n}) + "\n")
     print(markdown(results, args, base))
+
+
+def with_fields(fields: dict, overrides: list[str]) -> dict:
+    """`fields` with each FIELD=VALUE of `overrides` that its drafter kind takes."""
+    known = DRAFTER_CONFIGS[fields["kind"]].model_fields
+    out = dict(fields)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in known:
+            try:
+                out[key] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key] = value
+    return out
 
 
 def markdown(results: dict, args, gen: Generator) -> str:

@@ -18,9 +18,17 @@ accepted when its parent was reached. α̂ of a node is the product of its path'
 rates; the tree grows best first on α̂ until the budget is spent or, with `sizing: gt`, until
 no larger tree can raise the expected tokens per second under the measured verify cost.
 
-All drafts are deterministic: greedy verification takes the argmax, and under sampling the
-sample-and-match rule (siblings tried in order, shared residual) keeps the output distribution
-exact, on the device's one-sync path.
+Under greedy decoding every child is deterministic (the verifier takes the argmax). Under
+sampling, with `drawn: true` (opt-in: measured, not yet shown to raise acceptance length), a
+node may instead draw its children without replacement from the distribution stored
+for its context (`drawn_plan`, Gumbel order over the trajectory's draft stream), verified by
+recursive rejection sampling: where the stored q is close to the target's p, a drawn child is
+accepted with probability sum(min(p, q)), where the best deterministic one gets max p, and at
+T = 1.0 p is flat (`bench/drawn_children.py`). Per node, the plan with the higher calibrated
+rate for its first child wins; drawn slots are calibrated by rank and the j-th largest stored
+probability, never by the token drawn into them. Deterministic nodes keep sample-and-match
+(siblings in order, shared residual) on the device's one-sync path; a row with drawn children
+is walked on the host (`verify.walk_sparse`).
 """
 
 from __future__ import annotations
@@ -31,22 +39,22 @@ from typing import Literal
 
 from pydantic import Field
 
-from store.base import NgramStore
+from store.base import NgramEntry, NgramStore
 from tts_service.config import Sizing, StrictConfig
 from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
-from tts_service.drafters.stand import feed_root, feed_store
+from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.rates import smoothed_rate
-from tts_service.engine.tree import DraftTree, TreeBuilder
+from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
-SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2)
+SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2, 1)
 MIN_SUFFIX = 4  # shorter suffix matches are the store's job
 TAIL = max(SUFFIX_ORDERS)
-STORE, BACKOFF, SUFFIX, SUCCESSOR = range(4)  # a candidate's source
+STORE, BACKOFF, SUFFIX, SUCCESSOR, DRAWN = range(5)  # a candidate's source
 
 
 class StandDynDrafterConfig(StrictConfig):
@@ -59,6 +67,13 @@ class StandDynDrafterConfig(StrictConfig):
     harvest_rejected: bool = Field(
         False, description="Also store the target's distributions at rejected nodes."
     )
+    drawn: bool = Field(
+        False,
+        description="Under sampling, a node may draw its children from the stored distribution "
+        "(verified by rejection sampling) where calibration rates that above its best "
+        "deterministic candidate; off by default: deterministic children only.",
+    )
+    noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
 
 
 Candidate = tuple[float, int, int, float]
@@ -109,7 +124,8 @@ class AcceptanceCalibration:
 
 
 def candidate_kind(source: int, order: int, count: int, agree: int, suffix: int) -> int:
-    """One int for (source 0-3, order 0-8, count 0-4, agree 0-1, suffix flag 0-3)."""
+    """One int for (source 0-4, order 0-8, count 0-4, agree 0-1, suffix flag 0-3; for a drawn
+    child the suffix flag is its draw's rank, up to 3)."""
     return (((source * 10 + order) * 5 + count) * 2 + agree) * 4 + suffix
 
 
@@ -118,7 +134,7 @@ KINDS = tuple(
         tuple(candidate_kind(source, order, count, 0, 0) for count in range(5))
         for order in range(9)
     )
-    for source in range(4)
+    for source in range(5)
 )
 """`KINDS[source][order][count]`: `candidate_kind` without the agree and suffix flags (a table:
 drafting looks up ~3 kinds per opened node)."""
@@ -143,8 +159,10 @@ class StandDynDrafter:
         successors: AdjacencyTable,
         calibration: AcceptanceCalibration,
         cost: VerifyCostSource | None = None,
+        seed: int = 0,
     ) -> None:
         self.cfg = cfg
+        self.noise = GumbelNoise(cfg.noise_buffer, seed)  # the trajectory's draft stream
         self.store = store
         self.suffix = suffix  # shared by the problem's trajectories
         self.successors = successors  # shared by the loaded model's problems
@@ -159,10 +177,13 @@ class StandDynDrafter:
 
     def candidates(self, tail: Sequence[int]) -> list[Candidate]:
         """The candidates after `tail`, best first by calibrated acceptance."""
+        return self._ranked(tail, self.store.lookup(tail[-self.store.max_order :]))
+
+    def _ranked(self, tail: Sequence[int], longest: NgramEntry | None) -> list[Candidate]:
+        """`candidates`, given the store's longest entry for `tail`."""
         n, counts = self.suffix.lookup(tail)
         absent, named = suffix_flags(n)
         found: dict[int, tuple[int, float]] = {}  # token -> (kind, q)
-        longest = self.store.lookup(tail[-self.store.max_order :])
         if longest is not None:
             shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
             base = KINDS[STORE][longest.order][min(longest.count, 4)]
@@ -187,22 +208,59 @@ class StandDynDrafter:
                 if token not in found:
                     found[token] = (kind, k * inv)
         if not found and tail:
+            if n:  # a short suffix match (the prompt, say) is better than nothing
+                inv = 1.0 / sum(counts.values())
+                kind = KINDS[SUFFIX][n][0]
+                for token, k in counts.items():
+                    found[token] = (kind, k * inv)
             base = KINDS[SUCCESSOR][0][0]
             for token, p in self.successors.successors(-1, tail[-1]):
-                if p > 0:
+                if p > 0 and token not in found:
                     found[token] = (base + (named if token in counts else absent), p)
         return self.calibration.rank(found)
+
+    def drawn_plan(self, entry: NgramEntry | None) -> tuple[list[Candidate], SparseDist] | None:
+        """Children drawn without replacement from a stored distribution (a context's longest
+        n-gram), in draw order, and that distribution (the verifier's q); None if nothing is
+        stored. Slot j's rate is calibrated on the j-th largest stored probability,
+        not on what was drawn into it: whether a slot is used must not depend on its own draw
+        (rejection sampling needs every drafted child to be a draw from q given the earlier
+        ones)."""
+        if entry is None:
+            return None
+        pairs = [(i, p) for i, p in zip(entry.ids, entry.probs, strict=True) if p > 0]
+        if not pairs:
+            return None
+        ids, probs = [i for i, _ in pairs], [p for _, p in pairs]
+        order = gumbel_top_k(ids, probs, len(ids), self.noise.take(len(ids)))
+        inv = 1.0 / sum(probs)
+        ranked = sorted((p * inv for p in probs), reverse=True)
+        base = KINDS[DRAWN][entry.order][min(entry.count, 4)]
+        bins, top, line, prior = (
+            self.calibration.bins,
+            self.calibration.bins - 1,
+            self.calibration.lines.get,
+            self.calibration.prior_line,
+        )
+        plan = []
+        for j, (token, q) in enumerate(zip(order, ranked, strict=True)):
+            kind = base + min(j, 3)
+            a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
+            plan.append((-a - b * q, token, kind, q))
+        return plan, SparseDist(tuple(ids), tuple(probs))
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         self.suffix.sync(self.doc, ctx.tokens)
         limit = min(self.cfg.num_nodes, ctx.max_nodes)
         cost = self.cost.at(len(ctx.tokens)) if self.cost is not None else None
+        drawn = self.cfg.drawn and not ctx.greedy  # sampled children buy nothing under greedy
         builder = TreeBuilder(ctx.tokens[-1])
         tails: list[tuple[int, ...]] = [tuple(ctx.tokens[-TAIL:])]
         kinds: list[Candidate | None] = [None]
         self._tails, self._kinds = tails, kinds
         alpha = [1.0]
         plans: dict[int, list[Candidate]] = {}
+        sampled: set[int] = set()  # nodes whose children are drawn
         # (-α̂ of the slot, node, candidate rank); rank -1: the node's candidates are not
         # looked up yet, and α̂ of the node bounds every child's, so it is opened only when
         # that bound is the best slot left (most leaves never are)
@@ -212,7 +270,14 @@ class StandDynDrafter:
         while heap and size <= limit:
             neg, node, rank = pop(heap)
             if rank < 0:
-                plan = self.candidates(tails[node])
+                longest = self.store.lookup(tails[node][-self.store.max_order :])
+                plan = self._ranked(tails[node], longest)
+                if drawn:
+                    draws = self.drawn_plan(longest)
+                    if draws is not None and (not plan or draws[0][0][0] <= plan[0][0]):
+                        plan = draws[0]
+                        sampled.add(node)
+                        builder.set_q(node, draws[1])
                 if plan:
                     plans[node] = plan
                     push(heap, (alpha[node] * plan[0][0], node, 0))
@@ -222,7 +287,7 @@ class StandDynDrafter:
             plan = plans[node]
             cand = plan[rank]
             token = cand[1]
-            child = builder.add(node, token)
+            child = builder.add(node, token, sampled=node in sampled)
             size += 1
             tails.append((*tails[node], token)[-TAIL:])
             kinds.append(cand)
@@ -291,7 +356,7 @@ def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
     cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
     store = env.need_store(cfg.kind)
     counts = env.shared(SUFFIX_COUNTS, cfg)
-    return StandDynDrafter(cfg, store, counts, successors, calibration, cost)
+    return StandDynDrafter(cfg, store, counts, successors, calibration, cost, env.seed)
 
 
 SPEC = DrafterSpec(

@@ -1,5 +1,6 @@
-"""STAND, dynamic, on hand-made stores: what it drafts, what calibration learns, the successor
-fallback and GT sizing. Losslessness is in the shared harnesses (tests/unit/engine/:
+"""STAND, dynamic, on hand-made stores: what it drafts (deterministic children, and children
+drawn from the store under sampling), what calibration learns, the successor fallback and GT
+sizing. Losslessness is in the shared harnesses (tests/unit/engine/:
 test_decode, test_decode_sampling, test_batch) and the replay tests."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
     BACKOFF,
+    DRAWN,
     STORE,
     SUFFIX_ORDERS,
     AcceptanceCalibration,
@@ -23,12 +25,15 @@ from tts_service.drafters.stand_dyn import (
     suffix_flags,
 )
 from tts_service.engine.cost import CostModel, VerifyCost
+from tts_service.engine.tree import SparseDist
 from tts_service.engine.verify import Acceptance
 
 VOCAB = 32
 
 
-def _drafter(store, cfg=None, calibration=None, cost=None, successors=None) -> StandDynDrafter:
+def _drafter(
+    store, cfg=None, calibration=None, cost=None, successors=None, seed=0
+) -> StandDynDrafter:
     d = StandDynDrafter(
         cfg or StandDynDrafterConfig(sizing="fixed"),
         store,
@@ -36,13 +41,14 @@ def _drafter(store, cfg=None, calibration=None, cost=None, successors=None) -> S
         successors or AdjacencyTable(VOCAB, 10),
         calibration or AcceptanceCalibration(),
         cost,
+        seed,
     )
     d.start([1])
     return d
 
 
-def _ctx(tokens, max_nodes=80) -> DraftContext:
-    return DraftContext(list(tokens), 1, max_nodes)
+def _ctx(tokens, max_nodes=80, greedy=True) -> DraftContext:
+    return DraftContext(list(tokens), 1, max_nodes, greedy)
 
 
 def tokens(cands: list[Candidate]) -> list[int]:
@@ -159,3 +165,38 @@ def test_observe_records_only_nodes_whose_parent_was_reached():
     drawn = d.calibration.drawn
     assert sum(drawn.values()) == 2  # 4 (accepted) and 5 (tried, rejected); not 6
     assert sum(d.calibration.hits.values()) == 1
+
+
+def test_under_sampling_children_are_drawn_from_the_stored_distribution():
+    """Greedy: the stored top choices. Sampling: draws without replacement from the stored q
+    (the verifier's snapshot), in draw order; over many trajectory seeds the first child is
+    distributed as q, while how many children there are does not depend on what was drawn."""
+    store = InMemoryNgramStore()
+    store.add([NgramRow((3,), (4, 5, 6), (0.6, 0.3, 0.1))])
+    drawn = StandDynDrafterConfig(sizing="fixed", drawn=True)
+    greedy = _drafter(store, drawn).draft(_ctx([1, 3], max_nodes=2))
+    assert greedy.tokens == (3, 4, 5) and not any(greedy.sampled)
+    firsts, shapes = [], set()
+    for seed in range(600):
+        tree = _drafter(store, drawn, seed=seed).draft(_ctx([1, 3], max_nodes=2, greedy=False))
+        assert tree.sampled == (False, True, True)
+        assert tree.q[0] == SparseDist((4, 5, 6), (0.6, 0.3, 0.1))
+        firsts.append(tree.tokens[1])
+        shapes.add(tree.parents)
+    assert shapes == {(-1, 0, 0)}
+    for token, q in ((4, 0.6), (5, 0.3), (6, 0.1)):
+        assert abs(firsts.count(token) / 600 - q) < 4 * (q * (1 - q) / 600) ** 0.5
+
+
+def test_a_node_keeps_deterministic_children_where_drawn_ones_are_rated_lower():
+    store = InMemoryNgramStore()
+    store.add([NgramRow((3,), (4, 5), (0.5, 0.5))])
+    cal = AcceptanceCalibration()
+    d = _drafter(store, StandDynDrafterConfig(sizing="fixed", drawn=True), calibration=cal)
+    assert d.draft(_ctx([1, 3], max_nodes=1, greedy=False)).sampled == (False, True)  # a tie
+    drawn = candidate_kind(DRAWN, 1, 1, 0, 0)  # rank 0 of a 1-gram seen once
+    for _ in range(50):
+        cal.record(drawn, 0.5, False)
+    assert d.draft(_ctx([1, 3], max_nodes=1, greedy=False)).sampled == (False, False)
+    off = _drafter(store)  # the default: deterministic children only
+    assert not any(off.draft(_ctx([1, 3], greedy=False)).sampled)

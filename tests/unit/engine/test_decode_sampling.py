@@ -125,6 +125,28 @@ def test_stand_spine_mixed_nodes_match_the_exact_distribution(model, exact):
     assert _chisquare_pvalue(samples, exact) > 1e-3
 
 
+def test_stand_dyn_drawn_and_deterministic_nodes_match_the_exact_distribution(model, exact):
+    """`stand-dyn` with `drawn: true` under sampling: nodes whose children are drawn from the
+    store (rule (c)) and nodes with deterministic children (rule (b)) in the same trees, chosen
+    per node by calibrated rates."""
+    drafter = make_drafter(DRAFTER_CONFIGS["stand-dyn"].model_copy(update={"drawn": True}), VOCAB)
+    kinds = []
+    draft = drafter.draft
+
+    def spy(ctx):
+        tree = draft(ctx)
+        drawn = tree.sampled[1:]
+        kinds.append((any(drawn), not all(drawn)))
+        return tree
+
+    drafter.draft = spy
+    samples, accepted_per_run = _speculative_samples(model, None, drafter)
+    assert sum(d for d, _ in kinds) > 300 and sum(k for _, k in kinds) > 100
+    assert sum(d and k for d, k in kinds) > 30  # mixed trees
+    assert accepted_per_run > 0.08, accepted_per_run
+    assert _chisquare_pvalue(samples, exact) > 1e-3
+
+
 def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
     """Test of the test: drawing the bonus from p instead of the residual (PTD's typo), in the
     batched sample-and-match over deterministic drafts (PLD) uses."""
