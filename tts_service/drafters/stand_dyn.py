@@ -34,7 +34,7 @@ is walked on the host (`verify.walk_sparse`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -104,12 +104,18 @@ class AcceptanceCalibration:
     def rank(self, found: dict[int, tuple[int, float]]) -> list[Candidate]:
         """`found` (token -> (kind, q), 0 <= q <= 1) as candidates, best first. Drafting's hot
         loop: every opened node ranks ~10."""
+        out = self.rated((token, kind, q) for token, (kind, q) in found.items())
+        out.sort()
+        return out
+
+    def rated(self, cands: Iterable[tuple[int, int, float]]) -> list[Candidate]:
+        """(token, kind, q) triples as candidates with their calibrated rates, in the order
+        given."""
         bins, top, line, prior = self.bins, self.bins - 1, self.lines.get, self.prior_line
         out = []
-        for token, (kind, q) in found.items():
+        for token, kind, q in cands:
             a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
             out.append((-a - b * q, token, kind, q))
-        out.sort()
         return out
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
@@ -236,17 +242,8 @@ class StandDynDrafter:
         inv = 1.0 / sum(probs)
         ranked = sorted((p * inv for p in probs), reverse=True)
         base = KINDS[DRAWN][entry.order][min(entry.count, 4)]
-        bins, top, line, prior = (
-            self.calibration.bins,
-            self.calibration.bins - 1,
-            self.calibration.lines.get,
-            self.calibration.prior_line,
-        )
-        plan = []
-        for j, (token, q) in enumerate(zip(order, ranked, strict=True)):
-            kind = base + min(j, 3)
-            a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
-            plan.append((-a - b * q, token, kind, q))
+        slots = zip(order, ranked, strict=True)
+        plan = self.calibration.rated((x, base + min(j, 3), q) for j, (x, q) in enumerate(slots))
         return plan, SparseDist(tuple(ids), tuple(probs))
 
     def draft(self, ctx: DraftContext) -> DraftTree:
