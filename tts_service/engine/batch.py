@@ -427,8 +427,10 @@ class BatchDecoder:
         finished = [r for r in batch if r.rule.finish is not None]
         if finished:  # finished rows leave the batch
             self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
-        valid = self.cache.active_valid()
-        if self.active and valid.shape[1] > 2 * int(valid.sum(1).max()) + self.compact_slack:
+        # a row holds its tokens but the root in the cache: its entries, counted on the host (a
+        # count read back from the device would be a second synchronisation per step)
+        entries = max((len(r.tokens) - 1 for r in self.active), default=0)
+        if self.active and self.cache.length > 2 * entries + self.compact_slack:
             self._compact()
         return finished
 

@@ -308,6 +308,34 @@ def walk_sparse(
         node = chosen
 
 
+def expected_length(tree: DraftTree, nodes: SparseNodes) -> float:
+    """The tokens `walk_sparse` commits on average over its uniforms, exactly: the bonus plus
+    the probability of reaching each draft node. A child is chosen with the acceptance its rule
+    gives it once its earlier siblings were rejected (the walk's own steps), so this is what
+    the walk does, without drawing. For measuring trees (`bench/drawn_paired.py`), where one
+    walk's outcome would add the verifier's noise to the comparison."""
+    reach = [1.0] + [0.0] * (tree.size - 1)
+    for node in range(tree.size):  # parents come before their children
+        children = tree.children[node]
+        if not children or reach[node] == 0.0:
+            continue
+        data = nodes[node]
+        r: Residual = (dict(zip(data.support, data.p, strict=True)), 1.0)
+        left, tried = reach[node], []
+        for child in children:
+            x = tree.tokens[child]
+            if tree.sampled[child]:
+                q = tree.q[node]
+                assert q is not None, "a sampled child needs its parent's q snapshot"
+                accept, r = sparse_rrs_step(r, data.mass_out, _without(q, tried), x)
+            else:
+                accept, r = sparse_match_step(r, data.mass_out, x)
+            reach[child] = left * accept
+            left -= reach[child]
+            tried.append(x)
+    return 1.0 + sum(reach[1:])
+
+
 def _without(q: SparseDist, excluded: list[int]) -> dict[int, float]:
     """`proposal` on the host: q without `excluded`, renormalised (empty if nothing is left)."""
     left = {i: p for i, p in zip(q.ids, q.probs, strict=True) if i not in excluded}

@@ -317,3 +317,55 @@ def test_walk_sparse_follows_its_uniforms_and_residuals():
     assert acc.path == () and acc.bonus == 1  # rejecting 2 and 5 left mass only outside
     acc = verify.walk_sparse(tree, [root, leaf, leaf], [0, 0.0, 0.0], [0.0, 0.5, 0.5])
     assert acc.path == (1,) and acc.bonus == 3  # the leaf's bonus: its outside draw
+
+
+def _walk_nodes(tree: DraftTree, p: torch.Tensor) -> list[verify.SparseNode]:
+    """Every node's `SparseNode` from the dense p `[N, V]` (outside tokens: any, unused)."""
+    out = []
+    for i in range(tree.size):
+        support = verify.node_support(tree, i)
+        mass = float(p[i].sum() - p[i][support].sum()) if support else 1.0
+        out.append(verify.SparseNode(support, [float(p[i][s]) for s in support], mass, 0))
+    return out
+
+
+def test_expected_length_of_a_chain_is_the_product_of_its_probabilities():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.stack([_rand_dist(gen) for _ in range(3)])
+    b = TreeBuilder(0)
+    b.add(b.add(0, 2), 5)
+    tree = b.build()
+    want = 1 + p[0, 2] + p[0, 2] * p[1, 5]
+    assert verify.expected_length(tree, _walk_nodes(tree, p)) == pytest.approx(float(want))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expected_length_is_the_mean_of_the_walks(seed):
+    """Drawn children (rule (c)) under the root, deterministic ones (with a duplicate) under
+    the first drawn child: the exact expectation equals the mean committed length of
+    `walk_sparse` over many uniforms."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _rand_dist(gen, zeros=2)
+    qs = _sparse(q)
+    b = TreeBuilder(0)
+    b.set_q(0, qs)
+    x1 = b.add(0, qs.ids[0], sampled=True)
+    b.add(0, qs.ids[1], sampled=True)
+    c = b.add(x1, 4)
+    b.add(x1, 4)  # a duplicate sibling is never accepted
+    b.add(x1, 1)
+    b.add(c, 6)
+    tree = b.build()
+    p = torch.stack([_rand_dist(gen) for _ in range(tree.size)])
+    nodes = _walk_nodes(tree, p)
+    n = 20_000
+    u = torch.rand(n, tree.size, generator=gen, dtype=torch.float64).tolist()
+    lengths = torch.tensor(
+        [1.0 + len(verify.walk_sparse(tree, nodes, uu, [0.5] * tree.size).path) for uu in u],
+        dtype=torch.float64,
+    )
+    want = verify.expected_length(tree, nodes)
+    assert abs(lengths.mean().item() - want) <= 5 * lengths.std().item() / n**0.5, (
+        lengths.mean(),
+        want,
+    )
