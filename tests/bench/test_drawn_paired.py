@@ -28,7 +28,7 @@ def test_both_settings_follow_the_log_and_are_scored_per_step():
     per_model: dict[str, dict] = {name: {} for name in SETTINGS}
     scored = score_problem(model, problem, cfgs, per_model, 1.0, NODES)
     assert set(scored) == set(SETTINGS)
-    for name, per_response in scored.items():
+    for per_response in scored.values():
         assert sorted(per_response) == [0, 1, 2, 3]
         expected, sampled = [], []
         for r, sc in per_response.items():
