@@ -290,12 +290,7 @@ def walk_sparse(
         tried, chosen = [], None
         for child in tree.children[node]:
             x = tree.tokens[child]
-            if tree.sampled[child]:
-                q = tree.q[node]
-                assert q is not None, "a sampled child needs its parent's q snapshot"
-                accept, rest = sparse_rrs_step(r, data.mass_out, _without(q, tried), x)
-            else:
-                accept, rest = sparse_match_step(r, data.mass_out, x)
+            accept, rest = _child_step(tree, node, child, r, data.mass_out, tried)
             if u[child] < accept:
                 chosen = child
                 break
@@ -323,17 +318,25 @@ def expected_length(tree: DraftTree, nodes: SparseNodes) -> float:
         r: Residual = (dict(zip(data.support, data.p, strict=True)), 1.0)
         left, tried = reach[node], []
         for child in children:
-            x = tree.tokens[child]
-            if tree.sampled[child]:
-                q = tree.q[node]
-                assert q is not None, "a sampled child needs its parent's q snapshot"
-                accept, r = sparse_rrs_step(r, data.mass_out, _without(q, tried), x)
-            else:
-                accept, r = sparse_match_step(r, data.mass_out, x)
+            accept, r = _child_step(tree, node, child, r, data.mass_out, tried)
             reach[child] = left * accept
             left -= reach[child]
-            tried.append(x)
+            tried.append(tree.tokens[child])
     return 1.0 + sum(reach[1:])
+
+
+def _child_step(
+    tree: DraftTree, node: int, child: int, r: Residual, mass_out: float, tried: list[int]
+) -> tuple[float, Residual]:
+    """`child`'s acceptance at `node`'s residual `r`, its earlier siblings `tried` rejected, by
+    its own rule (a drawn child: rule (c) on the node's q without them; else rule (b)), and the
+    residual if it is rejected."""
+    x = tree.tokens[child]
+    if tree.sampled[child]:
+        q = tree.q[node]
+        assert q is not None, "a sampled child needs its parent's q snapshot"
+        return sparse_rrs_step(r, mass_out, _without(q, tried), x)
+    return sparse_match_step(r, mass_out, x)
 
 
 def _without(q: SparseDist, excluded: list[int]) -> dict[int, float]:
