@@ -91,8 +91,7 @@ class TeacherForcedDecoder(BatchDecoder):
         return out
 
     def _observe(self, batch, trees, verified, plain, observe) -> None:
-        live = [Verified(v.acc, v.top) for v in self._live]
-        super()._observe(batch, trees, live, plain, observe)
+        super()._observe(batch, trees, self._live, plain, observe)
 
 
 def read_problems(path: Path, limit: int, max_tokens: int) -> list[LoggedProblem]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tts_service.engine import verify
+from tts_service.engine.batch import DenseNodes
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import (
     accept_greedy,
@@ -319,14 +320,11 @@ def test_walk_sparse_follows_its_uniforms_and_residuals():
     assert acc.path == (1,) and acc.bonus == 3  # the leaf's bonus: its outside draw
 
 
-def _walk_nodes(tree: DraftTree, p: torch.Tensor) -> list[verify.SparseNode]:
-    """Every node's `SparseNode` from the dense p `[N, V]` (outside tokens: any, unused)."""
-    out = []
-    for i in range(tree.size):
-        support = verify.node_support(tree, i)
-        mass = float(p[i].sum() - p[i][support].sum()) if support else 1.0
-        out.append(verify.SparseNode(support, [float(p[i][s]) for s in support], mass, 0))
-    return out
+def _walk_nodes(tree: DraftTree, p: torch.Tensor) -> DenseNodes:
+    """Every node's `SparseNode` from the dense p `[N, V]`, as the engine's CPU walk gets them."""
+    return DenseNodes(
+        p, [verify.node_support(tree, i) for i in range(tree.size)], [0.5] * tree.size
+    )
 
 
 def test_expected_length_of_a_chain_is_the_product_of_its_probabilities():
