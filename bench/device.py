@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from pydantic import TypeAdapter
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -53,21 +54,17 @@ from bench import predict as pr
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import NoDrafter
-from tts_service.drafters.registry import (
-    DRAFTER_CONFIGS,
-    DraftEnv,
-    build_drafter,
-    method_drafter,
-    resolve_method,
-)
+from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter, method_drafter
 from tts_service.drafters.stand import StandDrafterConfig
-from tts_service.engine.allocate import SlotStats, measure_batch_cost, nodes_for_step
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.cost import CostModel, sync_device
+from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import bucket_of
 from tts_service.engine.matmul import tune_linear_products
-from tts_service.replay import LoggedBatchDecoder, LoggedOracle, LoggedProblem, parse_line
+from tts_service.engine.sampling import SamplingParams
+from tts_service.models import LoadedModel
+from tts_service.replay import LoggedProblem, TimedTarget, parse_line
+from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryRunner
 
 LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
 
@@ -232,56 +229,42 @@ def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
     ]
 
 
-def timing_replay(model, method: str, problems: list[LoggedProblem], max_nodes: int) -> dict:
-    """Best-of-N of every logged problem, its N responses as one batch, on the real device
-    with acceptance following the log; nodes per step from the cost-aware allocator."""
-    vocab = model.config.vocab_size
-    device = "cuda" if model.device.type == "cuda" else "cpu"
-    drafter_cfg = None
-    if method != "plain":
-        fields = method_drafter(resolve_method(method, device), {}, device)
-        drafter_cfg = DRAFTER_CONFIGS[fields["kind"]].model_validate(fields)
-    decoder = LoggedBatchDecoder(model, eos_ids=[])
-    shared: dict = {}
-    verify_cost = CostModel.for_model(model, repeats=2)
-    stats = SlotStats()
-    tokens = forwards = row_forwards = 0
-    seconds = 0.0
-    width = max(len(p.responses) for p in problems)
-    cost = measure_batch_cost(model, len(problems[0].prompt_ids) + 128, width, 4096)
-    for problem in problems:
-        store, per_problem = InMemoryNgramStore(), {}
-        rows = []
+def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
+    """Best-of-N of every logged problem through the live runner (`TrajectoryRunner`: its cost
+    surface, allocator and drafters, continuous batching N rows wide) on the real device, with
+    acceptance following the log; timed from submission to the last token, as a job waits."""
+    fields = method_drafter(method, {}, "cuda" if model.device.type == "cuda" else "cpu")
+    drafter = TypeAdapter(DrafterConfig).validate_python(fields)
+    loaded = LoadedModel(model, None, (), model.device, model.dtype, "timing-replay")
+    runner = TrajectoryRunner(
+        TimedTarget(loaded, problems), max(len(p.responses) for p in problems)
+    )
+    requests = []
+    for i, problem in enumerate(problems):
+        store = InMemoryNgramStore()
         for r, resp in enumerate(problem.responses):
-            cfg = SamplingConfig(temperature=0, max_new_tokens=len(resp), ignore_eos=True, seed=r)
-            env = DraftEnv(vocab, store, r, verify_cost, per_model=shared, per_problem=per_problem)
-            drafter = NoDrafter() if drafter_cfg is None else build_drafter(drafter_cfg, env)
-            oracle = LoggedOracle(problem, r)
-            rows.append(decoder.new_row(problem.prompt_ids, drafter, cfg, oracle=oracle))
-
-        def run(rows: list = rows) -> None:
-            decoder.join(rows)
-            while decoder.active:
-                nodes = 0
-                if drafter_cfg is not None:  # priced as the runner prices it: drafting too
-                    stats.tick()
-                    f = decoder.forwards
-                    per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
-                    rows_stats = [stats] * len(decoder.active)
-                    nodes = nodes_for_step(cost, rows_stats, max_nodes, per_node)
-                decoder.step(nodes, observe=lambda _row, tree, acc: stats.record(tree, acc))
-
-        before = decoder.forwards.forwards, decoder.forwards.row_forwards
-        seconds += timed(run, model.device)
-        forwards += decoder.forwards.forwards - before[0]
-        row_forwards += decoder.forwards.row_forwards - before[1]
-        tokens += sum(r.stats.new_tokens for r in rows)
+            greedy = SamplingParams(0.0, max_new_tokens=len(resp), seed=r, ignore_eos=True)
+            requests.append(
+                TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, drafter, store)
+            )
+    report: list[RunReport] = []
+    seconds = timed(lambda: report.append(runner.run(requests)), model.device)
+    summary = report[0].summary()
+    spec = summary["speculation"]
+    phases = runner.decoder.phases  # where a step's time goes, per step (forward: launch + run)
+    per_step = {k: round(v / phases.steps * 1e3, 3) for k, v in phases.seconds.items()}
     return {
-        "tokens_per_s": round(tokens / seconds, 2),
-        "acceptance_length": round(tokens / row_forwards, 3),
-        "target_forwards": forwards,
-        "new_tokens": tokens,
+        "tokens_per_s": round(summary["new_tokens"] / seconds, 2),
+        "acceptance_length": summary["acceptance_length"],
+        "target_forwards": summary["target_forwards"],
+        "new_tokens": summary["new_tokens"],
         "seconds": round(seconds, 3),
+        "drafted_steps": spec["drafted_steps"],
+        "explored_steps": spec["explored_steps"],
+        "cost_surface": spec["cost_surface"],
+        "nodes_per_row": spec["nodes_per_row"],  # [t_s, rows, nodes] as the planner changed it
+        "step_ms": per_step,
+        "outside_steps_ms": round((seconds - sum(phases.seconds.values())) / phases.steps * 1e3, 3),
     }
 
 
@@ -366,7 +349,7 @@ def compare_on_gpu(
     cfg = pr.Config(shape, gpu, 1, rows, round(statistics.mean(tokens)))
     predicted = {r["method"]: r for r in pr.predict_config(cfg, acceptance, host, eff)}
     for method in METHODS:
-        got = timing_replay(model, method, problems, max(pr.NODE_CANDIDATES))
+        got = timing_replay(model, method, problems)
         out.append(
             {
                 **predicted[method],
@@ -463,7 +446,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", type=Path, default=LOG, help="trajectory log (JSONL, .gz ok)")
     ap.add_argument("--problems", type=int, default=4, help="logged problems to replay")
     ap.add_argument("--max-tokens", type=int, default=256, help="replay at most this per row")
-    ap.add_argument("--max-nodes", type=int, default=64, help="draft nodes per row per step")
     ap.add_argument("--new-tokens", type=int, default=128, help="plain decoding length")
     ap.add_argument("--rows", default="1,4,16", help="verify surface rows")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="verify surface tokens")
@@ -537,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(x) for x in args.tokens.split(",")]
     report["verify_cost_ms"] = verify_surface(model, rows, tokens, 512)
     progress(f"timing replay of {len(problems)} logged problems, best-of-N per batch")
-    replay = {m: timing_replay(model, m, problems, args.max_nodes) for m in METHODS}
+    replay = {m: timing_replay(model, m, problems) for m in METHODS}
     report["replay"] = replay
     n = max(len(p.responses) for p in problems)
     length = round(statistics.mean(len(r) for p in problems for r in p.responses))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU session's checks in one command, in priority order, each time-boxed so that a slow
 # step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host),
-# the 7B device report (bench.device), its baseline attention (--repeat-kv) and measured beside
-# predicted (bench.device --predict).
+# the 7B device report (bench.device), the live runner's timing replay (bench.runner_replay;
+# `device-repeat-kv`, the baseline attention, on request) and measured beside predicted
+# (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # about 9 minutes on one H100/H200
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host device device-repeat-kv predict} "
+steps=" ${STEPS:-cuda-tests host device runner-replay predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -38,5 +39,6 @@ step() {  # step NAME SECONDS COMMAND...
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
+    step runner-replay 150 $py -m bench.runner_replay --out "$out"
     step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
 } 2>&1 | tee "$out/gpu_check.log"

@@ -68,7 +68,9 @@ class Generator:
         `cost_model: measured`, seeded by timing every shape up to `max_rows` rows first."""
         if self._surface is None:
             model = self.loaded.model
-            surface = open_surface(model, self.loaded.name, self.cost_cache)
+            surface = open_surface(
+                model, self.loaded.name, self.cost_cache, self.loaded.cuda_graphs
+            )
             if self.cost_model == "measured":
                 max_tokens = 4096 if model.device.type == "cuda" else 128
                 grid = measure_batch_cost(

@@ -43,6 +43,8 @@ from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
+from tts_service.generation import Generator
+from tts_service.models import LoadedModel
 from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
 from tts_service.solve import SolveResult
 
@@ -266,6 +268,8 @@ class LoggedDecoder:
         self.oracles: dict[int, LoggedOracle] = {}  # id(row) -> its response's oracle
         self.deferred = DeferredObservations()  # run after the next drafts
 
+    graph_tokens = None  # no forwards, no graphs
+
     @property
     def context_len(self) -> int:
         return max((len(r.tokens) for r in self.active), default=0)
@@ -314,26 +318,56 @@ class LoggedDecoder:
 
 class LoggedBatchDecoder(BatchDecoder):
     """Timing replay (`bench/device.py`): real batched forwards, acceptance from the log, so a
-    device is timed on real trees with real acceptance. `new_row` takes the row's oracle."""
+    device is timed on real trees with real acceptance. Rows are matched to responses by their
+    request, as `LoggedDecoder` matches them."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, problems: Sequence[LoggedProblem], *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.problems = problems
         self.oracles: dict[int, LoggedOracle] = {}
 
-    def new_row(self, prompt_ids, drafter, cfg, on_commit=None, oracle=None) -> Row:  # noqa: D102
-        row = super().new_row(prompt_ids, drafter, cfg, on_commit)
-        if oracle is not None:
-            self.oracles[id(row)] = oracle
-        return row
+    def join(self, rows: list[Row]) -> None:
+        for row in rows:
+            req = cast(TrajectoryRow, row).request
+            self.oracles[id(row)] = LoggedOracle(self.problems[int(req.problem_id)], req.index)
+        super().join(rows)
+
+    def drop(self, rows: list[Row]) -> None:
+        super().drop(rows)
+        for row in rows:
+            self.oracles.pop(id(row), None)
+
+    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
+        finished = super().step(max_nodes, observe)
+        for row in finished:
+            del self.oracles[id(row)]
+        return finished
 
     def verify(self, batch, trees, logits, tb) -> list[Verified]:
-        live = super().verify(batch, trees, logits, tb)
+        super().verify(batch, trees, logits, tb)  # the device's work, timed; the log decides
         return [
             Verified(*self.oracles[id(row)](tree, len(row.rule.out)))
-            if id(row) in self.oracles
-            else v
-            for row, tree, v in zip(batch, trees, live, strict=True)
+            for row, tree in zip(batch, trees, strict=True)
         ]
+
+
+class TimedTarget(Generator):
+    """The runner's model for timing replay: a loaded model (random weights will do, no
+    tokenizer) whose decoder takes acceptance from a log (`LoggedBatchDecoder`); drafters, α̂,
+    the cost surface and the allocator are the live service's (`Generator`)."""
+
+    def __init__(self, loaded: LoadedModel, problems: Sequence[LoggedProblem]) -> None:
+        super().__init__(loaded)
+        self.problems = problems
+
+    def new_decoder(self) -> LoggedBatchDecoder:
+        loaded = self.loaded
+        return LoggedBatchDecoder(
+            self.problems, loaded.model, loaded.eos_token_ids, cuda_graphs=loaded.cuda_graphs
+        )
+
+    def output(self, res: GenerationResult) -> GenerationOutput:
+        return GenerationOutput("", res.token_ids, res.finish_reason, res.stats)
 
 
 class LoggedTarget:

@@ -93,6 +93,7 @@ class StepDecoder(Protocol):
 
     active: list[Row]
     forwards: ForwardStats
+    graph_tokens: int | None  # the largest step replayed as a CUDA graph (None: no graphs)
 
     @property
     def context_len(self) -> int: ...
@@ -506,11 +507,13 @@ class TrajectoryRunner:
         if all(r.request.drafter.kind == "plain" for r in rows):
             return 0
         if self.planner is None:
-            gen = self.generator
+            gen, cap = self.generator, self.decoder.graph_tokens
             self.planner = (
                 SpeculationPlanner(fixed=gen.fixed_batch_cost, max_nodes=MAX_NODES)
                 if gen.fixed_batch_cost is not None
-                else SpeculationPlanner(surface=gen.surface(self.max_rows), max_nodes=MAX_NODES)
+                else SpeculationPlanner(
+                    surface=gen.surface(self.max_rows), max_nodes=MAX_NODES, max_step_tokens=cap
+                )
             )
         f = self.decoder.forwards
         per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0

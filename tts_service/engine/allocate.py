@@ -210,11 +210,17 @@ class SpeculationPlanner:
     of the next wider and of the next narrower width bucket where its bold rate beats the
     decision's cautious one; of these, the least well timed, if any is not timed well enough.
     At most `explore_share` of the steps explore, which bounds what exploring can cost; without
-    it a surface that starts wrong would never learn otherwise."""
+    it a surface that starts wrong would never learn otherwise.
+
+    `max_step_tokens` (the decoder's `graph_tokens`): no tree is planned whose padded step
+    passes it. Past it a GPU runs the forward eagerly, launch-bound, at twice a graph's time: a
+    cliff the surface's smooth roofline does not draw (on an H100 the planner's first run drew
+    64-node trees there and ran best-of-16 at half plain's speed)."""
 
     surface: CostSurface | None = None
     fixed: StepCost | None = None
     max_nodes: int = 64
+    max_step_tokens: int | None = None
     explore_share: float = 0.01
     z: float = 1.0
     steps: int = 0
@@ -231,12 +237,18 @@ class SpeculationPlanner:
         """Draft nodes per row for this step (0: a plain step)."""
         self.steps += 1
         if self.fixed is not None:
-            k = nodes_for_step(self.fixed, stats, self.max_nodes, draft_s_per_node)
+            k = nodes_for_step(self.fixed, stats, self.cap(len(stats)), draft_s_per_node)
             self.last_explored = False
         else:
             k, self.last_explored = self._learned(context, stats, draft_s_per_node)
         self.explored += self.last_explored
         return k
+
+    def cap(self, rows: int) -> int:
+        """The most nodes per row a step of `rows` rows may plan."""
+        if self.max_step_tokens is None:
+            return self.max_nodes
+        return max(0, min(self.max_nodes, self.max_step_tokens // power_bucket(rows) - 1))
 
     def _cost_lines(self, rows: int, context: int, per_node: float) -> tuple[list, list, list]:
         """Cautious and bold step seconds for k = 0..max_nodes, and each k's sigma; re-read
@@ -274,18 +286,19 @@ class SpeculationPlanner:
             return cached[2], False
         cautious, bold, sigma = self._cost_lines(len(stats), context, per_node)
         tokens = expected_tokens(stats, self.max_nodes)
-        k, rate = best_rate(tokens, cautious, range(self.max_nodes + 1))
+        cap = self.cap(len(stats))
+        k, rate = best_rate(tokens, cautious, range(cap + 1))
         self._decisions[key] = (version, self.steps, k)
         if not may_explore:
             return k, False
         width = power_bucket(k + 1)
         buckets = [(0, 0)] if k > 0 else []  # k ranges: plain, the next wider, the narrower
-        buckets.append((width, min(2 * width - 1, self.max_nodes)))
-        if k > 0:
-            buckets.append((width // 2, width - 1))
+        buckets.append((width, min(2 * width - 1, cap)))
+        if k > 0:  # at the cap, the narrower bucket ends there
+            buckets.append((width // 2, min(width - 1, cap)))
         options = []
         for lo, hi in buckets:
-            if lo > self.max_nodes or lo > hi:
+            if lo > hi:
                 continue
             option, bold_rate = best_rate(tokens, bold, range(lo, hi + 1))
             if sigma[option] > SURE_SIGMA and (option == 0 or bold_rate > rate):

@@ -37,7 +37,7 @@ from tts_service.drafters.base import (
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
-from tts_service.engine.graphs import GraphedForward, forward_at
+from tts_service.engine.graphs import MAX_TOKENS, GraphedForward, forward_at
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV, padded_rows
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
@@ -171,6 +171,12 @@ class BatchDecoder:
     def context_len(self) -> int:
         """Slots in use: what attention spans (before the step's tokens)."""
         return self.cache.length
+
+    @property
+    def graph_tokens(self) -> int | None:
+        """The largest padded step (rows × tokens) replayed as a CUDA graph; None: no graphs
+        (every step runs alike)."""
+        return MAX_TOKENS if self.graphs is not None and self.graphs.enabled else None
 
     @property
     def device(self) -> torch.device:
@@ -578,9 +584,9 @@ class BatchDecoder:
             out[at] = store_probs(logits[at], batch[members[0]].cfg)
         return out
 
-    def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
+    def _forward(self, ids, pos, mask, start: int, capture: bool = False) -> torch.Tensor:
         if self.graphs is not None:
-            return self.graphs(ids, pos, mask, start)
+            return self.graphs(ids, pos, mask, start, capture)
         slots = None
         if self.cache.full_view:  # the write slots a graph would take from a device tensor
             slots = torch.arange(start, start + ids.shape[1], device=ids.device)
@@ -606,8 +612,8 @@ class BatchDecoder:
     @torch.inference_mode()
     def time_forward(self, rows: int, width: int) -> float:
         """Seconds of one verify step's device work, `rows` trees of `width` tokens over the
-        cache as it is: pack, forward (a graph where one is captured), argmax and the host
-        copy. The written slots are discarded."""
+        cache as it is: pack, forward (on a GPU a graph, captured at the first timing where the
+        shape fits one), argmax and the host copy. The written slots are discarded."""
         start = self.cache.length
         trees = [DraftTree.chain(1, [1] * (width - 1))] * rows
         shape = self.graphs.bucket(rows, width) if self.graphs else (rows, width)
@@ -616,7 +622,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         tb = TreeBatch.of(trees, width, self.device)
         ids, pos, mask = self._pack(tb, [start] * rows, shape)
-        self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
+        self._forward(ids, pos, mask, start, capture=True)[:rows, :width].argmax(-1).cpu()
         seconds = time.perf_counter() - t0
         self.cache.length = start
         return seconds

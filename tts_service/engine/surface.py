@@ -378,13 +378,15 @@ def _cpu_model() -> str:
 
 
 @torch.inference_mode()
-def time_prior(model: PreTrainedModel, context: int = 128) -> Roofline:
+def time_prior(model: PreTrainedModel, context: int = 128, cuda_graphs: bool = True) -> Roofline:
     """The roofline scaled by four timed one-row forwards over a `context`-token cache: one
-    token and many, each timed twice, the faster kept (the first run warms up kernels)."""
+    token and many, each timed twice, the faster kept (the first run warms up kernels and, on a
+    GPU, captures the graph). Timed as the steps will run: an eager 7B forward on a GPU is
+    launch-bound at twice a graph's time, a prior that flattened every tree's cost."""
     from tts_service.engine.batch import BatchDecoder
 
     wide = CUDA_WIDE_TOKENS if model.device.type == "cuda" else CPU_WIDE_TOKENS
-    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=False)
+    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=cuda_graphs)
     decoder.fill_random(1, context)
     one = min(decoder.time_forward(1, 1) for _ in range(2))
     many = min(decoder.time_forward(1, wide) for _ in range(2))
@@ -392,9 +394,12 @@ def time_prior(model: PreTrainedModel, context: int = 128) -> Roofline:
     return Roofline.fit(ModelShape.of(model), overlap, context, one, many, wide)
 
 
-def open_surface(model: PreTrainedModel, name: str, cache_dir: Path | None) -> CostSurface:
+def open_surface(
+    model: PreTrainedModel, name: str, cache_dir: Path | None, cuda_graphs: bool = True
+) -> CostSurface:
     """This model's surface: the one kept in `cache_dir` for this device if there is one and
-    it reads, else a new prior (four timed forwards). It is saved back there as it learns."""
+    it reads, else a new prior (four timed forwards, graph-captured where the steps will be).
+    It is saved back there as it learns."""
     path = cache_dir / device_key(model, name) if cache_dir is not None else None
     if path is not None and path.is_file():
         try:
@@ -402,4 +407,4 @@ def open_surface(model: PreTrainedModel, name: str, cache_dir: Path | None) -> C
             return CostSurface.from_dict(data, ModelShape.of(model), path)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: start over (and overwrite it)
-    return CostSurface(time_prior(model), "prior", path=path)
+    return CostSurface(time_prior(model, cuda_graphs=cuda_graphs), "prior", path=path)

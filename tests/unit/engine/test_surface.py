@@ -137,6 +137,30 @@ def test_the_planner_drafts_on_a_flat_device_and_not_on_a_steep_one(rows):
     assert planner.explored <= 0.01 * planner.steps
 
 
+def test_the_planner_explores_below_its_cap_when_the_cap_is_its_decision():
+    """At k = max_nodes the next wider bucket is beyond the cap and the narrower one ends at
+    the cap (it once reached past the cost line: an IndexError on a GPU's flat surface)."""
+    planner = SpeculationPlanner(surface=CostSurface(Roofline(SHAPE, 1.2e9, 2e10, 1.0)))
+    planner.max_nodes, planner.explore_share = 8, 1.0  # every step may explore
+    decisions: list[int] = []
+    _drive(flat, 60, 16, planner, decisions)
+    assert max(decisions) == 8 and decisions.count(8) >= 30, decisions
+    assert planner.explored >= 1
+
+
+@pytest.mark.parametrize("rows, cap", [(12, 3), (16, 3), (32, 1), (64, 0)])
+def test_no_tree_is_planned_past_the_graph_cap(rows, cap):
+    """On a flat device the planner wants the whole budget; with `max_step_tokens` (a GPU's
+    graph bucket limit) no padded step passes it, exploring included."""
+    planner = SpeculationPlanner(surface=CostSurface(Roofline(SHAPE, 1.2e9, 2e10, 1.0)))
+    planner.max_step_tokens, planner.explore_share = 64, 1.0
+    decisions: list[int] = []
+    _drive(flat, 40, rows, planner, decisions)
+    assert planner.cap(rows) == cap and planner.cap(1) == 63
+    assert max(decisions) == cap, decisions
+    assert all(power_bucket(rows) * power_bucket(k + 1) <= 64 for k in decisions)
+
+
 @pytest.mark.parametrize("change", ["flat-to-steep", "steep-to-flat"])
 def test_the_planner_follows_a_step_change_and_explores_within_its_share(change):
     """A change of shape, not of speed (that the level follows at once): flat to steep is seen

@@ -1,0 +1,60 @@
+"""Timing replay through the live runner on a GPU: plain, `auto` and `stand` interleaved, each
+run best-of-N of the logged problems as one job waits for it (cost surface from its prior,
+planner, lazy CUDA graphs), then `auto` once under cProfile.
+
+    python -m bench.runner_replay --out runs/gpu      # about 90 s on one H100, 7B shape
+
+Writes `runner-replay.json` ({method: [records of `bench.device.timing_replay`]}) and
+`prof-auto.txt` to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+from pathlib import Path
+
+import torch
+
+from bench import device as dv
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model-config", choices=sorted(dv.ARCHITECTURES), default="qwen2.5-7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--problems", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model, _ = dv.build_model(args.model_config, None, args.device, dtype)
+    problems = dv.read_log(dv.LOG, args.problems, args.max_tokens)
+    # the process's first run pays the first captures and kernel loads: not measured
+    print("warm-up", json.dumps(dv.timing_replay(model, "plain", problems)), flush=True)
+    res: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for method in ("plain", "auto", "stand"):
+            res.setdefault(method, []).append(dv.timing_replay(model, method, problems))
+            print(method, json.dumps(res[method][-1]), flush=True)
+            (args.out / "runner-replay.json").write_text(json.dumps(res, indent=1) + "\n")
+    prof = cProfile.Profile()
+    prof.enable()
+    got = dv.timing_replay(model, "auto", problems)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats("tts_service|store", 50)
+    (args.out / "prof-auto.txt").write_text(json.dumps(got) + "\n" + text.getvalue())
+    print("profiled auto", json.dumps(got), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
