@@ -33,23 +33,32 @@ class NgramRow:
     probs: tuple[float, ...]
 
 
+def _rank(pair: tuple[int, float]) -> tuple[float, int]:
+    """Probability descending, then token id ascending (every backend's tie-break)."""
+    return -pair[1], pair[0]
+
+
 def merge(
     old: NgramEntry | None, ids: Sequence[int], probs: Sequence[float], topk: int, order: int = 0
 ) -> NgramEntry:
     """STAND's merge: count-weighted running mean over the union of ids, truncated to `topk`;
     `order` is the n-gram length the entry is stored under (what a lookup returns).
 
-    Ties are broken by token id so every backend produces the same entry.
+    Ties are broken by token id so every backend produces the same entry. It runs for every
+    row and n-gram order of every step (auto's plain steps too), so it is kept lean.
     """
     if old is None:
-        pairs = sorted(zip(ids, probs, strict=True), key=lambda t: (-t[1], t[0]))[:topk]
-        return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), 1, order)
+        return _entry(sorted(zip(ids, probs, strict=True), key=_rank)[:topk], 1, order)
     k = old.count
     acc: dict[int, float] = {i: p * k / (k + 1) for i, p in zip(old.ids, old.probs, strict=True)}
+    get = acc.get
     for i, p in zip(ids, probs, strict=True):
-        acc[i] = acc.get(i, 0.0) + p / (k + 1)
-    pairs = sorted(acc.items(), key=lambda t: (-t[1], t[0]))[:topk]
-    return NgramEntry(tuple(i for i, _ in pairs), tuple(p for _, p in pairs), k + 1, order)
+        acc[i] = get(i, 0.0) + p / (k + 1)
+    return _entry(sorted(acc.items(), key=_rank)[:topk], k + 1, order)
+
+
+def _entry(ranked: list[tuple[int, float]], count: int, order: int) -> NgramEntry:
+    return NgramEntry(tuple([i for i, _ in ranked]), tuple([p for _, p in ranked]), count, order)
 
 
 def mean_entry(count: int, sums: dict[int, float], topk: int, order: int = 0) -> NgramEntry | None:

@@ -269,6 +269,7 @@ class LoggedDecoder:
         self.deferred = DeferredObservations()  # run after the next drafts
 
     graph_tokens = None  # no forwards, no graphs
+    last_step_steady = True
 
     @property
     def context_len(self) -> int:

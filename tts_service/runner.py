@@ -94,6 +94,7 @@ class StepDecoder(Protocol):
     active: list[Row]
     forwards: ForwardStats
     graph_tokens: int | None  # the largest step replayed as a CUDA graph (None: no graphs)
+    last_step_steady: bool  # the last step ran as its shape keeps running (its time teaches)
 
     @property
     def context_len(self) -> int: ...
@@ -459,7 +460,8 @@ class TrajectoryRunner:
             return
         rows, width = f.trace[-1]
         planner = self.planner
-        if planner is not None and planner.surface is not None:
+        # an eager step of a bucket about to be captured is not that bucket's cost (2x on a GPU)
+        if planner is not None and planner.surface is not None and self.decoder.last_step_steady:
             planner.surface.record(rows, width, f.last_context, f.last_forward_s)
         explored = planner is not None and planner.last_explored
         t = round(time.perf_counter() - self.start, 4)

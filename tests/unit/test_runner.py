@@ -13,6 +13,7 @@ from tests.conftest import DRAFTER_CONFIGS, word_tokenizer
 from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import SamplingConfig
 from tts_service.engine.allocate import BatchCost
+from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.generation import Generator
 from tts_service.models import LoadedModel
@@ -184,6 +185,38 @@ def test_the_learned_surface_is_opened_once_and_taught_by_every_step(tiny_model,
     assert report.summary()["speculation"]["cost_surface"] == "prior"
     again = Generator(loaded, cost_cache=tmp_path).surface()
     assert again.source == "disk" and set(again.buckets) == set(surface.buckets)
+
+
+def test_a_step_that_is_not_steady_does_not_teach_the_surface(tiny_model):
+    """On a GPU a tree bucket's first steps run eagerly (2x) before its graph is captured;
+    they are not that bucket's cost. Stood in for here (no GPU) by a decoder that reports
+    every other step unsteady: the surface learns from the others only."""
+
+    class EagerEveryOtherStep(BatchDecoder):
+        @property
+        def last_step_steady(self) -> bool:
+            return self.forwards.forwards % 2 == 0
+
+    loaded = LoadedModel(
+        tiny_model, word_tokenizer(VOCAB), (), tiny_model.device, tiny_model.dtype, "tiny"
+    )
+    gen = Generator(loaded)
+    store = InMemoryNgramStore()
+    requests = [
+        TrajectoryRequest(
+            "p",
+            i,
+            _prompts()[1],
+            SamplingConfig(temperature=0, max_new_tokens=10, seed=i),
+            DRAFTER_CONFIGS["stand"],
+            store,
+        )
+        for i in range(3)
+    ]
+    decoder = EagerEveryOtherStep(tiny_model, ())
+    report = TrajectoryRunner(gen, 3, decoder=decoder).run(requests)
+    forwards = report.forwards.forwards
+    assert forwards >= 4 and gen.surface().steps == forwards // 2
 
 
 def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatch):

@@ -173,6 +173,12 @@ class BatchDecoder:
         return self.cache.length
 
     @property
+    def last_step_steady(self) -> bool:
+        """The last step's forward ran as its shape will keep running (not an eager step of a
+        bucket a CUDA graph will capture): its time may teach the cost surface."""
+        return self.graphs is None or self.graphs.last_steady
+
+    @property
     def graph_tokens(self) -> int | None:
         """The largest padded step (rows × tokens) replayed as a CUDA graph; None: no graphs
         (every step runs alike)."""

@@ -82,6 +82,9 @@ class GraphedForward:
         self.pool = None
         self.enabled = True
         self.uses: dict[tuple[int, int], int] = {}  # steps per bucket (CAPTURE_AFTER)
+        # the last forward ran as its shape will keep running: a graph, or eager for good
+        # (too big, graphs off); not an eager step of a bucket that will be captured
+        self.last_steady = True
 
     def bucket(self, rows: int, tokens: int) -> tuple[int, int]:
         """The padded (rows, tokens) shape a step of this size runs at."""
@@ -110,6 +113,8 @@ class GraphedForward:
         due = capture or capture_due(shape[1], uses)
         if g is None and due and self.enabled and shape == self.bucket(*shape):
             g = self._capture(ids, pos, mask, slots)
+        # eager for good (graphs off, or a shape past the buckets), or captured: steady
+        self.last_steady = g is not None or not self.enabled or shape != self.bucket(*shape)
         if g is None:
             return self._eager(ids, pos, mask, slots)
         g.ids.copy_(ids)
