@@ -160,26 +160,26 @@ def test_auto_at_many_rows_on_a_steep_surface_is_plain_decoding(tiny_model, monk
     assert spec["cost_surface"] == "fixed"
 
 
+def _loaded(model) -> LoadedModel:
+    return LoadedModel(model, word_tokenizer(VOCAB), (), model.device, model.dtype, "tiny")
+
+
+def _stand_requests(n: int) -> list[TrajectoryRequest]:
+    """`n` greedy STAND trajectories of one prompt, sharing a store."""
+    store = InMemoryNgramStore()
+    sampling = [SamplingConfig(temperature=0, max_new_tokens=10, seed=i) for i in range(n)]
+    return [
+        TrajectoryRequest("p", i, _prompts()[1], s, DRAFTER_CONFIGS["stand"], store)
+        for i, s in enumerate(sampling)
+    ]
+
+
 def test_the_learned_surface_is_opened_once_and_taught_by_every_step(tiny_model, tmp_path):
     """No measurement at load: the runner's first drafting step opens the surface (a prior
     from four timed forwards), every step teaches it, and the next generator reads it back."""
-    loaded = LoadedModel(
-        tiny_model, word_tokenizer(VOCAB), (), tiny_model.device, tiny_model.dtype, "tiny"
-    )
+    loaded = _loaded(tiny_model)
     gen = Generator(loaded, cost_cache=tmp_path)
-    store = InMemoryNgramStore()
-    requests = [
-        TrajectoryRequest(
-            "p",
-            i,
-            _prompts()[1],
-            SamplingConfig(temperature=0, max_new_tokens=10, seed=i),
-            DRAFTER_CONFIGS["stand"],
-            store,
-        )
-        for i in range(3)
-    ]
-    report = TrajectoryRunner(gen, 3).run(requests)
+    report = TrajectoryRunner(gen, 3).run(_stand_requests(3))
     surface = gen.surface()
     assert surface.source == "prior" and surface.steps == report.forwards.forwards
     assert report.summary()["speculation"]["cost_surface"] == "prior"
@@ -197,24 +197,9 @@ def test_a_step_that_is_not_steady_does_not_teach_the_surface(tiny_model):
         def last_step_steady(self) -> bool:
             return self.forwards.forwards % 2 == 0
 
-    loaded = LoadedModel(
-        tiny_model, word_tokenizer(VOCAB), (), tiny_model.device, tiny_model.dtype, "tiny"
-    )
-    gen = Generator(loaded)
-    store = InMemoryNgramStore()
-    requests = [
-        TrajectoryRequest(
-            "p",
-            i,
-            _prompts()[1],
-            SamplingConfig(temperature=0, max_new_tokens=10, seed=i),
-            DRAFTER_CONFIGS["stand"],
-            store,
-        )
-        for i in range(3)
-    ]
+    gen = Generator(_loaded(tiny_model))
     decoder = EagerEveryOtherStep(tiny_model, ())
-    report = TrajectoryRunner(gen, 3, decoder=decoder).run(requests)
+    report = TrajectoryRunner(gen, 3, decoder=decoder).run(_stand_requests(3))
     forwards = report.forwards.forwards
     assert forwards >= 4 and gen.surface().steps == forwards // 2
 
