@@ -28,9 +28,10 @@ MAX_TOKENS = 1024
 CAPTURE_AFTER = 4
 """A tree bucket (more than one token per row) is captured at its 4th step. A capture costs
 about three eager forwards (two warm-ups, the capture), so a bucket met once or twice (an
-exploring step, a batch's tail as rows leave) runs eagerly instead: on an H100 a best-of-16
-run had captured 38 buckets, 2.5 s of its 7.6. Plain steps (one token per row) recur every
-step and are captured at once; so is any step that is being timed (`capture=True`)."""
+exploring step, a batch's tail as rows leave) runs eagerly instead (on an H100 a best-of-16
+run had captured 38 buckets, their warm-ups 2.0 s of its 7.6; with this rule 14, though the
+buckets met once or twice then ran eagerly for as long). Plain steps (one token per row) recur
+every step and are captured at once; so is any step that is being timed (`capture=True`)."""
 
 
 def bucket_of(n: int) -> int:
