@@ -61,10 +61,9 @@ from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import bucket_of
 from tts_service.engine.matmul import tune_linear_products
-from tts_service.engine.sampling import SamplingParams
 from tts_service.models import LoadedModel
-from tts_service.replay import LoggedProblem, TimedTarget, parse_line
-from tts_service.runner import RunReport, TrajectoryRequest, TrajectoryRunner
+from tts_service.replay import LoggedProblem, TimedTarget, logged_requests, parse_line
+from tts_service.runner import RunReport, TrajectoryRunner
 
 LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
 
@@ -239,15 +238,8 @@ def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
     runner = TrajectoryRunner(
         TimedTarget(loaded, problems), max(len(p.responses) for p in problems)
     )
-    requests = []
-    for i, problem in enumerate(problems):
-        store = InMemoryNgramStore()
-        for r, resp in enumerate(problem.responses):
-            greedy = SamplingParams(0.0, max_new_tokens=len(resp), seed=r, ignore_eos=True)
-            requests.append(
-                TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, drafter, store)
-            )
     report: list[RunReport] = []
+    requests = logged_requests(problems, drafter)
     seconds = timed(lambda: report.append(runner.run(requests)), model.device)
     summary = report[0].summary()
     spec = summary["speculation"]

@@ -405,6 +405,25 @@ class LoggedTarget:
         return GenerationOutput("", res.token_ids, res.finish_reason, res.stats)
 
 
+def logged_requests(
+    problems: Sequence[LoggedProblem],
+    cfg: DrafterConfig,
+    wrap: Callable[[Drafter], Drafter] | None = None,
+) -> list[TrajectoryRequest]:
+    """One greedy request per non-empty logged response, as long as the response (problem i is
+    `str(i)`, response r its index and seed); a problem's requests share one store."""
+    requests = []
+    for i, problem in enumerate(problems):
+        store = InMemoryNgramStore()
+        for r, response in enumerate(problem.responses):
+            if not response:
+                continue
+            greedy = SamplingParams(0.0, max_new_tokens=len(response), seed=r, ignore_eos=True)
+            req = TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, cfg, store, wrap=wrap)
+            requests.append(req)
+    return requests
+
+
 def replay(
     problems: Sequence[LoggedProblem],
     cfg: DrafterConfig,
@@ -418,17 +437,8 @@ def replay(
     trajectory's drafter (tree calibration's counters)."""
     target = LoggedTarget(problems, vocab_size)
     runner = TrajectoryRunner(target, 1, "fixed", token_budget=max_nodes + 1)
-    requests = []
-    for i, problem in enumerate(problems):
-        store = InMemoryNgramStore()
-        for r, response in enumerate(problem.responses):
-            if not response:
-                continue
-            greedy = SamplingParams(0.0, max_new_tokens=len(response), seed=r, ignore_eos=True)
-            req = TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, cfg, store, wrap=wrap)
-            requests.append(req)
     start = time.perf_counter()
-    run = runner.run(requests)
+    run = runner.run(logged_requests(problems, cfg, wrap))
     report = ReplayReport(seconds=time.perf_counter() - start)
     for res in sorted(run.results, key=lambda x: (int(x.request.problem_id), x.request.index)):
         report.add(res.request.index, res.output.stats)
