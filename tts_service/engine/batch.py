@@ -44,12 +44,14 @@ from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import Stream, node_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
+    SparseLayout,
     TreeBatch,
     accepted_path,
     greedy_choice,
     match_choice,
     outside_support,
     residual_bonus,
+    walk_sparse_all,
 )
 from tts_service.engine.verify import Acceptance, SparseNode, node_support, walk_sparse
 
@@ -452,8 +454,9 @@ class BatchDecoder:
         """Every row's acceptance and top-k from `logits` (`[R, N, V]`), with one copy back:
         rules (a) and (b) for all rows at once on the device (`engine.treebatch`); for rows
         whose trees have sampled children (rule (c)), p on each node's support and a draw from
-        p outside it, which the host walks (`verify.walk_sparse`). Timing replay overrides it
-        (acceptance that follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
+        p outside it, which the host walks for all of them at once
+        (`treebatch.walk_sparse_all`; on a CPU, row by row from the dense p). Timing replay
+        overrides it (acceptance that follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
         rows, n = tb.shape
         probs = self._store_probs(batch, logits)  # sampled rows: p itself
         top = torch.topk(probs, min(STORE_TOPK, probs.shape[-1]), dim=-1)
@@ -473,24 +476,26 @@ class BatchDecoder:
             dim=1,
         )
         walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
-        supports = [[node_support(trees[b], i) for i in range(trees[b].size)] for b in walk]
         parts = [main.flatten()]
-        gathered = walk and self.gather_sparse
-        if gathered:
+        gather = walk and self.gather_sparse
+        layout = SparseLayout.of([trees[b] for b in walk], n) if gather else None
+        if layout is not None:
             assert uvw is not None
-            parts.append(self._sparse(probs, uvw, walk, supports).flatten())
+            parts.append(self._sparse(probs, uvw, walk, layout).flatten())
         host = torch.cat(parts).cpu()  # the step's one synchronisation
         head, sparse = host.split([main.numel(), host.numel() - main.numel()])
         meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
         top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
         top_probs = top_probs.reshape(rows, n, k).unbind(0)
-        if gathered:
-            walked = self._walk(trees, walk, supports, sparse.view(len(walk), n, -1))
+        walked: dict[int, Acceptance] = {}
+        if layout is not None:  # every walked row at once
+            walks = walk_sparse_all(layout, sparse.view(len(walk), n, -1))
+            walked = dict(zip(walk, walks, strict=True))
         else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
-            walked = {}
-            for b, nodes in zip(walk, supports, strict=True):
+            for b in walk:
                 assert uvw is not None
                 u, v, w = (x[b].tolist() for x in uvw)
+                nodes = [node_support(trees[b], i) for i in range(trees[b].size)]
                 walked[b] = walk_sparse(trees[b], DenseNodes(probs[b], nodes, v), u, w)
         out = []
         for b, (tree, m) in enumerate(zip(trees, meta.tolist(), strict=True)):
@@ -534,46 +539,19 @@ class BatchDecoder:
         return last, on_path, torch.where(on, best, residual_bonus(residual, v))
 
     def _sparse(
-        self,
-        probs: torch.Tensor,
-        uvw: Uniforms,
-        walk: list[int],
-        supports: list[list[list[int]]],
+        self, probs: torch.Tensor, uvw: Uniforms, walk: list[int], layout: SparseLayout
     ) -> torch.Tensor:
-        """`[W, N, K + 4]` for the rows `walk` (rule (c)): per node, p on its support (padded
-        to K), p's mass outside it, a token drawn from p outside it (`outside_support`), and
-        the node's two host uniforms (acceptance, bonus)."""
-        n, device = probs.shape[1], self.device
-        width = max(1, max(len(s) for nodes in supports for s in nodes))
-        ids = [
-            [s + [s[0] if s else 0] * (width - len(s)) for s in nodes]
-            + [[0] * width] * (n - len(nodes))
-            for nodes in supports
-        ]
-        empty = [[not s for s in nodes] + [True] * (n - len(nodes)) for nodes in supports]
-        sup = torch.tensor(ids, dtype=torch.long).to(device)
+        """`[W, N, K + 4]` for the rows `walk` (rule (c)): per node, p on its support
+        (`layout.ids`), p's mass outside it, a token drawn from p outside it
+        (`outside_support`), and the node's two host uniforms (acceptance, bonus)."""
+        device = self.device
+        sup = torch.from_numpy(layout.ids).to(device, non_blocking=True)
+        empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2]).to(device)
         at = torch.tensor(walk, dtype=torch.long, device=device)
         u, v, w = (x[at] for x in uvw)
-        on, mass, draw = outside_support(probs[at], sup, torch.tensor(empty, device=device), v)
+        on, mass, draw = outside_support(probs[at], sup, empty, v)
         parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
         return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def _walk(
-        trees: list[DraftTree], walk: list[int], supports: list[list[list[int]]], host: torch.Tensor
-    ) -> dict[int, Acceptance]:
-        """Rule (c) on the host for the rows `walk`, from `_sparse`'s copy (`[W, N, K + 4]`)."""
-        out = {}
-        for b, nodes, rows in zip(walk, supports, host.tolist(), strict=True):
-            k = len(rows[0]) - 4
-            data = [
-                SparseNode(s, row[: len(s)], row[k], int(row[k + 1]))
-                for s, row in zip(nodes, rows, strict=False)
-            ]
-            u = [row[k + 2] for row in rows]
-            w = [row[k + 3] for row in rows]
-            out[b] = walk_sparse(trees[b], data, u, w)
-        return out
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one

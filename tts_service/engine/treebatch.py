@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from tts_service.engine.tree import DraftTree
+from tts_service.engine.verify import Acceptance
 
 _TINY = 1e-300
 
@@ -152,3 +154,184 @@ def accepted_path(batch: TreeBatch, chosen: torch.Tensor) -> tuple[torch.Tensor,
     last = torch.where(ok, batch.depths, -1).argmax(-1)
     on_path = batch.ancestors[torch.arange(batch.shape[0], device=last.device), last]
     return last, on_path
+
+
+@dataclass(frozen=True)
+class _Children:
+    """The children of M nodes by rank `[M, J]` (slot in the parent's support, drawn or not,
+    real or pad) and each node's q on its support `[M, K]`."""
+
+    slot: np.ndarray
+    drawn: np.ndarray
+    real: np.ndarray
+    q: np.ndarray
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    """What rule (c) needs of the walked rows' trees, laid out in one pass per step: every
+    node's support (`verify.node_support`: its q's ids, then its children's other tokens) as ids
+    `[W, N, K]` (pads repeat the first id; an empty support reads id 0), its length, and for
+    the M nodes with children, their children rank by rank (`_Children`)."""
+
+    trees: Sequence[DraftTree]
+    n: int
+    ids: np.ndarray  # [W, N, K] int64
+    lens: np.ndarray  # [W * N] int64
+    parents: np.ndarray  # [M]: b * N + node of each node with children
+    kids: _Children
+    kid_at: list[int]  # where each child sits in the [M, J] grid
+    kid_node: list[int]  # b * N + its node index
+
+    @staticmethod
+    def of(trees: Sequence[DraftTree], n: int) -> SparseLayout:
+        """The layout of `trees` padded to `n` nodes."""
+        ranks = max((len(c) for t in trees for c in t.children), default=0)
+        supports: list[tuple[int, list[int]]] = []
+        parents, kid_at, kid_slot, kid_node, kid_drawn = [], [], [], [], []
+        qs: list[tuple[int, tuple[float, ...]]] = []  # (m, q's probs): on slots 0, 1, ...
+        for b, tree in enumerate(trees):
+            for node, kids in enumerate(tree.children):
+                q = tree.q[node]
+                if not kids and q is None:
+                    continue  # an empty support
+                sup = list(q.ids) if q is not None else []
+                slot = dict(zip(sup, range(len(sup)), strict=True))
+                assert len(slot) == len(sup), "a q's ids are distinct"
+                if kids:
+                    m = len(parents)
+                    parents.append(b * n + node)
+                    kid_at.extend(range(m * ranks, m * ranks + len(kids)))
+                    for c in kids:
+                        x = tree.tokens[c]
+                        if x not in slot:
+                            slot[x] = len(sup)
+                            sup.append(x)
+                        kid_slot.append(slot[x])
+                        kid_node.append(b * n + c)
+                        kid_drawn.append(tree.sampled[c])
+                    if q is not None:
+                        qs.append((m, q.probs))
+                supports.append((b * n + node, sup))
+        k = max((len(sup) for _, sup in supports), default=1)
+        ids = np.zeros((len(trees) * n, k), dtype=np.int64)
+        lens = np.zeros(len(trees) * n, dtype=np.int64)
+        for at, sup in supports:
+            ids[at] = sup[0]
+            ids[at, : len(sup)] = sup
+            lens[at] = len(sup)
+        q = np.zeros((len(parents), k))
+        for m, probs in qs:
+            q[m, : len(probs)] = probs
+
+        def grid(vals: list, dtype: type) -> np.ndarray:
+            out = np.zeros(len(parents) * ranks, dtype=dtype)
+            out[kid_at] = vals
+            return out.reshape(len(parents), ranks)
+
+        real = grid([True] * len(kid_at), bool)
+        kids = _Children(grid(kid_slot, np.int64), grid(kid_drawn, bool), real, q)
+        return SparseLayout(
+            trees,
+            n,
+            ids.reshape(len(trees), n, k),
+            lens,
+            np.asarray(parents, dtype=np.int64),
+            kids,
+            kid_at,
+            kid_node,
+        )
+
+    def support(self, b: int, node: int) -> list[int]:
+        return self.ids[b, node, : self.lens[b * self.n + node]].tolist()
+
+
+def walk_sparse_all(layout: SparseLayout, data: torch.Tensor) -> list[Acceptance]:
+    """`verify.walk_sparse` for many trees at once (rules (b)-(d), sampled children included):
+    the host half of rule (c) on a GPU, from the step's one copy, in a fixed number of array
+    operations per sibling rank whatever the row count (numpy: on arrays this small an
+    operation costs a microsecond, a torch op several).
+
+    `data` `[W, N, K + 4]` (on the host) holds per node p on its support (`layout.ids`), p's
+    mass outside it, a token drawn from p outside it, and the node's uniforms u (accepting it
+    as a child) and w (its bonus), as `BatchDecoder._sparse` gathers them. A node's residual
+    after each of its children is rejected is known before the walk (the children are tried in
+    order, each rejection's residual a function of the last), so every node with children
+    steps through them at once, rank by rank; a row's walk then follows the first child each
+    node accepts and reads the bonus of the node it stops at."""
+    rows, n, width = data.shape
+    k = width - 4
+    flat = data.numpy().reshape(rows * n, width)
+    values = np.where(np.arange(k) < layout.lens[:, None], flat[:, :k], 0.0)  # pads: nothing
+    mass, scale = flat[:, k], np.ones(rows * n)  # the outside's share of a residual: scale·mass
+    pick = np.full(rows * n, -1)  # the child each node accepts (its rank)
+    at = layout.parents
+    if len(at):
+        accept, values[at], scale[at] = _step_children(values[at], scale[at], mass[at], layout.kids)
+        kid_u = np.ones(accept.size)  # a pad rank is never accepted
+        kid_u[layout.kid_at] = flat[layout.kid_node, k + 2]
+        passed = kid_u.reshape(accept.shape) < accept
+        pick[at] = np.where(passed.any(-1), passed.argmax(-1), -1)
+    slot = bonus_slot(values, scale * mass, flat[:, k + 3]).tolist()
+    outside, pick = flat[:, k + 1].astype(np.int64).tolist(), pick.tolist()
+    ids = layout.ids.reshape(rows * n, -1)
+    out = []
+    for b, tree in enumerate(layout.trees):
+        node, path = 0, []
+        while pick[b * n + node] >= 0:
+            node = tree.children[node][pick[b * n + node]]
+            path.append(node)
+        s = slot[b * n + node]
+        bonus = int(ids[b * n + node, s]) if s >= 0 else outside[b * n + node]
+        out.append(Acceptance(tuple(path), tuple(tree.tokens[v] for v in path), bonus))
+    return out
+
+
+def _step_children(
+    values: np.ndarray, scale: np.ndarray, mass: np.ndarray, kids: _Children
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's children tried in order from its residual (`values` on the support `[M, K]`,
+    the outside at `scale` × `mass`): each child's acceptance probability once its earlier
+    siblings were rejected `[M, J]`, by its own rule (`verify._child_step`), and the residual
+    after all of them."""
+    m, k = values.shape
+    rows = np.arange(m)
+    tried = np.zeros((m, k), dtype=bool)
+    accept = np.zeros(kids.slot.shape)
+    for j in range(kids.slot.shape[1]):
+        on, x = kids.real[:, j], kids.slot[:, j]
+        total = values.sum(-1) + scale * mass
+        norm = np.where(on & (total > _TINY), total, 1.0)
+        values, scale = values / norm[:, None], scale / norm
+        vx = values[rows, x]
+        qi = np.where(tried, 0.0, kids.q)
+        qs = qi.sum(-1)
+        qi = qi / np.where(qs > 0, qs, 1.0)[:, None]
+        qx = qi[rows, x]
+        rrs = np.where(qx > 0, np.minimum(vx / np.where(qx > 0, qx, 1.0), 1.0), 0.0)
+        rest = np.maximum(values - qi, 0.0)
+        same = rest.sum(-1) + scale * mass <= _TINY  # r == q_i: every draft is accepted
+        rrs = np.where(same, 1.0, rrs)
+        rest = np.where(same[:, None], values, rest)
+        matched = values.copy()
+        matched[rows, x] = 0.0
+        drawn = kids.drawn[:, j]
+        accept[:, j] = np.where(on, np.where(drawn, rrs, vx), 0.0)
+        rest = np.where(drawn[:, None], rest, matched)
+        values = np.where(on[:, None], rest, values)
+        tried[rows[on], x[on]] = True
+    return accept, values, scale
+
+
+def bonus_slot(values: np.ndarray, outside_mass: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """`verify._draw` for many nodes at once: the support slot `[M]` of the token drawn at the
+    uniform `w` from a residual with `values` `[M, K]` on the support and `outside_mass` spread
+    as p outside it: the first slot whose cumulative mass exceeds w × the total; -1: the
+    outside's token."""
+    total = values.sum(-1) + outside_mass
+    positive = values > 0
+    hit = positive & ((w * total)[:, None] < np.cumsum(values, -1))
+    slots = np.arange(values.shape[-1])
+    last = np.where(positive, slots, -1).max(-1, initial=-1)  # rounding past the support
+    spill = np.where((outside_mass > 0) | (last < 0), -1, last)
+    return np.where(hit.any(-1), hit.argmax(-1), spill)

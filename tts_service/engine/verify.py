@@ -350,13 +350,13 @@ def _draw(r: dict[int, float], outside_mass: float, w: float, outside: int) -> i
     """A token from the residual `r` on the support plus `outside_mass` spread as p outside it
     (`outside` was drawn from that part), at the uniform `w`."""
     total = sum(r.values()) + outside_mass
-    x, last = w * total, None
+    x, cum, last = w * total, 0.0, None
     for token, v in r.items():
         if v > 0:
             last = token
-            if x < v:
+            cum += v
+            if x < cum:  # cumulative, as `treebatch.bonus_slot` compares
                 return token
-            x -= v
     if outside_mass > 0 or last is None:
         return outside
     return last  # w * total rounded past the support's mass and nothing is outside

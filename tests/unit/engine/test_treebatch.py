@@ -8,17 +8,21 @@ import random
 import pytest
 import torch
 
+from tts_service.engine.batch import DenseNodes
 from tts_service.engine.streams import LANES, counter_uniforms
-from tts_service.engine.tree import DraftTree, ancestor_mask
+from tts_service.engine.tree import DraftTree, SparseDist, ancestor_mask
 from tts_service.engine.treebatch import (
+    SparseLayout,
     TreeBatch,
     accepted_path,
     ancestor_masks,
     greedy_choice,
     match_choice,
+    outside_support,
     residual_bonus,
+    walk_sparse_all,
 )
-from tts_service.engine.verify import accept_greedy, accept_match
+from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
 
 V = 5  # a small vocabulary: duplicate siblings and exhausted residuals are common
 
@@ -166,3 +170,58 @@ def test_counter_uniforms_are_splitmix64_and_uniform():
     hist = torch.histc(many.flatten(), bins=10, min=0.0, max=1.0)
     assert ((hist - 1e5).abs() < 5 * (1e5 * 0.9) ** 0.5).all(), hist
     assert not torch.equal(many[0], many[1])  # rows are distinct streams
+
+
+def random_drawn_tree(rng: random.Random, p: torch.Tensor) -> DraftTree:
+    """A random tree whose children are drawn (rule (c)), deterministic (rule (b)) or mixed
+    (rule (d)) at random, duplicates included; a parent of drawn children gets a random q (or,
+    at times, exactly p: the residual empties and every draft is accepted)."""
+    size = p.shape[0]
+    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+    tokens = [rng.randrange(V) for _ in range(size)]
+    sampled = [False] + [rng.random() < 0.6 for _ in range(1, size)]
+    q: list[SparseDist | None] = [None] * size
+    for node in range(size):
+        if any(sampled[c] for c in range(1, size) if parents[c] == node):
+            if rng.random() < 0.2:
+                q[node] = SparseDist(tuple(range(V)), tuple(p[node].tolist()))
+            else:
+                ids = rng.sample(range(V), rng.randint(1, V))
+                q[node] = SparseDist(tuple(ids), tuple(rng.random() ** 2 for _ in ids))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(q))
+
+
+def gathered(layout: SparseLayout, p: torch.Tensor, uvw: list[torch.Tensor]) -> torch.Tensor:
+    """`BatchDecoder._sparse`'s copy, from the dense p `[W, N, V]` and uniforms (u, v, w)
+    `[W, N]` each."""
+    sup = torch.from_numpy(layout.ids)
+    empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2])
+    u, v, w = uvw
+    on, mass, draw = outside_support(p, sup, empty, v)
+    parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
+    return torch.cat(parts, dim=-1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
+    """Rules (b)-(d) for every row at once (`walk_sparse_all`) commit exactly what
+    `verify.walk_sparse` commits row by row from the same p and uniforms."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    drawn_accepted = 0
+    for _ in range(30):
+        rows = rng.randint(1, 6)
+        sizes = [rng.randint(1, 10) for _ in range(rows)]
+        n = max(sizes)
+        p = random_p(gen, rows, n)
+        trees = [random_drawn_tree(rng, p[b, : sizes[b]]) for b in range(rows)]
+        uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
+        layout = SparseLayout.of(trees, n)
+        got = walk_sparse_all(layout, gathered(layout, p, uvw))
+        for b, tree in enumerate(trees):
+            supports = [node_support(tree, i) for i in range(tree.size)]
+            assert [layout.support(b, i) for i in range(tree.size)] == supports
+            u, v, w = (x[b].tolist() for x in uvw)
+            expected = walk_sparse(tree, DenseNodes(p[b], supports, v), u, w)
+            assert got[b] == expected, (seed, b, tree)
+            drawn_accepted += sum(tree.sampled[c] for c in expected.path)
+    assert drawn_accepted > 20  # drawn children were accepted, not only root bonuses drawn
