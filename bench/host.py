@@ -3,6 +3,7 @@ stand-in target whose forward costs nothing.
 
     python -m bench.host --json bench/results/host.json          # the whole matrix
     python -m bench.host --rows 16 --nodes 8 --method stand-dyn  # one cell
+    python -m bench.host --method stand-dyn --set drawn=true     # a drafter field changed
     python -m bench.host --device cuda --json runs/host-gpu.json # on a GPU: CUDA launches and
                                                                  # the step's one sync included
 
@@ -43,6 +44,7 @@ import torch
 from pydantic import TypeAdapter
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.methods import with_fields
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine.batch import BatchDecoder, Row
@@ -170,10 +172,16 @@ class StandInTarget(LoggedTarget):
 
 
 def requests(
-    problems: Sequence[LoggedProblem], method: str, nodes: int, temperature: float
+    problems: Sequence[LoggedProblem],
+    method: str,
+    nodes: int,
+    temperature: float,
+    overrides: Sequence[str] = (),
 ) -> list[TrajectoryRequest]:
-    """Every logged response as a request, problem by problem (each problem its own store)."""
+    """Every logged response as a request, problem by problem (each problem its own store);
+    `overrides`: FIELD=VALUE drafter fields (`bench.methods.with_fields`)."""
     fields = sized_fields(method_drafter(method, {}, "cpu"), max(nodes, 1))
+    fields = with_fields(fields, list(overrides))
     cfg = TypeAdapter(DrafterConfig).validate_python(fields)
     out = []
     for i, problem in enumerate(problems):
@@ -215,11 +223,12 @@ def measure(
     temperature: float,
     defer: bool = True,
     device: str = "cpu",
+    overrides: Sequence[str] = (),
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler."""
     target = StandInTarget(problems, vocab, defer, device)
     runner = TrajectoryRunner(target, rows, "fixed", token_budget=(nodes + 1) * rows)
-    runner.submit(requests(problems, method, nodes, temperature))
+    runner.submit(requests(problems, method, nodes, temperature, overrides))
     dec = cast(StandInDecoder, runner.decoder)
     for _ in range(8):  # warm-up: rows joined, stores and tables not empty
         runner.tick()
@@ -246,6 +255,7 @@ def measure(
         "rows": rows,
         "nodes": nodes,
         "method": method,
+        "set": list(overrides),
         "temperature": temperature,
         "steps": done,
         "mean_rows": round(f.row_forwards / f.forwards, 2),
@@ -280,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--inline-observation", action="store_true", help="observe before the next draft"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a drafter field (a JSON value) for every method whose drafter has it: drawn=true",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     problems = fold(read_problems(args.log), args.vocab)
@@ -303,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.temperature,
                     not args.inline_observation,
                     args.device,
+                    args.set,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)

@@ -103,8 +103,13 @@ class AcceptanceCalibration:
 
     def rank(self, found: dict[int, tuple[int, float]]) -> list[Candidate]:
         """`found` (token -> (kind, q), 0 <= q <= 1) as candidates, best first. Drafting's hot
-        loop: every opened node ranks ~10."""
-        out = self.rated((token, kind, q) for token, (kind, q) in found.items())
+        loop: every opened node ranks ~10 (`rated`'s loop, inlined)."""
+        bins, top, line, prior = self.bins, self.bins - 1, self.lines.get, self.prior_line
+        out: list[Candidate] = []
+        add = out.append
+        for token, (kind, q) in found.items():
+            a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
+            add((-a - b * q, token, kind, q))
         out.sort()
         return out
 
@@ -117,6 +122,11 @@ class AcceptanceCalibration:
             a, b = line(kind * bins + (int(q * bins) if q < 1.0 else top), prior)
             out.append((-a - b * q, token, kind, q))
         return out
+
+    def negated(self, kind: int, q: float) -> float:
+        """−α̂ of one candidate of `kind` and stored probability `q` (what `rated` sorts by)."""
+        a, b = self.lines.get(self._key(kind, q), self.prior_line)
+        return -a - b * q
 
     def record(self, kind: int, q: float, accepted: bool) -> None:
         key = self._key(kind, q)
@@ -225,6 +235,17 @@ class StandDynDrafter:
                     found[token] = (base + (named if token in counts else absent), p)
         return self.calibration.rank(found)
 
+    def drawn_first(self, entry: NgramEntry) -> float | None:
+        """−α̂ of the first slot of `entry`'s drawn plan (`drawn_plan`), None if nothing is
+        stored. A slot's rate rests on the stored probabilities, not on the draw, so whether a
+        node draws is decided before drawing: a node that keeps its deterministic candidates
+        spends neither the Gumbel keys nor the trajectory's noise."""
+        top = max(entry.probs, default=0.0)
+        if top <= 0:
+            return None
+        inv = 1.0 / sum(entry.probs)  # as `drawn_plan` normalises (its zeros add nothing)
+        return self.calibration.negated(KINDS[DRAWN][entry.order][min(entry.count, 4)], top * inv)
+
     def drawn_plan(self, entry: NgramEntry | None) -> tuple[list[Candidate], SparseDist] | None:
         """Children drawn without replacement from a stored distribution (a context's longest
         n-gram), in draw order, and that distribution (the verifier's q); None if nothing is
@@ -269,9 +290,12 @@ class StandDynDrafter:
             if rank < 0:
                 longest = self.store.lookup(tails[node][-self.store.max_order :])
                 plan = self._ranked(tails[node], longest)
-                if drawn:
-                    draws = self.drawn_plan(longest)
-                    if draws is not None and (not plan or draws[0][0][0] <= plan[0][0]):
+                if drawn and longest is not None:
+                    first = self.drawn_first(longest)
+                    draws = None
+                    if first is not None and (not plan or first <= plan[0][0]):
+                        draws = self.drawn_plan(longest)
+                    if draws is not None:
                         plan = draws[0]
                         sampled.add(node)
                         builder.set_q(node, draws[1])

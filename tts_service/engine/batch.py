@@ -44,6 +44,8 @@ from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import Stream, node_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
+    WALK_ALL_FROM,
+    GatheredNodes,
     SparseLayout,
     TreeBatch,
     accepted_path,
@@ -488,9 +490,14 @@ class BatchDecoder:
         top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
         top_probs = top_probs.reshape(rows, n, k).unbind(0)
         walked: dict[int, Acceptance] = {}
-        if layout is not None:  # every walked row at once
+        if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
             walks = walk_sparse_all(layout, sparse.view(len(walk), n, -1))
             walked = dict(zip(walk, walks, strict=True))
+        elif layout is not None:  # a few rows: each walks the nodes it reaches
+            data = sparse.view(len(walk), n, -1).numpy()
+            for i, b in enumerate(walk):
+                nodes = GatheredNodes(layout, data, i)
+                walked[b] = walk_sparse(trees[b], nodes, nodes.u, nodes.w)
         else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
             for b in walk:
                 assert uvw is not None

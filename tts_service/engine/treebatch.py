@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tts_service.engine.tree import DraftTree
-from tts_service.engine.verify import Acceptance
+from tts_service.engine.verify import Acceptance, SparseNode
 
 _TINY = 1e-300
 
@@ -154,6 +154,28 @@ def accepted_path(batch: TreeBatch, chosen: torch.Tensor) -> tuple[torch.Tensor,
     last = torch.where(ok, batch.depths, -1).argmax(-1)
     on_path = batch.ancestors[torch.arange(batch.shape[0], device=last.device), last]
     return last, on_path
+
+
+WALK_ALL_FROM = 8
+"""Rows of rule (c) from which `walk_sparse_all` beats walking them one by one
+(`GatheredNodes`): its array operations cost a fixed ~0.5 ms per step, a row's own walk (the
+nodes it reaches only) ~0.15 ms (`bench.host`, stand at 8 nodes: 1 and 4 rows slower, 16 and
+64 faster)."""
+
+
+class GatheredNodes:
+    """Row `b`'s `verify.SparseNode`s read from `BatchDecoder._sparse`'s copy when a walk
+    reaches them (`verify.walk_sparse`), and its uniforms (u, w)."""
+
+    def __init__(self, layout: SparseLayout, data: np.ndarray, b: int) -> None:
+        self.layout, self.rows, self.b = layout, data[b], b
+        k = data.shape[-1] - 4
+        self.k = k
+        self.u, self.w = self.rows[:, k + 2].tolist(), self.rows[:, k + 3].tolist()
+
+    def __getitem__(self, node: int) -> SparseNode:
+        support, row, k = self.layout.support(self.b, node), self.rows[node], self.k
+        return SparseNode(support, row[: len(support)].tolist(), float(row[k]), int(row[k + 1]))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from tts_service.engine.batch import DenseNodes
 from tts_service.engine.streams import LANES, counter_uniforms
 from tts_service.engine.tree import DraftTree, SparseDist, ancestor_mask
 from tts_service.engine.treebatch import (
+    GatheredNodes,
     SparseLayout,
     TreeBatch,
     accepted_path,
@@ -205,7 +206,8 @@ def gathered(layout: SparseLayout, p: torch.Tensor, uvw: list[torch.Tensor]) -> 
 @pytest.mark.parametrize("seed", range(6))
 def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
     """Rules (b)-(d) for every row at once (`walk_sparse_all`) commit exactly what
-    `verify.walk_sparse` commits row by row from the same p and uniforms."""
+    `verify.walk_sparse` commits row by row from the same p and uniforms, from the dense p
+    (the CPU path) or from the gathered copy (`GatheredNodes`, a GPU step with few rows)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     drawn_accepted = 0
     for _ in range(30):
@@ -216,8 +218,11 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
         trees = [random_drawn_tree(rng, p[b, : sizes[b]]) for b in range(rows)]
         uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
         layout = SparseLayout.of(trees, n)
-        got = walk_sparse_all(layout, gathered(layout, p, uvw))
+        data = gathered(layout, p, uvw)
+        got = walk_sparse_all(layout, data)
         for b, tree in enumerate(trees):
+            nodes = GatheredNodes(layout, data.numpy(), b)  # the few-rows path: row by row
+            assert walk_sparse(tree, nodes, nodes.u, nodes.w) == got[b]
             supports = [node_support(tree, i) for i in range(tree.size)]
             assert [layout.support(b, i) for i in range(tree.size)] == supports
             u, v, w = (x[b].tolist() for x in uvw)
