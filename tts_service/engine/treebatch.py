@@ -193,7 +193,7 @@ class _Children:
 class SparseLayout:
     """What rule (c) needs of the walked rows' trees, laid out in one pass per step: every
     node's support (`verify.node_support`: its q's ids, then its children's other tokens) as ids
-    `[W, N, K]` (pads repeat the first id; an empty support reads id 0), its length, and for
+    `[W, N, K]` (pads repeat its last id; an empty support reads id 0), its length, and for
     the M nodes with children, their children rank by rank (`_Children`)."""
 
     trees: Sequence[DraftTree]
@@ -209,18 +209,22 @@ class SparseLayout:
     def of(trees: Sequence[DraftTree], n: int) -> SparseLayout:
         """The layout of `trees` padded to `n` nodes."""
         ranks = max((len(c) for t in trees for c in t.children), default=0)
-        supports: list[tuple[int, list[int]]] = []
+        flat: list[int] = []  # every non-empty support, concatenated
+        at: list[int] = []  # b * N + node of each
+        lens: list[int] = []
         parents, kid_at, kid_slot, kid_node, kid_drawn = [], [], [], [], []
-        qs: list[tuple[int, tuple[float, ...]]] = []  # (m, q's probs): on slots 0, 1, ...
+        q_rows: list[int] = []  # the m of each node with children and a q
+        q_lens: list[int] = []
+        q_flat: list[float] = []  # their q's probs, concatenated (on slots 0, 1, ...)
         for b, tree in enumerate(trees):
             for node, kids in enumerate(tree.children):
                 q = tree.q[node]
                 if not kids and q is None:
                     continue  # an empty support
                 sup = list(q.ids) if q is not None else []
-                slot = dict(zip(sup, range(len(sup)), strict=True))
-                assert len(slot) == len(sup), "a q's ids are distinct"
                 if kids:
+                    slot = dict(zip(sup, range(len(sup)), strict=True))
+                    assert len(slot) == len(sup), "a q's ids are distinct"
                     m = len(parents)
                     parents.append(b * n + node)
                     kid_at.extend(range(m * ranks, m * ranks + len(kids)))
@@ -233,18 +237,21 @@ class SparseLayout:
                         kid_node.append(b * n + c)
                         kid_drawn.append(tree.sampled[c])
                     if q is not None:
-                        qs.append((m, q.probs))
-                supports.append((b * n + node, sup))
-        k = max((len(sup) for _, sup in supports), default=1)
+                        q_rows.append(m)
+                        q_lens.append(len(q.probs))
+                        q_flat.extend(q.probs)
+                flat.extend(sup)
+                at.append(b * n + node)
+                lens.append(len(sup))
+        k = max(lens, default=1)
+        sizes = np.asarray(lens, dtype=np.int64)
         ids = np.zeros((len(trees) * n, k), dtype=np.int64)
-        lens = np.zeros(len(trees) * n, dtype=np.int64)
-        for at, sup in supports:
-            ids[at] = sup[0]
-            ids[at, : len(sup)] = sup
-            lens[at] = len(sup)
+        ids[at] = _padded(np.asarray(flat, dtype=np.int64), sizes, k)
+        size = np.zeros(len(trees) * n, dtype=np.int64)
+        size[at] = sizes
         q = np.zeros((len(parents), k))
-        for m, probs in qs:
-            q[m, : len(probs)] = probs
+        if q_rows:
+            q[q_rows] = _padded(np.asarray(q_flat), np.asarray(q_lens), k, fill=0.0)
 
         def grid(vals: list, dtype: type) -> np.ndarray:
             out = np.zeros(len(parents) * ranks, dtype=dtype)
@@ -257,7 +264,7 @@ class SparseLayout:
             trees,
             n,
             ids.reshape(len(trees), n, k),
-            lens,
+            size,
             np.asarray(parents, dtype=np.int64),
             kids,
             kid_at,
@@ -266,6 +273,17 @@ class SparseLayout:
 
     def support(self, b: int, node: int) -> list[int]:
         return self.ids[b, node, : self.lens[b * self.n + node]].tolist()
+
+
+def _padded(flat: np.ndarray, sizes: np.ndarray, k: int, fill: float | None = None) -> np.ndarray:
+    """Rows of `sizes` elements, concatenated in `flat`, as `[len(sizes), k]`: pads repeat the
+    row's last element, or hold `fill`."""
+    if not flat.size:
+        return np.zeros((len(sizes), k), dtype=flat.dtype)
+    cols = np.arange(k)
+    idx = (np.cumsum(sizes) - sizes)[:, None] + np.minimum(cols, np.maximum(sizes - 1, 0)[:, None])
+    out = flat[np.minimum(idx, flat.size - 1)]
+    return out if fill is None else np.where(cols < sizes[:, None], out, fill)
 
 
 def walk_sparse_all(layout: SparseLayout, data: torch.Tensor) -> list[Acceptance]:
