@@ -11,6 +11,7 @@ from tests.conftest import DRAFTER_CONFIGS, FLAT_COST, tiny_llama
 from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DraftEnv, build_drafter
+from tts_service.engine import batch as batch_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import CostModel
 from tts_service.engine.decode import plain_generate
@@ -84,12 +85,14 @@ def test_observation_of_a_step_waits_for_the_next_forward(model):
     assert store._entries and decoder.deferred
 
 
-def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model):
+def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model, monkeypatch):
     """STAND's sampled trees (rule (c)): the GPU path (every node's support gathered on the
-    device, one copy) and the CPU path (the visited nodes from the dense p) commit the same
-    tokens for the same seeds: the same data, the same uniforms."""
+    device, one copy; walked for all rows at once, or row by row below `WALK_ALL_FROM` rows)
+    and the CPU path (the visited nodes from the dense p) commit the same tokens for the same
+    seeds: the same data, the same uniforms."""
     outputs = []
-    for gathered in (True, False):
+    for gathered, all_from in ((True, 1), (True, 10**6), (False, 1)):
+        monkeypatch.setattr(batch_module, "WALK_ALL_FROM", all_from)
         decoder = BatchDecoder(model, eos_ids=[])
         decoder.gather_sparse = gathered
         rows = []
@@ -101,4 +104,4 @@ def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model):
         results = decode_rows(decoder, rows, token_budget=3 * 9)
         outputs.append([r.token_ids for r in results])
         assert sum(r.stats.tree_nodes for r in results) > 20  # sampled trees were verified
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
