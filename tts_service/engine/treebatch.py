@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -36,15 +36,16 @@ from tts_service.engine.verify import Acceptance, SparseNode
 _TINY = 1e-300
 
 
-def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
-    """`[R, N, N]` bool from `[R, N]` parents (-1: none): (i, j) iff j is i or an ancestor of
-    i. Pointer jumping: after k rounds every node reaches 2^k generations up."""
-    _, n = parents.shape
-    hop = torch.nn.functional.one_hot(parents + 1, n + 1)[..., 1:].to(torch.float32)
-    reach = hop + torch.eye(n, dtype=torch.float32, device=parents.device)
-    for _ in range(max(n - 1, 1).bit_length()):
-        reach = (torch.bmm(reach, reach) > 0).to(torch.float32)
-    return reach > 0
+@lru_cache(maxsize=4096)
+def shape_ancestors(parents: tuple[int, ...]) -> np.ndarray:
+    """`[n, n]` bool (read-only): (i, j) iff j is i or an ancestor of i, for a tree of these
+    parents. Cached per shape: a drafter's trees repeat a few shapes, so a step's masks are a
+    few array copies on the host and one to the device, not a kernel per pointer-jumping round."""
+    anc = np.eye(len(parents), dtype=bool)
+    for i in range(1, len(parents)):
+        anc[i] |= anc[parents[i]]
+    anc.flags.writeable = False
+    return anc
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,27 @@ class TreeBatch:
             tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
             return TreeBatch(tok, torch.full_like(tok, -1), ones[:, 0], ones, torch.zeros_like(tok))
-        tokens = [(*t.tokens, *(t.tokens[0],) * (width - t.size)) for t in trees]
-        parents = [(*t.parents, *(-1,) * (width - t.size)) for t in trees]
-        tok = torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
-        par = torch.tensor(parents, dtype=torch.long).to(device, non_blocking=True)
-        size = torch.tensor([t.size for t in trees], dtype=torch.long).to(device)
-        real = torch.arange(width, device=device)[None] < size[:, None]
-        anc = ancestor_masks(par)
-        return TreeBatch(tok, par, real, anc, anc.sum(-1) - 1)
+        rows, pad = len(trees), [(width - t.size) for t in trees]
+        host = np.array(  # tokens, parents, depths: one copy to the device
+            [
+                (*t.tokens, *(t.tokens[0],) * p, *t.parents, *(-1,) * p, *t.depths, *(0,) * p)
+                for t, p in zip(trees, pad, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        anc = np.zeros((rows, width, width), dtype=bool)
+        anc[:, range(width), range(width)] = True  # pads see themselves only
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for b, t in enumerate(trees):
+            shapes.setdefault(t.parents, []).append(b)
+        for shape, at in shapes.items():  # one copy per distinct shape
+            anc[at, : len(shape), : len(shape)] = shape_ancestors(shape)
+        tok, par, depths = torch.from_numpy(host).to(device, non_blocking=True).split(width, 1)
+        real = par >= 0
+        real[:, 0] = True
+        return TreeBatch(
+            tok, par, real, torch.from_numpy(anc).to(device, non_blocking=True), depths
+        )
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -16,11 +16,11 @@ from tts_service.engine.treebatch import (
     SparseLayout,
     TreeBatch,
     accepted_path,
-    ancestor_masks,
     greedy_choice,
     match_choice,
     outside_support,
     residual_bonus,
+    shape_ancestors,
     walk_sparse_all,
 )
 from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
@@ -130,15 +130,22 @@ def test_duplicate_siblings_are_never_accepted_twice():
 
 
 @pytest.mark.parametrize("size", [1, 2, 9, 33, 65])
-def test_pointer_jumping_gives_the_ancestor_masks(size):
+def test_the_batch_masks_are_each_trees_ancestor_mask(size):
+    """`TreeBatch.of`'s masks and depths (from `shape_ancestors`, cached per shape) are every
+    tree's own, whatever the trees beside it; a shape seen again is served from the cache."""
     rng = random.Random(size)
     trees = [random_tree(rng, size) for _ in range(3)] + [
-        DraftTree.chain(0, [1] * (size - 1))  # the deepest: a chain
+        DraftTree.chain(0, [1] * (size - 1)),  # the deepest: a chain
+        random_tree(rng, max(1, size // 2)),  # padded
     ]
-    par = torch.tensor([t.parents for t in trees])
-    masks = ancestor_masks(par)
-    for b, tree in enumerate(trees):
-        assert torch.equal(masks[b], ancestor_mask(tree.parents))
+    for _ in range(2):
+        tb = TreeBatch.of(trees, size, torch.device("cpu"))
+        for b, tree in enumerate(trees):
+            n = tree.size
+            assert torch.equal(tb.ancestors[b, :n, :n], ancestor_mask(tree.parents))
+            assert tb.depths[b, :n].tolist() == list(tree.depths)
+            assert tb.parents[b, :n].tolist() == list(tree.parents)
+    assert shape_ancestors.cache_info().hits >= len(trees)
 
 
 def test_pad_nodes_see_only_themselves_and_no_real_node_sees_them():
