@@ -5,9 +5,9 @@ rules, (a) greedy and (b) sample-and-match over deterministic drafts, run for th
 on the device in a fixed number of tensor ops (whatever the row count and tree shapes), so a
 GPU host launches a few dozen kernels per step and copies one result back:
 
-* `TreeBatch.of`: tokens and parents `[R, N]` from the trees (two host-to-device copies); the
-  ancestor masks `[R, N, N]` by pointer jumping (log2 N boolean matmuls), which the attention
-  mask, the depths and the acceptance all read.
+* `TreeBatch.of`: tokens, parents and depths `[R, N]` from the trees (one host-to-device
+  copy) and the ancestor masks `[R, N, N]` (another; each tree shape's mask built once on the
+  host, `shape_ancestors`), which the attention mask and the acceptance read.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
@@ -40,7 +40,7 @@ _TINY = 1e-300
 def shape_ancestors(parents: tuple[int, ...]) -> np.ndarray:
     """`[n, n]` bool (read-only): (i, j) iff j is i or an ancestor of i, for a tree of these
     parents. Cached per shape: a drafter's trees repeat a few shapes, so a step's masks are a
-    few array copies on the host and one to the device, not a kernel per pointer-jumping round."""
+    few array copies on the host and one to the device, not kernels on the device."""
     anc = np.eye(len(parents), dtype=bool)
     for i in range(1, len(parents)):
         anc[i] |= anc[parents[i]]
