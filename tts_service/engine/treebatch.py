@@ -37,15 +37,24 @@ _TINY = 1e-300
 
 
 @lru_cache(maxsize=4096)
-def shape_ancestors(parents: tuple[int, ...]) -> np.ndarray:
-    """`[n, n]` bool (read-only): (i, j) iff j is i or an ancestor of i, for a tree of these
-    parents. Cached per shape: a drafter's trees repeat a few shapes, so a step's masks are a
-    few array copies on the host and one to the device, not kernels on the device."""
-    anc = np.eye(len(parents), dtype=bool)
-    for i in range(1, len(parents)):
-        anc[i] |= anc[parents[i]]
-    anc.flags.writeable = False
-    return anc
+def shape_masks(parents: tuple[int, ...]) -> np.ndarray:
+    """`[2, n, n]` bool (read-only) for a tree of these parents: [0] (i, j) iff j is i or an
+    ancestor of i; [1] (i, j) iff j is a draft node with i's parent, listed before i. Cached per
+    shape: a drafter's trees repeat a few shapes, so a step's masks are a few array copies on
+    the host and one to the device, not kernels on the device."""
+    n = len(parents)
+    masks = np.zeros((2, n, n), dtype=bool)
+    anc, before = masks
+    anc[0, 0] = True
+    last: dict[int, list[int]] = {}  # parent -> its children so far
+    for i in range(1, n):
+        anc[i] = anc[parents[i]]
+        anc[i, i] = True
+        kids = last.setdefault(parents[i], [])
+        before[i, kids] = True
+        kids.append(i)
+    masks.flags.writeable = False
+    return masks
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class TreeBatch:
     real: torch.Tensor  # [R, N] bool: a node of the row's tree
     ancestors: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i or an ancestor of i
     depths: torch.Tensor  # [R, N] long
+    siblings_before: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i's earlier sibling
 
     @staticmethod
     def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
@@ -65,41 +75,39 @@ class TreeBatch:
         if width == 1:  # a plain step: every tree is its root
             tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
-            return TreeBatch(tok, torch.full_like(tok, -1), ones[:, 0], ones, torch.zeros_like(tok))
+            par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
+            return TreeBatch(tok, par, ones[:, 0], ones, zero, torch.zeros_like(ones))
         rows, pad = len(trees), [(width - t.size) for t in trees]
         host = np.array(  # tokens, parents, depths: one copy to the device
             [
-                (*t.tokens, *(t.tokens[0],) * p, *t.parents, *(-1,) * p, *t.depths, *(0,) * p)
+                (
+                    *t.tokens,
+                    *(t.tokens[0],) * p,
+                    *t.parents,
+                    *(-1,) * p,
+                    *t.depths,
+                    *(0,) * p,
+                )
                 for t, p in zip(trees, pad, strict=True)
             ],
             dtype=np.int64,
         )
-        anc = np.zeros((rows, width, width), dtype=bool)
-        anc[:, range(width), range(width)] = True  # pads see themselves only
+        masks = np.zeros((2, rows, width, width), dtype=bool)
+        masks[0, :, range(width), range(width)] = True  # pads see themselves only
         shapes: dict[tuple[int, ...], list[int]] = {}
         for b, t in enumerate(trees):
             shapes.setdefault(t.parents, []).append(b)
         for shape, at in shapes.items():  # one copy per distinct shape
-            anc[at, : len(shape), : len(shape)] = shape_ancestors(shape)
+            masks[:, at, : len(shape), : len(shape)] = shape_masks(shape)[:, None]
         tok, par, depths = torch.from_numpy(host).to(device, non_blocking=True).split(width, 1)
+        anc, before = torch.from_numpy(masks).to(device, non_blocking=True)
         real = par >= 0
         real[:, 0] = True
-        return TreeBatch(
-            tok, par, real, torch.from_numpy(anc).to(device, non_blocking=True), depths
-        )
+        return TreeBatch(tok, par, real, anc, depths, before)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.tokens.shape[0], self.tokens.shape[1])
-
-    @cached_property
-    def siblings_before(self) -> torch.Tensor:
-        """`[R, N, N]` bool: (i, j) iff j is a real draft node with i's parent, listed first."""
-        n = self.shape[1]
-        earlier = torch.ones(n, n, dtype=torch.bool, device=self.tokens.device).tril(-1)
-        draft = self.real & (self.parents >= 0)
-        same = self.parents[:, :, None] == self.parents[:, None, :]
-        return same & earlier & draft[:, None, :] & draft[:, :, None]
 
     @cached_property
     def firsts(self) -> torch.Tensor:

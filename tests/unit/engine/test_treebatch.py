@@ -20,7 +20,7 @@ from tts_service.engine.treebatch import (
     match_choice,
     outside_support,
     residual_bonus,
-    shape_ancestors,
+    shape_masks,
     walk_sparse_all,
 )
 from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
@@ -129,10 +129,23 @@ def test_duplicate_siblings_are_never_accepted_twice():
         assert not chosen[0, 2]
 
 
+def reference_siblings(tb: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Earlier siblings and first-of-their-token children from the batch's parents and tokens
+    (tensor ops: what the templates replace)."""
+    n = tb.shape[1]
+    earlier = torch.ones(n, n, dtype=torch.bool).tril(-1)
+    draft = tb.real & (tb.parents >= 0)
+    same = tb.parents[:, :, None] == tb.parents[:, None, :]
+    before = same & earlier & draft[:, None, :] & draft[:, :, None]
+    dup = (before & (tb.tokens[:, :, None] == tb.tokens[:, None, :])).any(-1)
+    return before, draft & ~dup
+
+
 @pytest.mark.parametrize("size", [1, 2, 9, 33, 65])
-def test_the_batch_masks_are_each_trees_ancestor_mask(size):
-    """`TreeBatch.of`'s masks and depths (from `shape_ancestors`, cached per shape) are every
-    tree's own, whatever the trees beside it; a shape seen again is served from the cache."""
+def test_the_batch_masks_are_each_trees_own(size):
+    """`TreeBatch.of`'s masks (from `shape_masks`, cached per shape), depths and first children
+    are every tree's own, whatever the trees beside it; a shape seen again is served from the
+    cache."""
     rng = random.Random(size)
     trees = [random_tree(rng, size) for _ in range(3)] + [
         DraftTree.chain(0, [1] * (size - 1)),  # the deepest: a chain
@@ -140,12 +153,14 @@ def test_the_batch_masks_are_each_trees_ancestor_mask(size):
     ]
     for _ in range(2):
         tb = TreeBatch.of(trees, size, torch.device("cpu"))
+        before, firsts = reference_siblings(tb)
+        assert torch.equal(tb.siblings_before, before) and torch.equal(tb.firsts, firsts)
         for b, tree in enumerate(trees):
             n = tree.size
             assert torch.equal(tb.ancestors[b, :n, :n], ancestor_mask(tree.parents))
             assert tb.depths[b, :n].tolist() == list(tree.depths)
             assert tb.parents[b, :n].tolist() == list(tree.parents)
-    assert shape_ancestors.cache_info().hits >= len(trees)
+    assert shape_masks.cache_info().hits >= len(trees)
 
 
 def test_pad_nodes_see_only_themselves_and_no_real_node_sees_them():
