@@ -6,8 +6,8 @@ on the device in a fixed number of tensor ops (whatever the row count and tree s
 GPU host launches a few dozen kernels per step and copies one result back:
 
 * `TreeBatch.of`: tokens, parents and depths `[R, N]` from the trees (one host-to-device
-  copy) and the ancestor masks `[R, N, N]` (another; each tree shape's mask built once on the
-  host, `shape_ancestors`), which the attention mask and the acceptance read.
+  copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another; each tree shape's
+  built once on the host, `shape_masks`), which the attention mask and the acceptance read.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
