@@ -67,7 +67,7 @@ class TreeBatch:
     real: torch.Tensor  # [R, N] bool: a node of the row's tree
     ancestors: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i or an ancestor of i
     depths: torch.Tensor  # [R, N] long
-    siblings_before: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i's earlier sibling
+    earlier: torch.Tensor | None  # `siblings_before` (None: every tree is its root alone)
 
     @staticmethod
     def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
@@ -76,7 +76,7 @@ class TreeBatch:
             tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
             par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
-            return TreeBatch(tok, par, ones[:, 0], ones, zero, torch.zeros_like(ones))
+            return TreeBatch(tok, par, ones[:, 0], ones, zero, None)
         rows, pad = len(trees), [(width - t.size) for t in trees]
         host = np.array(  # tokens, parents, depths: one copy to the device
             [
@@ -108,6 +108,13 @@ class TreeBatch:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.tokens.shape[0], self.tokens.shape[1])
+
+    @cached_property
+    def siblings_before(self) -> torch.Tensor:
+        """`[R, N, N]` bool: (i, j) iff j is a draft node with i's parent, listed before i."""
+        if self.earlier is not None:
+            return self.earlier
+        return torch.zeros(self.ancestors.shape, dtype=torch.bool, device=self.tokens.device)
 
     @cached_property
     def firsts(self) -> torch.Tensor:
