@@ -236,28 +236,24 @@ class StandDynDrafter:
         return self.calibration.rank(found)
 
     def drawn_first(self, entry: NgramEntry) -> float | None:
-        """−α̂ of the first slot of `entry`'s drawn plan (`drawn_plan`), None if nothing is
-        stored. A slot's rate rests on the stored probabilities, not on the draw, so whether a
-        node draws is decided before drawing: a node that keeps its deterministic candidates
-        spends neither the Gumbel keys nor the trajectory's noise."""
+        """−α̂ of the first slot of `entry`'s drawn plan (`drawn_plan`), None if no stored
+        probability is positive. A slot's rate rests on the stored probabilities, not on the
+        draw, so whether a node draws is decided before drawing: a node that keeps its
+        deterministic candidates spends neither the Gumbel keys nor the trajectory's noise."""
         top = max(entry.probs, default=0.0)
         if top <= 0:
             return None
         inv = 1.0 / sum(entry.probs)  # as `drawn_plan` normalises (its zeros add nothing)
         return self.calibration.negated(KINDS[DRAWN][entry.order][min(entry.count, 4)], top * inv)
 
-    def drawn_plan(self, entry: NgramEntry | None) -> tuple[list[Candidate], SparseDist] | None:
+    def drawn_plan(self, entry: NgramEntry) -> tuple[list[Candidate], SparseDist]:
         """Children drawn without replacement from a stored distribution (a context's longest
-        n-gram), in draw order, and that distribution (the verifier's q); None if nothing is
-        stored. Slot j's rate is calibrated on the j-th largest stored probability,
-        not on what was drawn into it: whether a slot is used must not depend on its own draw
-        (rejection sampling needs every drafted child to be a draw from q given the earlier
-        ones)."""
-        if entry is None:
-            return None
+        n-gram, with a positive probability: `drawn_first` is not None), in draw order, and
+        that distribution (the verifier's q). Slot j's rate is calibrated on the j-th largest
+        stored probability, not on what was drawn into it: whether a slot is used must not
+        depend on its own draw (rejection sampling needs every drafted child to be a draw from
+        q given the earlier ones)."""
         pairs = [(i, p) for i, p in zip(entry.ids, entry.probs, strict=True) if p > 0]
-        if not pairs:
-            return None
         ids, probs = [i for i, _ in pairs], [p for _, p in pairs]
         order = gumbel_top_k(ids, probs, len(ids), self.noise.take(len(ids)))
         inv = 1.0 / sum(probs)
@@ -292,13 +288,10 @@ class StandDynDrafter:
                 plan = self._ranked(tails[node], longest)
                 if drawn and longest is not None:
                     first = self.drawn_first(longest)
-                    draws = None
                     if first is not None and (not plan or first <= plan[0][0]):
-                        draws = self.drawn_plan(longest)
-                    if draws is not None:
-                        plan = draws[0]
+                        plan, q = self.drawn_plan(longest)
                         sampled.add(node)
-                        builder.set_q(node, draws[1])
+                        builder.set_q(node, q)
                 if plan:
                     plans[node] = plan
                     push(heap, (alpha[node] * plan[0][0], node, 0))
