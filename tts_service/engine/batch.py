@@ -49,6 +49,7 @@ from tts_service.engine.treebatch import (
     SparseLayout,
     TreeBatch,
     accepted_path,
+    gather_sparse,
     greedy_choice,
     match_choice,
     outside_support,
@@ -98,7 +99,7 @@ Uniforms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `streams.node_unif
 
 class DenseNodes:
     """The `SparseNode`s of one row's tree, each computed from the dense p when a walk reaches
-    it (`verify.walk_sparse`): what `BatchDecoder._sparse` gathers for every node at once, for
+    it (`verify.walk_sparse`): what `treebatch.gather_sparse` gathers for every node at once, for
     the visited nodes only."""
 
     def __init__(self, p: torch.Tensor, supports: list[list[int]], v: list[float]) -> None:
@@ -483,7 +484,9 @@ class BatchDecoder:
         layout = SparseLayout.of([trees[b] for b in walk], n) if gather else None
         if layout is not None:
             assert uvw is not None
-            parts.append(self._sparse(probs, uvw, walk, layout).flatten())
+            at = torch.tensor(walk, dtype=torch.long, device=self.device)
+            u, v, w = (x[at] for x in uvw)
+            parts.append(gather_sparse(probs[at], layout, u, v, w).flatten())
         host = torch.cat(parts).cpu()  # the step's one synchronisation
         head, sparse = host.split([main.numel(), host.numel() - main.numel()])
         meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
@@ -544,21 +547,6 @@ class BatchDecoder:
         matched, residual = match_choice(tb, probs, u)
         last, on_path = accepted_path(tb, torch.where(on, greedy_choice(tb, best), matched))
         return last, on_path, torch.where(on, best, residual_bonus(residual, v))
-
-    def _sparse(
-        self, probs: torch.Tensor, uvw: Uniforms, walk: list[int], layout: SparseLayout
-    ) -> torch.Tensor:
-        """`[W, N, K + 4]` for the rows `walk` (rule (c)): per node, p on its support
-        (`layout.ids`), p's mass outside it, a token drawn from p outside it
-        (`outside_support`), and the node's two host uniforms (acceptance, bonus)."""
-        device = self.device
-        sup = torch.from_numpy(layout.ids).to(device, non_blocking=True)
-        empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2]).to(device)
-        at = torch.tensor(walk, dtype=torch.long, device=device)
-        u, v, w = (x[at] for x in uvw)
-        on, mass, draw = outside_support(probs[at], sup, empty, v)
-        parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
-        return torch.cat(parts, dim=-1)
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one

@@ -193,7 +193,7 @@ nodes it reaches only) ~0.15 ms (`bench.host`, stand at 8 nodes: 1 and 4 rows sl
 
 
 class GatheredNodes:
-    """Row `b`'s `verify.SparseNode`s read from `BatchDecoder._sparse`'s copy when a walk
+    """Row `b`'s `verify.SparseNode`s read from `gather_sparse`'s copy when a walk
     reaches them (`verify.walk_sparse`), and its uniforms (u, w)."""
 
     def __init__(self, layout: SparseLayout, data: np.ndarray, b: int) -> None:
@@ -304,6 +304,21 @@ class SparseLayout:
         return self.ids[b, node, : self.lens[b * self.n + node]].tolist()
 
 
+def gather_sparse(
+    p: torch.Tensor, layout: SparseLayout, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """What the host walk of rule (c) reads, gathered on the device for the copy back:
+    `[W, N, K + 4]`, per node p on its support (`layout.ids`), p's mass outside it, a token
+    drawn from p outside it at the uniform `v` (`outside_support`), and the node's host
+    uniforms `u` (acceptance) and `w` (bonus). `p` `[W, N, V]` and the uniforms `[W, N]` are
+    the walked rows'."""
+    sup = torch.from_numpy(layout.ids).to(p.device, non_blocking=True)
+    empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2]).to(p.device)
+    on, mass, draw = outside_support(p, sup, empty, v)
+    parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
+    return torch.cat(parts, dim=-1)
+
+
 def _padded(flat: np.ndarray, sizes: np.ndarray, k: int, fill: float | None = None) -> np.ndarray:
     """Rows of `sizes` elements, concatenated in `flat`, as `[len(sizes), k]`: pads repeat the
     row's last element, or hold `fill`."""
@@ -323,7 +338,7 @@ def walk_sparse_all(layout: SparseLayout, data: torch.Tensor) -> list[Acceptance
 
     `data` `[W, N, K + 4]` (on the host) holds per node p on its support (`layout.ids`), p's
     mass outside it, a token drawn from p outside it, and the node's uniforms u (accepting it
-    as a child) and w (its bonus), as `BatchDecoder._sparse` gathers them. A node's residual
+    as a child) and w (its bonus), as `gather_sparse` gathers them. A node's residual
     after each of its children is rejected is known before the walk (the children are tried in
     order, each rejection's residual a function of the last), so every node with children
     steps through them at once, rank by rank; a row's walk then follows the first child each

@@ -16,9 +16,9 @@ from tts_service.engine.treebatch import (
     SparseLayout,
     TreeBatch,
     accepted_path,
+    gather_sparse,
     greedy_choice,
     match_choice,
-    outside_support,
     residual_bonus,
     shape_masks,
     walk_sparse_all,
@@ -214,17 +214,6 @@ def random_drawn_tree(rng: random.Random, p: torch.Tensor) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(q))
 
 
-def gathered(layout: SparseLayout, p: torch.Tensor, uvw: list[torch.Tensor]) -> torch.Tensor:
-    """`BatchDecoder._sparse`'s copy, from the dense p `[W, N, V]` and uniforms (u, v, w)
-    `[W, N]` each."""
-    sup = torch.from_numpy(layout.ids)
-    empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2])
-    u, v, w = uvw
-    on, mass, draw = outside_support(p, sup, empty, v)
-    parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
-    return torch.cat(parts, dim=-1)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
     """Rules (b)-(d) for every row at once (`walk_sparse_all`) commit exactly what
@@ -240,7 +229,7 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
         trees = [random_drawn_tree(rng, p[b, : sizes[b]]) for b in range(rows)]
         uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
         layout = SparseLayout.of(trees, n)
-        data = gathered(layout, p, uvw)
+        data = gather_sparse(p, layout, *uvw)
         got = walk_sparse_all(layout, data)
         for b, tree in enumerate(trees):
             nodes = GatheredNodes(layout, data.numpy(), b)  # the few-rows path: row by row
