@@ -6,8 +6,9 @@ on the device in a fixed number of tensor ops (whatever the row count and tree s
 GPU host launches a few dozen kernels per step and copies one result back:
 
 * `TreeBatch.of`: tokens, parents and depths `[R, N]` from the trees (one host-to-device
-  copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another; each tree shape's
-  built once on the host, `shape_masks`), which the attention mask and the acceptance read.
+  copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another; unpacked on the host
+  from each tree shape's bit rows, `shape_rows`), which the attention mask and the acceptance
+  read.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
@@ -36,25 +37,45 @@ from tts_service.engine.verify import Acceptance, SparseNode
 _TINY = 1e-300
 
 
-@lru_cache(maxsize=4096)
-def shape_masks(parents: tuple[int, ...]) -> np.ndarray:
-    """`[2, n, n]` bool (read-only) for a tree of these parents: [0] (i, j) iff j is i or an
-    ancestor of i; [1] (i, j) iff j is a draft node with i's parent, listed before i. Cached per
-    shape: a drafter's trees repeat a few shapes, so a step's masks are a few array copies on
-    the host and one to the device, not kernels on the device."""
+@lru_cache(maxsize=8192)
+def shape_rows(parents: tuple[int, ...], nbytes: int) -> tuple[bytes, bytes]:
+    """A tree shape's two masks as bit rows, `nbytes` little-endian bytes per node: row i of the
+    first has bit j set iff j is i or an ancestor of i; of the second, iff j is a draft node
+    with i's parent, listed before i. Python ints as bit sets: one OR per node, so a shape not
+    seen before costs about as little as one seen (best-first drafters rarely repeat one)."""
     n = len(parents)
-    masks = np.zeros((2, n, n), dtype=bool)
-    anc, before = masks
-    anc[0, 0] = True
-    last: dict[int, list[int]] = {}  # parent -> its children so far
+    anc, before, kids = [1] * n, [0] * n, [0] * n  # kids[p]: p's children so far
     for i in range(1, n):
-        anc[i] = anc[parents[i]]
-        anc[i, i] = True
-        kids = last.setdefault(parents[i], [])
-        before[i, kids] = True
-        kids.append(i)
-    masks.flags.writeable = False
-    return masks
+        p = parents[i]
+        anc[i] = anc[p] | 1 << i
+        before[i] = kids[p]
+        kids[p] |= 1 << i
+    rows = b"".join(x.to_bytes(nbytes, "little") for x in anc)
+    return rows, b"".join(x.to_bytes(nbytes, "little") for x in before)
+
+
+@lru_cache(maxsize=1024)
+def pad_rows(n: int, width: int) -> tuple[bytes, bytes]:
+    """The bit rows (`shape_rows`) of pad nodes n..width-1: each sees only itself."""
+    nbytes = (width + 7) // 8
+    own = b"".join((1 << i).to_bytes(nbytes, "little") for i in range(n, width))
+    return own, bytes((width - n) * nbytes)
+
+
+def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:
+    """`[2, R, width, width]` bool: every tree's ancestor and earlier-sibling masks (pads see
+    only themselves), unpacked from the rows' bits in one numpy call."""
+    nbytes = (width + 7) // 8
+    anc: list[bytes] = []
+    before: list[bytes] = []
+    for t in trees:
+        a, b = shape_rows(t.parents, nbytes)
+        pa, pb = pad_rows(t.size, width)
+        anc += (a, pa)
+        before += (b, pb)
+    raw = np.frombuffer(b"".join(anc + before), dtype=np.uint8)
+    bits = np.unpackbits(raw, bitorder="little").view(bool)
+    return np.ascontiguousarray(bits.reshape(2, len(trees), width, nbytes * 8)[..., :width])
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,7 @@ class TreeBatch:
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
             par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
             return TreeBatch(tok, par, ones[:, 0], ones, zero, None)
-        rows, pad = len(trees), [(width - t.size) for t in trees]
+        pad = [(width - t.size) for t in trees]
         host = np.array(  # tokens, parents, depths: one copy to the device
             [
                 (
@@ -92,13 +113,7 @@ class TreeBatch:
             ],
             dtype=np.int64,
         )
-        masks = np.zeros((2, rows, width, width), dtype=bool)
-        masks[0, :, range(width), range(width)] = True  # pads see themselves only
-        shapes: dict[tuple[int, ...], list[int]] = {}
-        for b, t in enumerate(trees):
-            shapes.setdefault(t.parents, []).append(b)
-        for shape, at in shapes.items():  # one copy per distinct shape
-            masks[:, at, : len(shape), : len(shape)] = shape_masks(shape)[:, None]
+        masks = batch_masks(trees, width)
         tok, par, depths = torch.from_numpy(host).to(device, non_blocking=True).split(width, 1)
         anc, before = torch.from_numpy(masks).to(device, non_blocking=True)
         real = par >= 0

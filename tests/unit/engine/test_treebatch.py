@@ -20,7 +20,7 @@ from tts_service.engine.treebatch import (
     greedy_choice,
     match_choice,
     residual_bonus,
-    shape_masks,
+    shape_rows,
     walk_sparse_all,
 )
 from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
@@ -141,11 +141,11 @@ def reference_siblings(tb: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return before, draft & ~dup
 
 
-@pytest.mark.parametrize("size", [1, 2, 9, 33, 65])
+@pytest.mark.parametrize("size", [1, 2, 8, 9, 33, 65])
 def test_the_batch_masks_are_each_trees_own(size):
-    """`TreeBatch.of`'s masks (from `shape_masks`, cached per shape), depths and first children
-    are every tree's own, whatever the trees beside it; a shape seen again is served from the
-    cache."""
+    """`TreeBatch.of`'s masks (unpacked from `shape_rows`' bits, cached per shape), depths and
+    first children are every tree's own, whatever the trees beside it and however they are
+    padded; a shape seen again is served from the cache."""
     rng = random.Random(size)
     trees = [random_tree(rng, size) for _ in range(3)] + [
         DraftTree.chain(0, [1] * (size - 1)),  # the deepest: a chain
@@ -160,7 +160,7 @@ def test_the_batch_masks_are_each_trees_own(size):
             assert torch.equal(tb.ancestors[b, :n, :n], ancestor_mask(tree.parents))
             assert tb.depths[b, :n].tolist() == list(tree.depths)
             assert tb.parents[b, :n].tolist() == list(tree.parents)
-    assert shape_masks.cache_info().hits >= len(trees)
+    assert shape_rows.cache_info().hits >= len(trees)
 
 
 def test_pad_nodes_see_only_themselves_and_no_real_node_sees_them():
