@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tts_service.engine.cost import VerifyCostSource
 
 __all__ = [
+    "AUTO_FIELDS",
     "AUTO_METHOD",
     "DEFAULT_METHOD",
     "DRAFTER_CONFIGS",
@@ -126,6 +127,11 @@ REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.d
 AUTO_METHOD = {"cpu": "stand-dyn", "cuda": "stand-dyn"}
 """What `auto` runs per device type (docs/benchmarks.md, "Every method" and §9): the same
 method everywhere; the measured verify cost sizes its trees for the device."""
+AUTO_FIELDS: dict[str, dict[str, Any]] = {"cpu": {"drawn": True}, "cuda": {}}
+"""`auto`'s drafter fields per device type, beneath the user's preset (docs/benchmarks.md §17):
+on a CPU, children drawn from the stored distribution under sampling (more tokens per forward
+at T = 1.0, the same speed at T = 0.6, nothing under greedy); on a GPU the host walk of drawn
+rows costs more verify time than they gain there (§14), so not yet."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
 DEFAULT_METHOD = "auto"
 """What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
@@ -145,17 +151,21 @@ def method_name(drafter: BaseModel) -> str:
 
 def resolve_method(method: str, device: str) -> str:
     """`auto` -> the method measured best for the device ('auto', 'cpu', 'cuda:0' ...)."""
-    if method != "auto":
-        return method
+    return method if method != "auto" else AUTO_METHOD[device_type(device)]
+
+
+def device_type(device: str) -> str:
+    """'cpu' or 'cuda' for a device name ('auto': cuda if present)."""
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return AUTO_METHOD["cuda" if device.startswith("cuda") else "cpu"]
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") -> dict:
-    """The raw drafter fields of a method: the preset of its kind, then the method's own.
+    """The raw drafter fields of a method: `auto`'s for the device (`AUTO_FIELDS`), the preset
+    of its kind over them, then the method's own.
 
     Raises:
         ValueError: unknown method.
@@ -163,7 +173,8 @@ def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") 
     if method not in METHOD_NAMES:
         raise ValueError(f"unknown method {method!r} (choose {', '.join(METHOD_NAMES)})")
     entry = METHODS[resolve_method(method, device)]
-    return {"kind": entry.kind, **presets.get(entry.kind, {}), **entry.fields}
+    chosen = AUTO_FIELDS[device_type(device)] if method == "auto" else {}
+    return {"kind": entry.kind, **chosen, **presets.get(entry.kind, {}), **entry.fields}
 
 
 def size_field(kind: str) -> str | None:

@@ -19,7 +19,7 @@ rates; the tree grows best first on α̂ until the budget is spent or, with `siz
 no larger tree can raise the expected tokens per second under the measured verify cost.
 
 Under greedy decoding every child is deterministic (the verifier takes the argmax). Under
-sampling, with `drawn: true` (opt-in: measured, not yet shown to raise acceptance length), a
+sampling, with `drawn: true` (`auto`'s default on a CPU, `registry.AUTO_FIELDS`), a
 node may instead draw its children without replacement from the distribution stored
 for its context (`drawn_plan`, Gumbel order over the trajectory's draft stream), verified by
 recursive rejection sampling: where the stored q is close to the target's p, a drawn child is
@@ -71,7 +71,8 @@ class StandDynDrafterConfig(StrictConfig):
         False,
         description="Under sampling, a node may draw its children from the stored distribution "
         "(verified by rejection sampling) where calibration rates that above its best "
-        "deterministic candidate; off by default: deterministic children only.",
+        "deterministic candidate; `auto` turns it on on a CPU (registry.AUTO_FIELDS), off "
+        "otherwise: deterministic children only.",
     )
     noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
 

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import DRAFTER_CONFIGS
 from tts_service.drafters.registry import (
+    AUTO_FIELDS,
     AUTO_METHOD,
     METHOD_NAMES,
     METHODS,
@@ -35,8 +36,11 @@ def test_method_names_build_their_drafter_fields_and_auto_follows_the_device():
     }
     assert method_drafter("stand+spine", {})["kind"] == "stand_spine"
     cpu, gpu = method_drafter("auto", {}, "cpu"), method_drafter("auto", {}, "cuda:1")
-    assert cpu == method_drafter(AUTO_METHOD["cpu"], {}) and gpu == method_drafter(
-        AUTO_METHOD["cuda"], {}
-    )
+    assert cpu == {**method_drafter(AUTO_METHOD["cpu"], {}), **AUTO_FIELDS["cpu"]}
+    assert gpu == {**method_drafter(AUTO_METHOD["cuda"], {}), **AUTO_FIELDS["cuda"]}
+    assert cpu["drawn"] and "drawn" not in gpu  # drawn children: auto's CPU default only
+    # the user's preset wins over auto's device default; a named method gets none
+    assert not method_drafter("auto", {"stand_dyn": {"drawn": False}}, "cpu")["drawn"]
+    assert "drawn" not in method_drafter("stand-dyn", {}, "cpu")
     with pytest.raises(ValueError, match="unknown method"):
         method_drafter("eagle", {})
