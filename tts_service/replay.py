@@ -291,12 +291,14 @@ class LoggedDecoder:
         gone = {id(r) for r in rows}
         self.active = [r for r in self.active if id(r) not in gone]
 
-    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
+    def step(
+        self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
+    ) -> list[Row]:
         """Every row drafts (deterministically) and commits what its response says; what the
         drafters defer of observing runs after the next step's drafts, as in the engine."""
         batch, total, nodes, width = list(self.active), 0, 0, 1
         trees = [
-            row.drafter.draft(DraftContext(row.tokens, len(row.prompt_ids), max_nodes, True))
+            row.drafter.draft(DraftContext(row.tokens, len(row.prompt_ids), max_nodes, True, fill))
             for row in batch
         ]
         self.deferred.run()  # where the engine's forward would be
@@ -338,8 +340,10 @@ class LoggedBatchDecoder(BatchDecoder):
         for row in rows:
             self.oracles.pop(id(row), None)
 
-    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
-        finished = super().step(max_nodes, observe)
+    def step(
+        self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
+    ) -> list[Row]:
+        finished = super().step(max_nodes, observe, fill)
         for row in finished:
             del self.oracles[id(row)]
         return finished

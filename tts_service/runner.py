@@ -105,7 +105,9 @@ class StepDecoder(Protocol):
 
     def drop(self, rows: list[Row]) -> None: ...
 
-    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]: ...
+    def step(
+        self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
+    ) -> list[Row]: ...
 
 
 @dataclass(eq=False, kw_only=True)
@@ -433,7 +435,9 @@ class TrajectoryRunner:
         nodes = self._nodes()
         batch = self._rows()
         before = decoder.forwards.forwards
-        finished = cast(list[TrajectoryRow], decoder.step(nodes, observe=self._observe))
+        # an exploring step must run the size it explores: GT-sized drafters fill it
+        fill = nodes > 0 and self.planner is not None and self.planner.last_explored
+        finished = cast(list[TrajectoryRow], decoder.step(nodes, self._observe, fill))
         self._account(batch, nodes, decoder.forwards, before)
         for row in finished:
             row.submission.settle(self._result(row))

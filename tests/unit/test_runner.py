@@ -64,6 +64,60 @@ def test_a_continuously_batched_run_is_token_identical_to_plain(
         assert report.summary()["acceptance_length"] > 1.2
 
 
+@pytest.mark.parametrize("method", ["stand-dyn", "gtcp"])
+@pytest.mark.parametrize("explores", [False, True])
+def test_an_exploring_step_drafts_the_size_it_explores(tiny_model, monkeypatch, explores, method):
+    """Where a row's verify cost says no node pays, a GT-sized drafter sends its root alone;
+    on a step the planner explores, it sends the planned nodes (`DraftContext.fill`), so the
+    surface times the shape explored. Else a surface that overprices trees would explore
+    width-1 steps only and never learn otherwise."""
+    from tts_service.engine.allocate import SpeculationPlanner
+    from tts_service.engine.cost import CostModel, VerifyCost
+
+    def plan(self, context, stats, per_node=0.0):
+        self.last_explored = explores
+        return 8
+
+    monkeypatch.setattr(SpeculationPlanner, "plan", plan)
+    steep = VerifyCost((1, 2, 128), (1.0, 100.0, 200.0), 256)  # no draft node ever pays
+    loaded = LoadedModel(
+        tiny_model, word_tokenizer(VOCAB), (), tiny_model.device, tiny_model.dtype, "tiny"
+    )
+    gen = Generator(loaded, cost=CostModel.fixed(steep), batch_cost=FLAT)
+    store, prompt = InMemoryNgramStore(), _prompts()[0]  # repetitive: candidates at once
+    cfg = SamplingConfig(temperature=0, max_new_tokens=12)
+    requests = [
+        TrajectoryRequest("p", i, prompt, cfg, DRAFTER_CONFIGS[method], store) for i in range(2)
+    ]
+    report = TrajectoryRunner(gen, 2).run(requests)
+    widths = {width for _, width in report.forwards.trace}
+    assert (max(widths) > 1) == explores, widths
+    ref = plain_generate(tiny_model, prompt, cfg, eos_ids=[]).token_ids
+    assert all(r.output.token_ids == ref for r in report.results)
+
+
+def test_greedy_rows_beside_sampled_rows_stay_plain_greedy(tiny_model):
+    """Greedy and sampled rows of one problem decode in the same forwards, drafting trees
+    (drawn children on the sampled rows): each greedy row equals plain greedy decoding alone
+    (acceptance picks each row's rule, whatever its neighbours')."""
+    gen = make_generator(tiny_model)
+    prompt = _prompts()[0]
+    drafter = DRAFTER_CONFIGS["stand-dyn"].model_copy(update={"drawn": True})
+
+    def request(i: int, store: InMemoryNgramStore) -> TrajectoryRequest:
+        cfg = SamplingConfig(temperature=0 if i % 2 else 0.8, max_new_tokens=16, seed=i)
+        return TrajectoryRequest("p", i, prompt, cfg, drafter, store)
+
+    store = InMemoryNgramStore()
+    report = TrajectoryRunner(gen, 4).run([request(i, store) for i in range(4)])
+    assert report.forwards.trace[0][0] == 4 and report.summary()["acceptance_length"] > 1.0
+    greedy = [r for r in report.results if r.request.sampling.temperature == 0]
+    assert len(greedy) == 2 and all(len(r.output.token_ids) == 16 for r in report.results)
+    for r in greedy:
+        ref = plain_generate(tiny_model, prompt, r.request.sampling, eos_ids=[]).token_ids
+        assert r.output.token_ids == ref, r.request.index
+
+
 @pytest.mark.statistical
 def test_a_row_that_joined_a_running_batch_samples_exactly():
     """The sampled rows join a batch whose first row is still running (its prompt is

@@ -61,6 +61,9 @@ class DraftContext:
     prompt_len: int
     max_nodes: int  # draft nodes allowed this step, root excluded
     greedy: bool = False  # the verifier takes the argmax: sampled children buy nothing
+    # the runner explores this size (`SpeculationPlanner`): send the whole budget, whatever
+    # the drafter's own sizing says, or the step times a shape nobody asked for
+    fill: bool = False
 
 
 @dataclass(frozen=True)

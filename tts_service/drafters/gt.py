@@ -110,7 +110,7 @@ class GtSizedDrafter:
         for v in order:
             low = min(low, alphas[v])
             ranked.append(low)
-        self.kept = gt_count(ranked, self.cost.at(len(ctx.tokens)), cap)
+        self.kept = cap if ctx.fill else gt_count(ranked, self.cost.at(len(ctx.tokens)), cap)
         self.threshold = ranked[self.kept - 1] if self.kept else 1.0
         self.steps += 1
         explore = self.steps % EXPLORE_EVERY == 1

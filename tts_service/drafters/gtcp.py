@@ -64,7 +64,7 @@ class GtTreeDrafter:
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         order = self.store.max_order
-        cost = self.cost.at(len(ctx.tokens))
+        cost = None if ctx.fill else self.cost.at(len(ctx.tokens))
         limit = min(self.cfg.max_nodes, ctx.max_nodes)
         stochastic = self.cfg.stochastic and not ctx.greedy
         builder = TreeBuilder(ctx.tokens[-1])
@@ -95,7 +95,8 @@ class GtTreeDrafter:
         expected = 1.0
         while heap and len(builder) - 1 < limit:
             neg, node, rank = heapq.heappop(heap)
-            if not worth_growing(cost, len(builder), expected, -neg, limit + 1):
+            size = len(builder)
+            if cost is not None and not worth_growing(cost, size, expected, -neg, limit + 1):
                 break
             plan = plans[node]
             token = plan.drawn[rank]

@@ -267,7 +267,7 @@ class StandDynDrafter:
     def draft(self, ctx: DraftContext) -> DraftTree:
         self.suffix.sync(self.doc, ctx.tokens)
         limit = min(self.cfg.num_nodes, ctx.max_nodes)
-        cost = self.cost.at(len(ctx.tokens)) if self.cost is not None else None
+        cost = self.cost.at(len(ctx.tokens)) if self.cost is not None and not ctx.fill else None
         drawn = self.cfg.drawn and not ctx.greedy  # sampled children buy nothing under greedy
         builder = TreeBuilder(ctx.tokens[-1])
         tails: list[tuple[int, ...]] = [tuple(ctx.tokens[-TAIL:])]

@@ -329,9 +329,12 @@ class BatchDecoder:
         return ids, depths + root[:, None], mask[:, None]
 
     @torch.inference_mode()
-    def step(self, max_nodes: int, observe: StepObserver | None = None) -> list[Row]:
-        """One forward for every active row, each drafting at most `max_nodes` nodes;
-        `observe` sees every row's tree and acceptance (the allocator's statistics).
+    def step(
+        self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
+    ) -> list[Row]:
+        """One forward for every active row, each drafting at most `max_nodes` nodes (with
+        `fill`, the whole budget: `DraftContext.fill`); `observe` sees every row's tree and
+        acceptance (the allocator's statistics).
 
         With `max_nodes` 0 the step is plain decoding: no drafter is asked for a tree, and
         each learns from the target's distribution at its root (`Drafter.observe_root`).
@@ -345,7 +348,7 @@ class BatchDecoder:
         clock = time.perf_counter
         marks = [clock()]
         # 1. draft, one tree per row
-        trees = self._draft(batch, max_nodes)
+        trees = self._draft(batch, max_nodes, fill)
         marks.append(clock())
         # 2-3. pack and one forward for the whole batch
         start = self.cache.length
@@ -408,12 +411,14 @@ class BatchDecoder:
         """Run the observation the drafters deferred (in the order they deferred it)."""
         self.deferred.run()
 
-    def _draft(self, batch: list[Row], max_nodes: int) -> list[DraftTree]:
+    def _draft(self, batch: list[Row], max_nodes: int, fill: bool) -> list[DraftTree]:
         """Every row's tree: its drafter's, or the root alone on a plain step."""
         if max_nodes == 0:
             return [DraftTree.root_only(r.tokens[-1]) for r in batch]
         return [
-            r.drafter.draft(DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy))
+            r.drafter.draft(
+                DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy, fill)
+            )
             for r in batch
         ]
 
@@ -540,13 +545,17 @@ class BatchDecoder:
             last, on_path = accepted_path(tb, greedy_choice(tb, best))
             return last, on_path, best
         u, v, _ = uvw
-        on = torch.tensor(greedy, device=self.device)[:, None]
+        mixed = any(greedy)  # greedy rows beside sampled ones (best-of-N: never)
+        on = torch.tensor(greedy, device=self.device)[:, None] if mixed else None
         if n == 1:
-            bonus = torch.where(on, best, residual_bonus(probs, v))
-            return best.new_zeros(rows), tb.real, bonus
+            bonus = residual_bonus(probs, v)
+            return best.new_zeros(rows), tb.real, bonus if on is None else best.where(on, bonus)
         matched, residual = match_choice(tb, probs, u)
-        last, on_path = accepted_path(tb, torch.where(on, greedy_choice(tb, best), matched))
-        return last, on_path, torch.where(on, best, residual_bonus(residual, v))
+        if on is not None:
+            matched = greedy_choice(tb, best).where(on, matched)
+        last, on_path = accepted_path(tb, matched)
+        bonus = residual_bonus(residual, v)
+        return last, on_path, bonus if on is None else best.where(on, bonus)
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one
