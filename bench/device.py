@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -257,7 +258,22 @@ def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
         "nodes_per_row": spec["nodes_per_row"],  # [t_s, rows, nodes] as the planner changed it
         "step_ms": per_step,
         "outside_steps_ms": round((seconds - sum(phases.seconds.values())) / phases.steps * 1e3, 3),
+        # what the planner's last fresh decisions rested on (`PlanDecision`): which estimate
+        # turned it, when `auto` runs below plain on a device
+        "decisions": [
+            {k: _rounded(v) for k, v in asdict(d).items()}
+            for d in (runner.planner.decisions if runner.planner is not None else ())
+        ],
     }
+
+
+def _rounded(value):
+    """Seconds and token counts as JSON keeps them readably (6 significant digits)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, tuple):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def greedy_mismatch(model, prompts: list[list[int]], new_tokens: int) -> dict:

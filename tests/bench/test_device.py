@@ -49,4 +49,8 @@ def test_the_device_benchmark_reports_every_field_on_tiny(tmp_path):
     # every method commits exactly the logged tokens; plain one per row-forward
     assert len({m["new_tokens"] for m in report["replay"].values()}) == 1
     assert report["replay"]["plain"]["acceptance_length"] == 1.0
+    # what the planner's fresh decisions rested on (plain plans nothing)
+    assert report["replay"]["plain"]["decisions"] == []
+    decisions = report["replay"]["auto"]["decisions"]
+    assert decisions and decisions[0].keys() >= {"nodes", "explored", "tokens", "seconds", "sigma"}
     assert report["greedy_mismatch"]["float32"]["differing"] == 0

@@ -21,6 +21,7 @@ drafters may send fewer).
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -196,6 +197,23 @@ def nodes_for_step(
 
 SURE_SIGMA = 0.1  # a bucket timed this well is not explored (a few recent steps)
 REFRESH_STEPS = 4  # the planner re-reads the surface and re-decides at least this often
+KEPT_DECISIONS = 256  # the planner's last decisions, kept for diagnosis (`decisions`)
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """What one fresh decision rested on (the planner reuses it for up to `REFRESH_STEPS`):
+    why a step drafted k nodes per row, or explored, on a device that says otherwise."""
+
+    step: int
+    rows: int
+    context: int
+    nodes: int  # the cautious choice, k
+    explored: int | None  # the k explored instead, if any
+    tokens: tuple[float, float]  # expected committed tokens per step at 0 and at k nodes
+    seconds: tuple[float, float]  # cautious step seconds at 0 and at k (drafting included)
+    bold_seconds: float  # k's optimistic step seconds
+    sigma: float  # the surface's log-uncertainty at k's shape
 
 
 @dataclass
@@ -215,7 +233,10 @@ class SpeculationPlanner:
     `max_step_tokens` (the decoder's `graph_tokens`): no tree is planned whose padded step
     passes it. Past it a GPU runs the forward eagerly, launch-bound, at twice a graph's time: a
     cliff the surface's smooth roofline does not draw (on an H100 the planner's first run drew
-    64-node trees there and ran best-of-16 at half plain's speed)."""
+    64-node trees there and ran best-of-16 at half plain's speed).
+
+    `decisions` keeps the last `KEPT_DECISIONS` fresh decisions and what each rested on
+    (`PlanDecision`), for the timing replay's report (`bench.device.timing_replay`)."""
 
     surface: CostSurface | None = None
     fixed: StepCost | None = None
@@ -226,6 +247,9 @@ class SpeculationPlanner:
     steps: int = 0
     explored: int = 0
     last_explored: bool = field(default=False, init=False)
+    decisions: deque[PlanDecision] = field(
+        default_factory=lambda: deque(maxlen=KEPT_DECISIONS), init=False, repr=False
+    )
     _lines: dict = field(default_factory=dict, init=False, repr=False)
     _decisions: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -289,8 +313,35 @@ class SpeculationPlanner:
         cap = self.cap(len(stats))
         k, rate = best_rate(tokens, cautious, range(cap + 1))
         self._decisions[key] = (version, self.steps, k)
-        if not may_explore:
-            return k, False
+        explored = self._explore(k, rate, tokens, bold, sigma, cap) if may_explore else None
+        self.decisions.append(
+            PlanDecision(
+                self.steps,
+                len(stats),
+                context,
+                k,
+                explored,
+                (tokens[0], tokens[k]),
+                (cautious[0], cautious[k]),
+                bold[k],
+                sigma[k],
+            )
+        )
+        return (k, False) if explored is None else (explored, True)
+
+    @staticmethod
+    def _explore(
+        k: int,
+        rate: float,
+        tokens: Sequence[float],
+        bold: Sequence[float],
+        sigma: Sequence[float],
+        cap: int,
+    ) -> int | None:
+        """The k to explore instead of the decision `k` (at `rate`), if any: of plain, the next
+        wider and the next narrower width bucket, each bucket's best on the bold bound where
+        that beats the decision (plain always qualifies), the least well timed of those not
+        timed well enough."""
         width = power_bucket(k + 1)
         buckets = [(0, 0)] if k > 0 else []  # k ranges: plain, the next wider, the narrower
         buckets.append((width, min(2 * width - 1, cap)))
@@ -303,9 +354,7 @@ class SpeculationPlanner:
             option, bold_rate = best_rate(tokens, bold, range(lo, hi + 1))
             if sigma[option] > SURE_SIGMA and (option == 0 or bold_rate > rate):
                 options.append(option)
-        if not options:
-            return k, False
-        return max(options, key=lambda o: sigma[o]), True  # the least known first
+        return max(options, key=lambda o: sigma[o]) if options else None  # the least known
 
     @property
     def source(self) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import tiny_llama
 from tests.unit.engine.test_allocate import _stats
-from tts_service.engine.allocate import SpeculationPlanner
+from tts_service.engine.allocate import KEPT_DECISIONS, REFRESH_STEPS, SpeculationPlanner
 from tts_service.engine.surface import (
     CostSurface,
     ModelShape,
@@ -146,6 +146,27 @@ def test_the_planner_explores_below_its_cap_when_the_cap_is_its_decision():
     _drive(flat, 60, 16, planner, decisions)
     assert max(decisions) == 8 and decisions.count(8) >= 30, decisions
     assert planner.explored >= 1
+
+
+def test_the_planner_keeps_what_each_fresh_decision_rested_on():
+    """`decisions`: every fresh decision (not one reused within `REFRESH_STEPS`), its choice,
+    what it explored instead, and the tokens and seconds it compared, bounded in length."""
+    planner = _planner()
+    planner.explore_share = 0.05
+    decisions: list[int] = []
+    _drive(flat, 100, 16, planner, decisions)
+    kept = list(planner.decisions)
+    assert 100 // REFRESH_STEPS <= len(kept) <= 100
+    explored = [d for d in kept if d.explored is not None]
+    assert len(explored) == planner.explored >= 1
+    for d in kept:
+        taken = decisions[d.step - 1]  # plan() counts steps from 1
+        assert taken == (d.nodes if d.explored is None else d.explored)
+        assert d.rows == 16 and d.context == CONTEXT and d.tokens[0] == 16.0
+        assert d.tokens[1] >= d.tokens[0] and d.seconds[0] > 0 and d.sigma > 0
+    assert kept[-1].nodes > 0  # on a flat device trees pay
+    _drive(flat, 2000, 16, planner, decisions)
+    assert len(planner.decisions) == KEPT_DECISIONS
 
 
 @pytest.mark.parametrize("rows, cap", [(12, 3), (16, 3), (32, 1), (64, 0)])
