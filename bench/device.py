@@ -267,7 +267,7 @@ def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
     }
 
 
-def _rounded(value):
+def _rounded(value: object) -> object:
     """Seconds and token counts as JSON keeps them readably (6 significant digits)."""
     if isinstance(value, float):
         return float(f"{value:.6g}")

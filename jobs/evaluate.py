@@ -10,7 +10,8 @@ a plain local run), or of any OpenAI-compatible server.
 `--tasks` takes one or more names, comma-separated, as we, lm-eval (`gpqa_diamond_zeroshot`) or
 lighteval (`lighteval|aime24|0|0`, `gpqa:diamond`) spell them.
 `--method` is one or more names in `tts_service.drafters.registry.METHODS` (default auto);
-`auto` runs, and names the run after, the method it resolves to on the model's device. Several
+`auto` runs, and names the run after, the method it resolves to on the model's device (on a
+CPU it keeps the name `auto`: there it also draws children, `AUTO_FIELDS`). Several
 methods run interleaved, in rounds of `--round-items` items (default: all) whose method order
 alternates, so that their speeds are measured under the same conditions: the report divides
 tokens/s only between runs of one invocation. With `--endpoint`,
@@ -191,14 +192,20 @@ def _endpoint(args: argparse.Namespace) -> Endpoint | None:
 
 
 def _config(args: argparse.Namespace, method: str) -> tuple[JobConfig, str]:
-    """The validated config of one method, and the method's name as run (`auto` resolved)."""
+    """The validated config of one method, and the method's name as run: `auto` is named by
+    the method it resolves to, unless its device's own fields (`AUTO_FIELDS`: drawn children
+    on a CPU) make it a different drafter, which keeps the name `auto`."""
     cfg = load_config(args.config, args.set, _flags(args), method)
     if cfg.early_stop:
         raise JobInputError("early_stop: evaluation needs all N trajectories (pass@k, maj@k)")
-    method = resolve_method(method, cfg.model.device)  # `auto` is named by what it runs
-    if METHODS[method].kind != cfg.drafter.kind:
-        raise JobInputError(f"drafter.kind: {cfg.drafter.kind!r} is not --method {method}'s")
-    return cfg, method
+    resolved = resolve_method(method, cfg.model.device)
+    if METHODS[resolved].kind != cfg.drafter.kind:
+        raise JobInputError(f"drafter.kind: {cfg.drafter.kind!r} is not --method {resolved}'s")
+    if method == "auto":
+        plain_method = load_config(args.config, args.set, _flags(args), resolved)
+        if plain_method.drafter != cfg.drafter:
+            return cfg, method
+    return cfg, resolved
 
 
 def parse(argv: list[str] | None) -> list[EvalJob]:

@@ -212,8 +212,8 @@ class PlanDecision:
     explored: int | None  # the k explored instead, if any
     tokens: tuple[float, float]  # expected committed tokens per step at 0 and at k nodes
     seconds: tuple[float, float]  # cautious step seconds at 0 and at k (drafting included)
-    bold_seconds: float  # k's optimistic step seconds
-    sigma: float  # the surface's log-uncertainty at k's shape
+    bold_seconds: float  # the cautious k's optimistic step seconds (not the explored one's)
+    sigma: float  # the surface's log-uncertainty at the cautious k's shape
 
 
 @dataclass

@@ -7,9 +7,23 @@ import json
 import pytest
 
 from jobs.evaluate import main, parse, schedule
-from tts_service.drafters.registry import METHOD_NAMES, METHODS, resolve_method
+from tts_service.drafters.registry import (
+    AUTO_FIELDS,
+    METHOD_NAMES,
+    METHODS,
+    device_type,
+    resolve_method,
+)
 
 FIXTURES = ["--task", "gpqa", "--data", "fixtures"]
+
+
+def run_name(method: str) -> str:
+    """What `--method` names the run on this machine: `auto` keeps its name where its device
+    adds fields of its own (a CPU's drawn children), else the method it resolves to."""
+    if method == "auto" and AUTO_FIELDS[device_type("auto")]:
+        return "auto"
+    return resolve_method(method, "auto")
 
 
 def _fails(capsys, argv: list[str], *expected: str) -> str:
@@ -30,7 +44,7 @@ def test_flags_override_the_preset_and_items_are_limited(tmp_path):
     assert job.method == "pld" and len(job.items) == 3
     assert job.run_dir == tmp_path / "gpqa" / "pld"
     (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--set", "drafter.num_nodes=8"])
-    assert job.method == resolve_method("auto", "auto")  # the default method
+    assert job.method == run_name("auto")  # the default method
     assert job.cfg.drafter.num_nodes == 8  # a --set wins over the method
 
 
@@ -90,7 +104,7 @@ def test_several_tasks_in_one_run_with_lm_eval_names(tmp_path):
         ["--tasks", "aime24,gpqa_diamond,lcb", "--data", "fixtures", "--out", str(tmp_path)]
     )
     assert [j.task for j in jobs] == ["aime24", "gpqa", "lcb"]
-    auto = resolve_method("auto", "auto")  # the default method names the run directory
+    auto = run_name("auto")  # the default method names the run directory
     assert [j.run_dir for j in jobs] == [tmp_path / t / auto for t in ("aime24", "gpqa", "lcb")]
     assert all(j.cfg is jobs[0].cfg and len(j.items) >= 10 for j in jobs)
     (job,) = parse(["--task", "gpqa_diamond", "--data", "fixtures", "--out", str(tmp_path)])
@@ -139,8 +153,20 @@ def test_several_methods_run_interleaved_in_rounds_of_alternating_order(tmp_path
 @pytest.mark.parametrize("method", sorted(METHOD_NAMES))
 def test_every_registered_method_is_accepted(tmp_path, method):
     (job,) = parse([*FIXTURES, "--out", str(tmp_path), "--method", method])
-    assert job.method == resolve_method(method, "auto")
-    assert job.cfg.drafter.kind == METHODS[job.method].kind
+    assert job.method == run_name(method)
+    assert job.cfg.drafter.kind == METHODS[resolve_method(method, "auto")].kind
+
+
+def test_auto_and_the_method_it_resolves_to_are_two_runs_where_auto_adds_fields(tmp_path):
+    """On a CPU `auto` is `stand-dyn` with drawn children: asked for both, the evaluation runs
+    both, each in its own directory, instead of one overwriting the other."""
+    out = str(tmp_path)
+    jobs = parse(
+        [*FIXTURES, "--out", out, "--method", "auto,stand-dyn", "--set", "model.device=cpu"]
+    )
+    assert [j.method for j in jobs] == ["auto", "stand-dyn"]
+    assert jobs[0].cfg.drafter.drawn and not jobs[1].cfg.drafter.drawn
+    assert jobs[0].run_dir != jobs[1].run_dir
 
 
 @pytest.mark.parametrize("module", ["jobs.evaluate", "jobs.best_of_n"])
