@@ -262,7 +262,7 @@ def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
         # turned it, when `auto` runs below plain on a device
         "decisions": [
             {k: _rounded(v) for k, v in asdict(d).items()}
-            for d in (runner.planner.decisions if runner.planner is not None else ())
+            for d in (runner.planner.decision_log if runner.planner is not None else ())
         ],
     }
 

@@ -197,7 +197,7 @@ def nodes_for_step(
 
 SURE_SIGMA = 0.1  # a bucket timed this well is not explored (a few recent steps)
 REFRESH_STEPS = 4  # the planner re-reads the surface and re-decides at least this often
-KEPT_DECISIONS = 256  # the planner's last decisions, kept for diagnosis (`decisions`)
+KEPT_DECISIONS = 256  # the planner's last decisions, kept for diagnosis (`decision_log`)
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ class SpeculationPlanner:
     cliff the surface's smooth roofline does not draw (on an H100 the planner's first run drew
     64-node trees there and ran best-of-16 at half plain's speed).
 
-    `decisions` keeps the last `KEPT_DECISIONS` fresh decisions and what each rested on
+    `decision_log` keeps the last `KEPT_DECISIONS` fresh decisions and what each rested on
     (`PlanDecision`), for the timing replay's report (`bench.device.timing_replay`)."""
 
     surface: CostSurface | None = None
@@ -247,7 +247,7 @@ class SpeculationPlanner:
     steps: int = 0
     explored: int = 0
     last_explored: bool = field(default=False, init=False)
-    decisions: deque[PlanDecision] = field(
+    decision_log: deque[PlanDecision] = field(
         default_factory=lambda: deque(maxlen=KEPT_DECISIONS), init=False, repr=False
     )
     _lines: dict = field(default_factory=dict, init=False, repr=False)
@@ -314,7 +314,7 @@ class SpeculationPlanner:
         k, rate = best_rate(tokens, cautious, range(cap + 1))
         self._decisions[key] = (version, self.steps, k)
         explored = self._explore(k, rate, tokens, bold, sigma, cap) if may_explore else None
-        self.decisions.append(
+        self.decision_log.append(
             PlanDecision(
                 self.steps,
                 len(stats),

@@ -50,16 +50,19 @@ def shape_rows(parents: tuple[int, ...], nbytes: int) -> tuple[bytes, bytes]:
         anc[i] = anc[p] | 1 << i
         before[i] = kids[p]
         kids[p] |= 1 << i
-    rows = b"".join(x.to_bytes(nbytes, "little") for x in anc)
-    return rows, b"".join(x.to_bytes(nbytes, "little") for x in before)
+    return _bit_rows(anc, nbytes), _bit_rows(before, nbytes)
 
 
 @lru_cache(maxsize=1024)
 def pad_rows(n: int, width: int) -> tuple[bytes, bytes]:
     """The bit rows (`shape_rows`) of pad nodes n..width-1: each sees only itself."""
     nbytes = (width + 7) // 8
-    own = b"".join((1 << i).to_bytes(nbytes, "little") for i in range(n, width))
-    return own, bytes((width - n) * nbytes)
+    return _bit_rows([1 << i for i in range(n, width)], nbytes), bytes((width - n) * nbytes)
+
+
+def _bit_rows(sets: list[int], nbytes: int) -> bytes:
+    """Bit sets as rows of `nbytes` little-endian bytes each (what `batch_masks` unpacks)."""
+    return b"".join(x.to_bytes(nbytes, "little") for x in sets)
 
 
 def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:

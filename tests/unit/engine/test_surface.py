@@ -149,13 +149,13 @@ def test_the_planner_explores_below_its_cap_when_the_cap_is_its_decision():
 
 
 def test_the_planner_keeps_what_each_fresh_decision_rested_on():
-    """`decisions`: every fresh decision (not one reused within `REFRESH_STEPS`), its choice,
+    """`decision_log`: every fresh decision (not one reused within `REFRESH_STEPS`), its choice,
     what it explored instead, and the tokens and seconds it compared, bounded in length."""
     planner = _planner()
     planner.explore_share = 0.05
     decisions: list[int] = []
     _drive(flat, 100, 16, planner, decisions)
-    kept = list(planner.decisions)
+    kept = list(planner.decision_log)
     assert 100 // REFRESH_STEPS <= len(kept) <= 100
     explored = [d for d in kept if d.explored is not None]
     assert len(explored) == planner.explored >= 1
@@ -166,7 +166,7 @@ def test_the_planner_keeps_what_each_fresh_decision_rested_on():
         assert d.tokens[1] >= d.tokens[0] and d.seconds[0] > 0 and d.sigma > 0
     assert kept[-1].nodes > 0  # on a flat device trees pay
     _drive(flat, 2000, 16, planner, decisions)
-    assert len(planner.decisions) == KEPT_DECISIONS
+    assert len(planner.decision_log) == KEPT_DECISIONS
 
 
 @pytest.mark.parametrize("rows, cap", [(12, 3), (16, 3), (32, 1), (64, 0)])
