@@ -62,6 +62,7 @@ from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import bucket_of
 from tts_service.engine.matmul import tune_linear_products
+from tts_service.engine.metrics import StepPhases
 from tts_service.models import LoadedModel
 from tts_service.replay import LoggedProblem, TimedTarget, logged_requests, parse_line
 from tts_service.runner import RunReport, TrajectoryRunner
@@ -229,16 +230,27 @@ def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
     ]
 
 
-def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
+def replay_runner(model, problems: list[LoggedProblem]) -> TrajectoryRunner:
+    """A live runner over the logged problems, its rows as wide as a problem's best-of-N."""
+    loaded = LoadedModel(model, None, (), model.device, model.dtype, "timing-replay")
+    return TrajectoryRunner(TimedTarget(loaded, problems), max(len(p.responses) for p in problems))
+
+
+def timing_replay(
+    model, method: str, problems: list[LoggedProblem], runner: TrajectoryRunner | None = None
+) -> dict:
     """Best-of-N of every logged problem through the live runner (`TrajectoryRunner`: its cost
     surface, allocator and drafters, continuous batching N rows wide) on the real device, with
-    acceptance following the log; timed from submission to the last token, as a job waits."""
+    acceptance following the log; timed from submission to the last token, as a job waits.
+    A fresh runner by default (a first job: surface from its prior, no graphs yet); `runner`,
+    one that has served before (a Serve replica's next job: its surface, slot statistics and
+    captured graphs kept)."""
     fields = method_drafter(method, {}, "cuda" if model.device.type == "cuda" else "cpu")
     drafter = TypeAdapter(DrafterConfig).validate_python(fields)
-    loaded = LoadedModel(model, None, (), model.device, model.dtype, "timing-replay")
-    runner = TrajectoryRunner(
-        TimedTarget(loaded, problems), max(len(p.responses) for p in problems)
-    )
+    runner = runner or replay_runner(model, problems)
+    runner.decoder.phases = StepPhases()
+    graphs = runner.decoder.graphs
+    before = (graphs.captures, graphs.eager_steps) if graphs is not None else (0, 0)
     report: list[RunReport] = []
     requests = logged_requests(problems, drafter)
     seconds = timed(lambda: report.append(runner.run(requests)), model.device)
@@ -258,6 +270,14 @@ def timing_replay(model, method: str, problems: list[LoggedProblem]) -> dict:
         "nodes_per_row": spec["nodes_per_row"],  # [t_s, rows, nodes] as the planner changed it
         "step_ms": per_step,
         "outside_steps_ms": round((seconds - sum(phases.seconds.values())) / phases.steps * 1e3, 3),
+        # CUDA graphs in this run: captures (each two warm-ups and the capture), eager forwards
+        "graphs": None
+        if graphs is None
+        else {
+            "captures": graphs.captures - before[0],
+            "eager_steps": graphs.eager_steps - before[1],
+            "enabled": graphs.enabled,
+        },
         # what the planner's last fresh decisions rested on (`PlanDecision`): which estimate
         # turned it, when `auto` runs below plain on a device
         "decisions": [

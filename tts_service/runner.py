@@ -32,7 +32,7 @@ from store.base import NgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.registry import DrafterConfig
-from tts_service.engine.allocate import SlotStats, SpeculationPlanner, StepCost
+from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
 from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
@@ -118,6 +118,7 @@ class TrajectoryRow(Row):
     submission: Submission
     request: TrajectoryRequest
     slots: SlotStats
+    drafted: bool = False  # a tree step has drafted for it (its drafter indexed its prompt)
 
 
 Waiting = Sequence[tuple["Submission", TrajectoryRequest]]
@@ -355,6 +356,7 @@ class TrajectoryRunner:
         self.queue: deque[tuple[Submission, TrajectoryRequest]] = deque()
         self.start = time.perf_counter()
         self.planner: SpeculationPlanner | None = None  # at the first step that may draft
+        self.draft_cost = DraftCost()  # what the planner prices a drafted node at
 
     # -- one call, in this thread --------------------------------------------------------
     def run(
@@ -463,6 +465,11 @@ class TrajectoryRunner:
         if f.forwards == before:
             return
         rows, width = f.trace[-1]
+        if nodes > 0:  # not the step where a row's drafter first indexes its prompt
+            if all(r.drafted for r in batch):
+                self.draft_cost.record(f.last_draft_s, nodes * len(batch))
+            for r in batch:
+                r.drafted = True
         planner = self.planner
         # an eager step of a bucket about to be captured is not that bucket's cost (2x on a GPU)
         if planner is not None and planner.surface is not None and self.decoder.last_step_steady:
@@ -521,12 +528,10 @@ class TrajectoryRunner:
                     surface=gen.surface(self.max_rows), max_nodes=MAX_NODES, max_step_tokens=cap
                 )
             )
-        f = self.decoder.forwards
-        per_node = f.draft_s / f.draft_nodes if f.draft_nodes else 0.0
         stats = [r.slots for r in rows]
         for s in {id(s): s for s in stats}.values():
             s.tick()
-        return self.planner.plan(self.decoder.context_len, stats, per_node)
+        return self.planner.plan(self.decoder.context_len, stats, self.draft_cost.per_node)
 
     def _observe(self, row: Row, tree: DraftTree, acc: Acceptance) -> None:
         if self.speculation == "cost":

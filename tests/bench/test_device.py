@@ -53,4 +53,5 @@ def test_the_device_benchmark_reports_every_field_on_tiny(tmp_path):
     assert report["replay"]["plain"]["decisions"] == []
     decisions = report["replay"]["auto"]["decisions"]
     assert decisions and decisions[0].keys() >= {"nodes", "explored", "tokens", "seconds", "sigma"}
+    assert report["replay"]["auto"]["graphs"] is None  # a CPU runs no CUDA graphs
     assert report["greedy_mismatch"]["float32"]["differing"] == 0

@@ -12,7 +12,7 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import DRAFTER_CONFIGS, word_tokenizer
 from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import SamplingConfig
-from tts_service.engine.allocate import BatchCost
+from tts_service.engine.allocate import BatchCost, DraftCost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.generation import Generator
@@ -256,6 +256,32 @@ def test_a_step_that_is_not_steady_does_not_teach_the_surface(tiny_model):
     report = TrajectoryRunner(gen, 3, decoder=decoder).run(_stand_requests(3))
     forwards = report.forwards.forwards
     assert forwards >= 4 and gen.surface().steps == forwards // 2
+
+
+def test_draft_cost_is_a_decayed_mean_per_planned_node():
+    cost = DraftCost()
+    cost.record(1.0, 10)
+    assert cost.per_node == pytest.approx(0.1)  # the first step sets it
+    cost.record(2.0, 10)
+    assert cost.per_node == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
+    cost.record(5.0, 0)  # a plain step prices nothing
+    assert cost.steps == 2
+
+
+def test_a_rows_first_tree_step_does_not_price_drafting(tiny_model):
+    """The planner prices k nodes per row at `draft_cost.per_node` × rows × k, learned from
+    every tree step but those where a row drafts for the first time (its drafter indexes the
+    whole prompt then: one-time, and on a GPU it priced every later tree out). 3 rows through
+    2: the first step and the step the third row joins are left out, and every sample is the
+    step's planned nodes (rows × nodes per row), not the nodes the drafters sent."""
+    runner = TrajectoryRunner(make_generator(tiny_model), 2, "fixed", token_budget=10)
+    planned: list[int] = []
+    record = runner.draft_cost.record
+    runner.draft_cost.record = lambda s, n: planned.append(n) or record(s, n)  # type: ignore[method-assign]
+    report = runner.run(_stand_requests(3))
+    assert len(planned) == report.forwards.forwards - 2
+    assert set(planned) <= {2 * 4, 1 * 9}  # nodes_per_row(10, 2) = 4, (10, 1) = 9
+    assert runner.draft_cost.per_node > 0
 
 
 def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatch):

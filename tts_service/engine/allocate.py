@@ -195,6 +195,30 @@ def nodes_for_step(
     return best_rate(tokens, seconds, range(max_nodes + 1))[0]
 
 
+@dataclass
+class DraftCost:
+    """Host seconds of drafting per planned node (rows × nodes per row, what `step_seconds`
+    prices), a decayed mean over drafted steps.
+
+    Per planned node, not per drafted one: a drafter that sends smaller trees than asked (a
+    cold store) still costs the step what it paid, and dividing by its few nodes priced every
+    later tree several times too high. A step where a row drafts for the first time is left
+    out (`record`'s caller): its drafter indexes the whole prompt then, a one-time cost ~10x a
+    step's drafting. On an H200 the first tree step of a fresh runner priced every later tree
+    out that way, and `auto` took plain steps at 0.71-0.87x plain's speed."""
+
+    rate: float = 0.2  # weight of the newest step
+    per_node: float = 0.0
+    steps: int = 0
+
+    def record(self, seconds: float, planned_nodes: int) -> None:
+        if planned_nodes <= 0:
+            return
+        sample = seconds / planned_nodes
+        self.per_node += (sample - self.per_node) * (1.0 if not self.steps else self.rate)
+        self.steps += 1
+
+
 SURE_SIGMA = 0.1  # a bucket timed this well is not explored (a few recent steps)
 REFRESH_STEPS = 4  # the planner re-reads the surface and re-decides at least this often
 KEPT_DECISIONS = 256  # the planner's last decisions, kept for diagnosis (`decision_log`)
@@ -214,6 +238,9 @@ class PlanDecision:
     seconds: tuple[float, float]  # cautious step seconds at 0 and at k (drafting included)
     bold_seconds: float  # the cautious k's optimistic step seconds (not the explored one's)
     sigma: float  # the surface's log-uncertainty at the cautious k's shape
+    # the best tree (k >= 1) on the cautious line: its k, expected tokens and seconds, of
+    # which drafting (what turned a plain decision: the tree's forward or its drafting)
+    best_tree: tuple[int, float, float, float] | None
 
 
 @dataclass
@@ -325,9 +352,19 @@ class SpeculationPlanner:
                 (cautious[0], cautious[k]),
                 bold[k],
                 sigma[k],
+                self._best_tree(tokens, cautious, cap, len(stats), per_node),
             )
         )
         return (k, False) if explored is None else (explored, True)
+
+    @staticmethod
+    def _best_tree(
+        tokens: Sequence[float], cautious: Sequence[float], cap: int, rows: int, per_node: float
+    ) -> tuple[int, float, float, float] | None:
+        if cap < 1:
+            return None
+        k = best_rate(tokens, cautious, range(1, cap + 1))[0]
+        return k, tokens[k], cautious[k], per_node * rows * k
 
     @staticmethod
     def _explore(

@@ -179,8 +179,8 @@ class BatchDecoder:
 
     @property
     def last_step_steady(self) -> bool:
-        """The last step's forward ran as its shape will keep running (not an eager step of a
-        bucket a CUDA graph will capture): its time may teach the cost surface."""
+        """The last step's forward ran as its shape will keep running (not the step that captured
+        its CUDA graph, warm-ups included): its time may teach the cost surface."""
         return self.graphs is None or self.graphs.last_steady
 
     @property
@@ -572,9 +572,9 @@ class BatchDecoder:
             out[at] = store_probs(logits[at], batch[members[0]].cfg)
         return out
 
-    def _forward(self, ids, pos, mask, start: int, capture: bool = False) -> torch.Tensor:
+    def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
         if self.graphs is not None:
-            return self.graphs(ids, pos, mask, start, capture)
+            return self.graphs(ids, pos, mask, start)
         slots = None
         if self.cache.full_view:  # the write slots a graph would take from a device tensor
             slots = torch.arange(start, start + ids.shape[1], device=ids.device)
@@ -610,7 +610,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         tb = TreeBatch.of(trees, width, self.device)
         ids, pos, mask = self._pack(tb, [start] * rows, shape)
-        self._forward(ids, pos, mask, start, capture=True)[:rows, :width].argmax(-1).cpu()
+        self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
         seconds = time.perf_counter() - t0
         self.cache.length = start
         return seconds

@@ -8,6 +8,12 @@ buffers, and attention spans the whole preallocated cache (`StaticKV.full_view`)
 write slots taken from a device tensor. Reallocating the cache (`StaticKV.epoch`) drops the
 graphs; they are captured again when next needed. A capture that fails (a model whose forward
 syncs with the host) turns graphs off with a warning and the eager forward runs instead.
+
+Every bucket is captured at its first step. A capture costs about three eager forwards, and an
+eager 7B forward costs about twice a graph's; capturing tree buckets only at their fourth step
+ran the first three eagerly and the ones met less often eagerly for good (an H100's best-of-16
+through the live runner: `auto` 596 and 608 tokens/s that way, 775 and 782 capturing at once,
+plain 777 to 894 beside them). The step that captures is not its bucket's cost (`last_steady`).
 """
 
 from __future__ import annotations
@@ -25,23 +31,10 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 1024
 """The largest rows × tokens bucket captured; bigger steps run eagerly."""
 
-CAPTURE_AFTER = 4
-"""A tree bucket (more than one token per row) is captured at its 4th step. A capture costs
-about three eager forwards (two warm-ups, the capture), so a bucket met once or twice (an
-exploring step, a batch's tail as rows leave) runs eagerly instead (on an H100 a best-of-16
-run had captured 38 buckets, their warm-ups 2.0 s of its 7.6; with this rule 14, though the
-buckets met once or twice then ran eagerly for as long). Plain steps (one token per row) recur
-every step and are captured at once; so is any step that is being timed (`capture=True`)."""
-
 
 def bucket_of(n: int) -> int:
     """The power of two at or above `n`."""
     return 1 << max(0, n - 1).bit_length()
-
-
-def capture_due(tokens: int, uses: int) -> bool:
-    """Whether a bucket of `tokens` tokens per row, at its `uses`-th step, is captured now."""
-    return tokens == 1 or uses >= CAPTURE_AFTER
 
 
 def forward_at(
@@ -82,10 +75,12 @@ class GraphedForward:
         self.epoch = cache.epoch
         self.pool = None
         self.enabled = True
-        self.uses: dict[tuple[int, int], int] = {}  # steps per bucket (CAPTURE_AFTER)
         # the last forward ran as its shape will keep running: a graph, or eager for good
-        # (too big, graphs off); not an eager step of a bucket that will be captured
+        # (too big, graphs off); not the step that captured (its two warm-ups and the capture
+        # are no step's cost)
         self.last_steady = True
+        self.captures = 0  # graphs captured, recaptures after a reallocated cache included
+        self.eager_steps = 0  # forwards run eagerly (too big, graphs off)
 
     def bucket(self, rows: int, tokens: int) -> tuple[int, int]:
         """The padded (rows, tokens) shape a step of this size runs at."""
@@ -100,23 +95,28 @@ class GraphedForward:
         pos: torch.Tensor,
         mask: torch.Tensor,
         start: int,
-        capture: bool = False,
     ) -> torch.Tensor:
         """Logits `[rows, tokens, V]` of the padded batch; writes KV at `[start, start + n)`.
-        `capture`: capture this bucket now if it is not (a step being timed)."""
+        A bucket is captured at its first step."""
         shape = (ids.shape[0], ids.shape[1])
         slots = torch.arange(start, start + shape[1], device=ids.device)
         if self.cache.epoch != self.epoch:  # the buffers moved: every capture is stale
             self.graphs.clear()
+            # and so is their memory pool: the allocator may still hold it with no graph
+            # using it, and a capture into such a pool fails its `use_count > 0` assert
+            self.pool = None
             self.epoch = self.cache.epoch
         g = self.graphs.get(shape)
-        uses = self.uses[shape] = self.uses.get(shape, 0) + 1
-        due = capture or capture_due(shape[1], uses)
-        if g is None and due and self.enabled and shape == self.bucket(*shape):
+        fresh = g is None and self.enabled and shape == self.bucket(*shape)
+        if fresh:
             g = self._capture(ids, pos, mask, slots)
-        # eager for good (graphs off, or a shape past the buckets), or captured: steady
-        self.last_steady = g is not None or not self.enabled or shape != self.bucket(*shape)
+            self.captures += g is not None
+        # eager for good (graphs off, or a shape past the buckets), or replayed: steady
+        self.last_steady = not fresh and (
+            g is not None or not self.enabled or shape != self.bucket(*shape)
+        )
         if g is None:
+            self.eager_steps += 1
             return self._eager(ids, pos, mask, slots)
         g.ids.copy_(ids)
         g.pos.copy_(pos)

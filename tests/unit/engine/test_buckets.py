@@ -12,7 +12,7 @@ from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
-from tts_service.engine.graphs import CAPTURE_AFTER, GraphedForward, capture_due
+from tts_service.engine.graphs import GraphedForward
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
 LENGTHS = (24, 9, 30)
@@ -72,12 +72,3 @@ def test_time_forward_pads_to_the_bucket():
     decoder.fill_random(3, 16)
     assert decoder.time_forward(3, 5) > 0  # 3 × 5 runs as 4 × 8
     assert decoder.cache.length == 16
-
-
-def test_plain_buckets_are_captured_at_once_and_tree_buckets_at_their_fourth_step():
-    """A capture costs about three eager forwards: a tree bucket met once or twice (an
-    exploring step, a batch's tail) stays eager; a plain bucket recurs every step."""
-    assert capture_due(1, 1)
-    assert [capture_due(4, n) for n in range(1, CAPTURE_AFTER + 2)] == [False] * (
-        CAPTURE_AFTER - 1
-    ) + [True, True]

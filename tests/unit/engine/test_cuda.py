@@ -15,6 +15,7 @@ from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist
+from tts_service.engine.treebatch import TreeBatch
 from tts_service.engine.verify import verify_sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,3 +73,37 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     results = decode_rows(decoder, rows, 24)
     assert [r.token_ids for r in results] == refs
     assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs
+
+
+def _graphed_step(decoder: BatchDecoder, rows: int, width: int) -> tuple[bool, torch.Tensor]:
+    """One verify forward of `rows` chains of `width` tokens through the decoder's graphs;
+    (whether its time may teach the cost surface, the logits)."""
+    start = decoder.cache.length
+    shape = decoder.graphs.bucket(rows, width)
+    decoder.cache.reserve(shape[0], start + shape[1])
+    tb = TreeBatch.of([DraftTree.chain(1, [1] * (width - 1))] * rows, width, decoder.device)
+    ids, pos, mask = decoder._pack(tb, [start] * rows, shape)
+    logits = decoder._forward(ids, pos, mask, start)
+    return decoder.graphs.last_steady, logits
+
+
+@torch.inference_mode()
+def test_a_capturing_step_teaches_no_cost_and_a_reallocated_cache_captures_again():
+    """The step that captures a bucket pays two warm-ups and the capture: not the bucket's cost
+    (an H100 run taught its surface a 68 ms plain step that way, and trees looked 2x). After the
+    cache is reallocated, with the old graphs' logits still held (their pool not yet freed),
+    graphs are captured again in a new pool instead of failing the allocator's assert."""
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder.fill_random(2, 16)
+    graphs = decoder.graphs
+    assert [_graphed_step(decoder, 2, 1)[0] for _ in range(2)] == [False, True]
+    assert [_graphed_step(decoder, 2, 4)[0] for _ in range(2)] == [False, True]
+    assert (graphs.captures, graphs.eager_steps) == (2, 0)
+    _, held = _graphed_step(decoder, 2, 1)
+    epoch = decoder.cache.epoch
+    decoder.cache.reserve(2, decoder.cache.capacity * 2)
+    assert decoder.cache.epoch > epoch
+    assert [_graphed_step(decoder, 2, 1)[0] for _ in range(2)] == [False, True]
+    assert graphs.enabled and graphs.captures == 3
+    assert held.isfinite().all()

@@ -164,6 +164,9 @@ def test_the_planner_keeps_what_each_fresh_decision_rested_on():
         assert taken == (d.nodes if d.explored is None else d.explored)
         assert d.rows == 16 and d.context == CONTEXT and d.tokens[0] == 16.0
         assert d.tokens[1] >= d.tokens[0] and d.seconds[0] > 0 and d.sigma > 0
+        assert d.best_tree is not None and d.best_tree[0] >= 1  # what a tree would have been
+        if d.nodes > 0:
+            assert d.best_tree[:3] == (d.nodes, d.tokens[1], d.seconds[1])
     assert kept[-1].nodes > 0  # on a flat device trees pay
     _drive(flat, 2000, 16, planner, decisions)
     assert len(planner.decision_log) == KEPT_DECISIONS
