@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # A GPU session's checks in one command, in priority order, each time-boxed so that a slow
 # step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host),
-# the 7B device report (bench.device), the live runner's timing replay (bench.runner_replay;
-# `device-repeat-kv`, the baseline attention, on request) and measured beside predicted
-# (bench.device --predict).
+# the 7B device report (bench.device), the live runner's timing replay (bench.runner_replay:
+# fresh runners as a first job meets them, then `--served`, one runner per method as a Serve
+# replica keeps it; `device-repeat-kv`, the baseline attention, on request) and measured beside
+# predicted (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
-#   bash bench/gpu_check.sh [OUT_DIR]      # about 9 minutes on one H100/H200
+#   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
 #
 # Needs torch, transformers, scipy, pytest, and this repository's Python dependencies
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host device runner-replay predict} "
+steps=" ${STEPS:-cuda-tests host device runner-replay runner-replay-served predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -40,5 +41,6 @@ step() {  # step NAME SECONDS COMMAND...
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
     step runner-replay 150 $py -m bench.runner_replay --out "$out"
+    step runner-replay-served 150 $py -m bench.runner_replay --served --out "$out/served"
     step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
 } 2>&1 | tee "$out/gpu_check.log"

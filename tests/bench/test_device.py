@@ -55,3 +55,23 @@ def test_the_device_benchmark_reports_every_field_on_tiny(tmp_path):
     assert decisions and decisions[0].keys() >= {"nodes", "explored", "tokens", "seconds", "sigma"}
     assert report["replay"]["auto"]["graphs"] is None  # a CPU runs no CUDA graphs
     assert report["greedy_mismatch"]["float32"]["differing"] == 0
+
+
+def test_a_served_runner_reports_each_job_alone():
+    """`--served`: one runner across jobs, as a Serve replica keeps it. Each job's phases are
+    its own (the per-step figures divide this job's time by this job's steps), its tokens
+    are the log's, and the runner's planner and slot statistics carry over."""
+    import torch
+
+    from bench import device as dv
+
+    torch.set_grad_enabled(False)
+    model, _ = dv.build_model("tiny", None, "cpu", torch.float32)
+    problems = dv.read_log(dv.LOG, 1, 12)
+    runner = dv.replay_runner(model, problems)
+    first = dv.timing_replay(model, "auto", problems, runner)
+    planner = runner.planner
+    second = dv.timing_replay(model, "auto", problems, runner)
+    assert second["new_tokens"] == first["new_tokens"] > 0
+    assert runner.decoder.phases.steps == second["target_forwards"]
+    assert runner.planner is planner is not None and second["graphs"] is None
