@@ -107,3 +107,22 @@ def test_the_prompt_cache_keeps_the_latest_prompts_left_padded():
     assert rows.valid.tolist() == [[True, True], [False, False]]
     assert rows.layers[0].keys[0, 0, :, 0].tolist() == [50.0, 51.0]
     assert rows.layers[0].values[1].abs().sum() == 0
+
+
+def test_every_layer_is_a_view_of_one_tensor_across_growth():
+    """A rewrite (accepted slots, compaction, rows leaving) is one gather over `kv`, the one
+    tensor every layer's keys and values view: that holds after the cache grows, and growing
+    keeps every row's entries."""
+    model = tiny_llama(vocab_size=64, seed=0)
+    kv = StaticKV(model, rows=2, capacity=4)
+    with torch.inference_mode():
+        kv.append_rows(*_prefilled(model, [[1, 2, 3], [4, 5, 6]]))
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in kv.layers]
+        kv.reserve(3, 9)
+    assert kv.kv.shape[:2] == (2, len(kv.layers)) and kv.kv.shape[2] >= 3 and kv.kv.shape[4] >= 9
+    for i, layer in enumerate(kv.layers):
+        assert layer.keys.data_ptr() == kv.kv[0, i].data_ptr()
+        assert layer.values.data_ptr() == kv.kv[1, i].data_ptr()
+        keys, values = before[i]
+        assert torch.equal(layer.keys[:2, :, :3], keys[:2, :, :3])
+        assert torch.equal(layer.values[:2, :, :3], values[:2, :, :3])
