@@ -251,6 +251,7 @@ def timing_replay(
     runner.decoder.phases = StepPhases()
     graphs = runner.decoder.graphs
     before = (graphs.captures, graphs.eager_steps) if graphs is not None else (0, 0)
+    steps_before = runner.planner.steps if runner.planner is not None else 0
     report: list[RunReport] = []
     requests = logged_requests(problems, drafter)
     seconds = timed(lambda: report.append(runner.run(requests)), model.device)
@@ -283,6 +284,7 @@ def timing_replay(
         "decisions": [
             {k: _rounded(v) for k, v in asdict(d).items()}
             for d in (runner.planner.decision_log if runner.planner is not None else ())
+            if d.step > steps_before  # this job's (a served runner's planner kept the last's)
         ],
     }
 

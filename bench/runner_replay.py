@@ -8,7 +8,9 @@ planner, lazy CUDA graphs), then `auto` once under cProfile.
 By default every run is a fresh runner, as a first job (or a one-off `tts solve`) meets it:
 cost surface from its prior, every CUDA graph still to capture. `--served` keeps one runner per
 method across the runs and measures them after one unmeasured job each, as a Serve replica's
-later jobs run: surface, slot statistics and captured graphs kept.
+later jobs run: surface, slot statistics and captured graphs kept. Every job replays the same
+problems, so a served job also finds its prompts in the prompt cache and α̂ learned on the same
+trajectories: somewhat kinder than a replica's next job on new problems.
 
 Writes `runner-replay.json` ({method: [records of `bench.device.timing_replay`]}) and
 `prof-auto.txt` to `--out`.
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "runner-replay.json").write_text(json.dumps(res, indent=1) + "\n")
     prof = cProfile.Profile()
     prof.enable()
-    got = dv.timing_replay(model, "auto", problems)
+    got = dv.timing_replay(model, "auto", problems, runners.get("auto"))
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)

@@ -118,7 +118,9 @@ class TrajectoryRow(Row):
     submission: Submission
     request: TrajectoryRequest
     slots: SlotStats
-    drafted: bool = False  # a tree step has drafted for it (its drafter indexed its prompt)
+    # its last step drafted: its drafter's index has caught up with its tokens (a first tree
+    # step indexes the prompt, one after plain steps every token they committed)
+    drafted: bool = False
 
 
 Waiting = Sequence[tuple["Submission", TrajectoryRequest]]
@@ -465,11 +467,10 @@ class TrajectoryRunner:
         if f.forwards == before:
             return
         rows, width = f.trace[-1]
-        if nodes > 0:  # not the step where a row's drafter first indexes its prompt
-            if all(r.drafted for r in batch):
-                self.draft_cost.record(f.last_draft_s, nodes * len(batch))
-            for r in batch:
-                r.drafted = True
+        if nodes > 0 and all(r.drafted for r in batch):  # no row's drafter catching up
+            self.draft_cost.record(f.last_draft_s, nodes * len(batch))
+        for r in batch:
+            r.drafted = nodes > 0
         planner = self.planner
         # an eager step of a bucket about to be captured is not that bucket's cost (2x on a GPU)
         if planner is not None and planner.surface is not None and self.decoder.last_step_steady:

@@ -202,10 +202,11 @@ class DraftCost:
 
     Per planned node, not per drafted one: a drafter that sends smaller trees than asked (a
     cold store) still costs the step what it paid, and dividing by its few nodes priced every
-    later tree several times too high. A step where a row drafts for the first time is left
-    out (`record`'s caller): its drafter indexes the whole prompt then, a one-time cost ~10x a
-    step's drafting. On an H200 the first tree step of a fresh runner priced every later tree
-    out that way, and `auto` took plain steps at 0.71-0.87x plain's speed."""
+    later tree several times too high. A step where a row's drafter catches up is left out
+    (`record`'s caller): the first tree step indexes the whole prompt (a one-time cost ~10x a
+    step's drafting), the first after plain steps every token they committed. On an H200 the
+    first tree step of a fresh runner priced every later tree out that way, and `auto` took
+    plain steps at 0.71-0.87x plain's speed."""
 
     rate: float = 0.2  # weight of the newest step
     per_node: float = 0.0
@@ -301,10 +302,12 @@ class SpeculationPlanner:
             return self.max_nodes
         return max(0, min(self.max_nodes, self.max_step_tokens // power_bucket(rows) - 1))
 
-    def _cost_lines(self, rows: int, context: int, per_node: float) -> tuple[list, list, list]:
-        """Cautious and bold step seconds for k = 0..max_nodes, and each k's sigma; re-read
-        from the surface per (rows, context bucket) every `REFRESH_STEPS` steps, or at once
-        when a step surprised it."""
+    def _cost_lines(
+        self, rows: int, context: int, per_node: float
+    ) -> tuple[list, list, list, float]:
+        """Cautious and bold step seconds for k = 0..max_nodes, each k's sigma, and the
+        drafting seconds per node they priced; re-read from the surface per (rows, context
+        bucket) every `REFRESH_STEPS` steps, or at once when a step surprised it."""
         surface = self.surface
         assert surface is not None
         key = (rows, surface.bucket(1, 1, context)[2])
@@ -315,9 +318,9 @@ class SpeculationPlanner:
             cautious = step_seconds(surface.at(context, z, -z), rows, n, per_node)
             bold = step_seconds(surface.at(context, -z, z), rows, n, per_node)
             sigma = [surface.sigma(rows, k + 1, context) for k in range(n + 1)]
-            cached = (self.steps, cautious, bold, sigma, surface.surprises)
+            cached = (self.steps, cautious, bold, sigma, surface.surprises, per_node)
             self._lines[key] = cached
-        return cached[1], cached[2], cached[3]
+        return cached[1], cached[2], cached[3], cached[5]
 
     def _learned(
         self, context: int, stats: Sequence[SlotStats], per_node: float
@@ -335,7 +338,7 @@ class SpeculationPlanner:
             and self.steps - cached[1] < REFRESH_STEPS
         ):
             return cached[2], False
-        cautious, bold, sigma = self._cost_lines(len(stats), context, per_node)
+        cautious, bold, sigma, per_node = self._cost_lines(len(stats), context, per_node)
         tokens = expected_tokens(stats, self.max_nodes)
         cap = self.cap(len(stats))
         k, rate = best_rate(tokens, cautious, range(cap + 1))

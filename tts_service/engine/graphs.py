@@ -107,14 +107,14 @@ class GraphedForward:
             self.pool = None
             self.epoch = self.cache.epoch
         g = self.graphs.get(shape)
-        fresh = g is None and self.enabled and shape == self.bucket(*shape)
+        # a bucket, not a shape past them (`bucket` leaves those as they are) or one between
+        capturable = shape == self.bucket(*shape) and shape[0] * shape[1] <= MAX_TOKENS
+        fresh = g is None and self.enabled and capturable
         if fresh:
             g = self._capture(ids, pos, mask, slots)
             self.captures += g is not None
         # eager for good (graphs off, or a shape past the buckets), or replayed: steady
-        self.last_steady = not fresh and (
-            g is not None or not self.enabled or shape != self.bucket(*shape)
-        )
+        self.last_steady = not fresh and (g is not None or not self.enabled or not capturable)
         if g is None:
             self.eager_steps += 1
             return self._eager(ids, pos, mask, slots)

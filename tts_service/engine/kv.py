@@ -1,4 +1,4 @@
-"""The batch's KV cache: preallocated per layer, rewritten in place, never grown per step.
+"""The batch's KV cache: preallocated, rewritten in place, never grown per step.
 
 Every layer's `[row_capacity, kv_heads, capacity, head_dim]` keys and values are views of one
 tensor (`StaticKV.kv`), so keeping a step's slots is one op for the whole model; it also holds

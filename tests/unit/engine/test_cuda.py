@@ -107,3 +107,7 @@ def test_a_capturing_step_teaches_no_cost_and_a_reallocated_cache_captures_again
     assert [_graphed_step(decoder, 2, 1)[0] for _ in range(2)] == [False, True]
     assert graphs.enabled and graphs.captures == 3
     assert held.isfinite().all()
+    # past 1024 tokens a step runs eagerly for good: steady, never captured
+    decoder.cache.reserve(2, decoder.cache.length + 640)
+    assert [_graphed_step(decoder, 2, 640)[0] for _ in range(2)] == [True, True]
+    assert (graphs.captures, graphs.eager_steps) == (3, 2)
