@@ -71,7 +71,9 @@ def test_a_served_runner_reports_each_job_alone():
     runner = dv.replay_runner(model, problems)
     first = dv.timing_replay(model, "auto", problems, runner)
     planner = runner.planner
+    steps = planner.steps if planner is not None else 0
     second = dv.timing_replay(model, "auto", problems, runner)
+    assert all(d["step"] > steps for d in second["decisions"])  # this job's decisions only
     assert second["new_tokens"] == first["new_tokens"] > 0
     assert runner.decoder.phases.steps == second["target_forwards"]
     assert runner.planner is planner is not None and second["graphs"] is None
