@@ -4,6 +4,7 @@ stand-in target whose forward costs nothing.
     python -m bench.host --json bench/results/host.json          # the whole matrix
     python -m bench.host --rows 16 --nodes 8 --method stand-dyn  # one cell
     python -m bench.host --method stand-dyn --set drawn=true     # a drafter field changed
+    python -m bench.host --rows 16 --nodes 8 --layers 28         # a 7B's depth of KV cache
     python -m bench.host --device cuda --json runs/host-gpu.json # on a GPU: CUDA launches and
                                                                  # the step's one sync included
 
@@ -151,6 +152,7 @@ class StandInTarget(LoggedTarget):
         vocab: int,
         defer: bool = True,
         device: str = "cpu",
+        layers: int = 1,
     ) -> None:
         super().__init__(problems, vocab)
         self.defer = defer
@@ -158,7 +160,7 @@ class StandInTarget(LoggedTarget):
             vocab_size=vocab,
             hidden_size=16,
             intermediate_size=32,
-            num_hidden_layers=1,
+            num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=8192,
@@ -224,9 +226,10 @@ def measure(
     defer: bool = True,
     device: str = "cpu",
     overrides: Sequence[str] = (),
+    layers: int = 1,
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler."""
-    target = StandInTarget(problems, vocab, defer, device)
+    target = StandInTarget(problems, vocab, defer, device, layers)
     runner = TrajectoryRunner(target, rows, "fixed", token_budget=(nodes + 1) * rows)
     runner.submit(requests(problems, method, nodes, temperature, overrides))
     dec = cast(StandInDecoder, runner.decoder)
@@ -257,6 +260,7 @@ def measure(
         "method": method,
         "set": list(overrides),
         "temperature": temperature,
+        "layers": layers,
         "steps": done,
         "mean_rows": round(f.row_forwards / f.forwards, 2),
         "nodes_per_row": round((f.draft_nodes - drafted0) / (f.row_forwards - rows0), 2),
@@ -287,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", type=Path, default=LOG, help="trajectory log with top-k")
     ap.add_argument("--json", type=Path, help="write the records here (a JSON list)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the host path a GPU sees")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="the stand-in's layers: its KV cache's, whose rewrites are host work (a 7B: 28)",
+    )
     ap.add_argument(
         "--inline-observation", action="store_true", help="observe before the next draft"
     )
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                     not args.inline_observation,
                     args.device,
                     args.set,
+                    args.layers,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)

@@ -1,0 +1,18 @@
+"""`bench/host.py` measures a cell on a bare machine and reports every field of its records."""
+
+from __future__ import annotations
+
+from bench import host
+
+
+def test_the_host_benchmark_measures_a_cell_at_a_models_depth():
+    """`--layers`: the stand-in's KV cache as deep as a model's, whose rewrites are host work.
+    A tree step's ops grow by a constant, not per layer (every layer's KV is one tensor)."""
+    problems = host.fold(host.read_problems(host.LOG)[:1], 64)
+    shallow, deep = (
+        host.measure(problems, 64, 2, 4, "stand", 24, 0.6, layers=layers) for layers in (1, 12)
+    )
+    assert deep.keys() >= {"rows", "nodes", "method", "host_ms_per_step", "ops_per_step"}
+    assert (deep["layers"], shallow["layers"]) == (12, 1)
+    assert deep["host_ms_per_step"] > 0 and deep["acceptance_length"] >= 1.0
+    assert deep["ops_per_step"] < shallow["ops_per_step"] + 20  # per-layer copies: +66
