@@ -472,7 +472,7 @@ class TrajectoryRunner:
         for r in batch:
             r.drafted = nodes > 0
         planner = self.planner
-        # an eager step of a bucket about to be captured is not that bucket's cost (2x on a GPU)
+        # the step that captured its bucket's CUDA graph (warm-ups, the capture) is not its cost
         if planner is not None and planner.surface is not None and self.decoder.last_step_steady:
             planner.surface.record(rows, width, f.last_context, f.last_forward_s)
         explored = planner is not None and planner.last_explored

@@ -242,8 +242,8 @@ def test_the_learned_surface_is_opened_once_and_taught_by_every_step(tiny_model,
 
 
 def test_a_step_that_is_not_steady_does_not_teach_the_surface(tiny_model):
-    """On a GPU a tree bucket's first steps run eagerly (2x) before its graph is captured;
-    they are not that bucket's cost. Stood in for here (no GPU) by a decoder that reports
+    """On a GPU the step that captures a bucket's graph also runs two warm-up forwards and the
+    capture: not that bucket's cost. Stood in for here (no GPU) by a decoder that reports
     every other step unsteady: the surface learns from the others only."""
 
     class EagerEveryOtherStep(BatchDecoder):
@@ -270,10 +270,11 @@ def test_draft_cost_is_a_decayed_mean_per_planned_node():
 
 def test_a_rows_first_tree_step_does_not_price_drafting(tiny_model):
     """The planner prices k nodes per row at `draft_cost.per_node` × rows × k, learned from
-    every tree step but those where a row drafts for the first time (its drafter indexes the
-    whole prompt then: one-time, and on a GPU it priced every later tree out). 3 rows through
-    2: the first step and the step the third row joins are left out, and every sample is the
-    step's planned nodes (rows × nodes per row), not the nodes the drafters sent."""
+    every tree step but those where a row's drafter catches up (at its first tree step it
+    indexes the whole prompt: one-time, and on a GPU it priced every later tree out; after
+    plain steps, what they committed). 3 rows through 2, every step a tree step: the first
+    step and the step the third row joins are left out, and every sample is the step's
+    planned nodes (rows × nodes per row), not the nodes the drafters sent."""
     runner = TrajectoryRunner(make_generator(tiny_model), 2, "fixed", token_budget=10)
     planned: list[int] = []
     record = runner.draft_cost.record

@@ -144,7 +144,6 @@ class StaticKV(Cache):
         self.full_view = False
         self.write_slots: torch.Tensor | None = None
         self.epoch = 0
-        self.kv: torch.Tensor | None = None  # [2, layers, rows, kv_heads, capacity, head_dim]
         self._allocate(max(rows, 1), max(capacity, 1))
 
     # -- capacity ---------------------------------------------------------------------------
@@ -166,10 +165,9 @@ class StaticKV(Cache):
         a second copy of the whole cache; growing does (the old and the new tensor)."""
         shape = (2, len(self.layers), rows, self.kv_heads, capacity, self.head_dim)
         kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.kv is not None:
-            used = (slice(None), slice(None), slice(0, self.rows), slice(None))
-            kv[(*used, slice(0, self.length))] = self.kv[(*used, slice(0, self.length))]
-        self.kv = kv
+        if hasattr(self, "kv"):
+            kv[:, :, : self.rows, :, : self.length] = self.kv[:, :, : self.rows, :, : self.length]
+        self.kv = kv  # [2, layers, rows, kv_heads, capacity, head_dim]
         for i, layer in enumerate(self.layers):
             layer.keys, layer.values, layer.is_initialized = kv[0, i], kv[1, i], True
         valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
@@ -195,13 +193,9 @@ class StaticKV(Cache):
         return self.length
 
     # -- rewrites, all in place -------------------------------------------------------------
-    def _all_kv(self) -> torch.Tensor:
-        assert self.kv is not None  # allocated in __init__
-        return self.kv
-
     def _rows_kv(self) -> torch.Tensor:
         """`[2, layers, rows, kv_heads, capacity, head_dim]`: the batch's rows, every layer."""
-        return self._all_kv()[:, :, : self.rows]
+        return self.kv[:, :, : self.rows]
 
     @torch.inference_mode()
     def keep_region(self, start: int, idx: torch.Tensor) -> None:
@@ -243,7 +237,7 @@ class StaticKV(Cache):
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep only rows `keep` (`[k]`, ascending), moved to the top (rows leave the batch)."""
         k, used = keep.shape[0], slice(0, self.length)
-        kv = self._all_kv()
+        kv = self.kv
         for layer in range(kv.shape[1]):  # a layer at a time: the copy is the rows' cache
             kv[:, layer, :k, :, used] = kv[:, layer, keep, :, used]
         self.valid[:k] = self.valid[keep]
