@@ -7,6 +7,8 @@ stand-in target whose forward costs nothing.
     python -m bench.host --rows 16 --nodes 8 --layers 28         # a 7B's depth of KV cache
     python -m bench.host --device cuda --json runs/host-gpu.json # on a GPU: CUDA launches and
                                                                  # the step's one sync included
+    python -m bench.host --speculation cost                      # `auto`'s runner: the planner
+                                                                 # and slot statistics too
 
 On a GPU a 7B decode step for 16 rows takes a few milliseconds and tree tokens are nearly
 free, so the step time is whatever the host does between two forwards. This measures that
@@ -24,7 +26,9 @@ what remains is Python and op dispatch, as a GPU host sees it.
 Per step it reports the critical-path host time, from the end of one forward to the launch of
 the next (joins excluded: a prefill is a forward), split by the decoder's phases
 (`engine.metrics.PHASES`: draft, pack, verify, accept, kv, observe) plus `runner` (the
-runner's own work between steps); and `ops_per_step`, the torch ops dispatched per step outside
+runner's own work between steps: with `--speculation cost`, the planner deciding each step
+over a 7B's roofline on one H100, at most `--nodes` per row, at this host's measured drafting
+cost, as `auto` runs); and `ops_per_step`, the torch ops dispatched per step outside
 the forward (torch.profiler, top-level aten ops).
 """
 
@@ -46,11 +50,14 @@ from pydantic import TypeAdapter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.methods import with_fields
+from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
+from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.metrics import PHASES
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.surface import CostSurface, ModelShape, Roofline
 from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
 from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
 
@@ -100,6 +107,8 @@ def response_logits(problem: LoggedProblem, r: int, vocab: int) -> torch.Tensor:
 class StandInDecoder(BatchDecoder):
     """The engine's decoder with the forward replaced by the log (module docstring); it keeps
     joins (prefill forwards) out of the measured host time."""
+
+    last_step_steady = False  # a forward that costs nothing has nothing to teach the surface
 
     def __init__(self, model, problems: Sequence[LoggedProblem], vocab: int, defer: bool) -> None:
         super().__init__(model, eos_ids=[], cuda_graphs=False, defer_observation=defer)
@@ -215,6 +224,21 @@ def top_level_ops(prof: torch.profiler.profile, outside: tuple[str, ...]) -> int
     return count
 
 
+def gpu_surface() -> CostSurface:
+    """The planner's cost surface for a stand-in: Qwen2.5-7B in bf16 on one H100, at the
+    roofline (`bench.predict`'s shape and device, its fitted efficiency). The stand-in's
+    steps never teach it (`StandInDecoder.last_step_steady`)."""
+    shape, gpu, eff = SHAPES["qwen2.5-7b"], GPUS["H100"], fit_efficiency()
+    read = shape.read_parameters()
+    model = ModelShape(
+        weight_bytes=float(read * BYTES),
+        kv_bytes_per_token=float(shape.kv_bytes_per_token()),
+        flops_per_token=float(2 * read),
+        attention_flops_per_key=float(4 * shape.layers * shape.heads * shape.head_dim),
+    )
+    return CostSurface(Roofline(model, gpu.bandwidth * eff, gpu.flops * eff, 0.0))
+
+
 def measure(
     problems: Sequence[LoggedProblem],
     vocab: int,
@@ -227,10 +251,19 @@ def measure(
     device: str = "cpu",
     overrides: Sequence[str] = (),
     layers: int = 1,
+    speculation: str = "fixed",
 ) -> dict:
-    """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler."""
+    """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler.
+
+    `speculation="cost"` runs the runner as `auto` runs it: slot statistics recorded every
+    step and the planner deciding every step, over a 7B's roofline on one H100 (`gpu_surface`),
+    at most `nodes` per row; `"fixed"`, exactly `nodes` per row, no planner."""
     target = StandInTarget(problems, vocab, defer, device, layers)
-    runner = TrajectoryRunner(target, rows, "fixed", token_budget=(nodes + 1) * rows)
+    runner = TrajectoryRunner(target, rows, speculation, token_budget=(nodes + 1) * rows)
+    if speculation == "cost":
+        # z = 0: decide on the roofline itself, where trees of `nodes` pay (the cautious bound
+        # would price a 7B tree step at 2.2x plain's, with nothing timed to say otherwise)
+        runner.planner = SpeculationPlanner(surface=gpu_surface(), max_nodes=nodes, z=0.0)
     runner.submit(requests(problems, method, nodes, temperature, overrides))
     dec = cast(StandInDecoder, runner.decoder)
     for _ in range(8):  # warm-up: rows joined, stores and tables not empty
@@ -258,6 +291,7 @@ def measure(
         "rows": rows,
         "nodes": nodes,
         "method": method,
+        "speculation": speculation,
         "set": list(overrides),
         "temperature": temperature,
         "layers": layers,
@@ -298,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the stand-in's layers: its KV cache's, whose rewrites are host work (a 7B: 28)",
     )
     ap.add_argument(
+        "--speculation",
+        choices=("fixed", "cost"),
+        default="fixed",
+        help="cost: the planner decides each step (as `auto`), up to --nodes; fixed: --nodes",
+    )
+    ap.add_argument(
         "--inline-observation", action="store_true", help="observe before the next draft"
     )
     ap.add_argument(
@@ -332,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.device,
                     args.set,
                     args.layers,
+                    args.speculation,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)

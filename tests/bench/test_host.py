@@ -16,3 +16,17 @@ def test_the_host_benchmark_measures_a_cell_at_a_models_depth():
     assert (deep["layers"], shallow["layers"]) == (12, 1)
     assert deep["host_ms_per_step"] > 0 and deep["acceptance_length"] >= 1.0
     assert deep["ops_per_step"] < shallow["ops_per_step"] + 20  # per-layer copies: +66
+
+
+def test_the_planners_bookkeeping_dispatches_no_torch_op_per_drafted_node():
+    """`--speculation cost` adds what `auto`'s runner does every step (slot statistics, the
+    planner). Per-slot counts in torch tensors cost ~8 ops per drafted node (16 rows x 8
+    nodes: 1,080 ops a step against 152); the statistics keep the ops a tree step dispatches
+    where fixed trees have them."""
+    problems = host.fold(host.read_problems(host.LOG)[:1], 64)
+    fixed, cost = (
+        host.measure(problems, 64, 4, 8, "stand", 24, 0.6, speculation=speculation)
+        for speculation in ("fixed", "cost")
+    )
+    assert cost["speculation"] == "cost" and cost["nodes_per_row"] > 1  # trees were planned
+    assert cost["ops_per_step"] < fixed["ops_per_step"] + 20

@@ -102,6 +102,16 @@ class Roofline:
         m, c = self.parts(rows, width, context)
         return max(m, c) + self.overlap * min(m, c)
 
+    def times(self, rows: int, widths: int, context: int) -> list[float]:
+        """`time` at widths 1..`widths` (the memory term read once)."""
+        (m, _), s = self.parts(rows, 0, context), self.shape
+        out = []
+        for w in range(1, widths + 1):  # `parts`' compute term, the same arithmetic
+            c = rows * w * (s.flops_per_token + (context + w) * s.attention_flops_per_key)
+            c /= self.flops
+            out.append(max(m, c) + self.overlap * min(m, c))
+        return out
+
     @classmethod
     def fit(
         cls,
@@ -243,10 +253,18 @@ class CostSurface:
     def sigma(self, rows: int, width: int, context: int) -> float:
         return self.correction(rows, width, context)[1]
 
-    def at(self, context: int, z_tree: float = 0.0, z_plain: float = 0.0) -> SurfaceView:
-        """T(rows, width) at one context, what `engine.allocate.nodes_for_step` prices with:
-        plain steps (width 1) `z_plain` sigmas up, tree steps `z_tree` sigmas up."""
-        return SurfaceView(self, context, z_tree, z_plain)
+    def line(self, rows: int, widths: int, context: int) -> list[tuple[float, float, float]]:
+        """(roofline seconds, mean, sigma) at widths 1..`widths`: what `time` reads per width
+        (T = roofline · exp(mean + z·sigma)), with one `correction` per width bucket. The
+        planner prices every k from one line (`engine.allocate.SpeculationPlanner`)."""
+        corrections: dict[int, tuple[float, float]] = {}
+        out = []
+        for w, t in enumerate(self.roofline.times(rows, widths, context), start=1):
+            b = power_bucket(w)
+            if b not in corrections:
+                corrections[b] = self.correction(rows, w, context)
+            out.append((t, *corrections[b]))
+        return out
 
     # -- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -289,20 +307,6 @@ class CostSurface:
         self._saved_at = now
         if not write_json(self.path, self.to_dict()):
             self.path = None  # a read-only cache costs the next process four forwards, no more
-
-
-@dataclass(frozen=True)
-class SurfaceView:
-    """The surface at one context and confidence: `time(rows, width)`."""
-
-    surface: CostSurface
-    context: int
-    z_tree: float = 0.0
-    z_plain: float = 0.0
-
-    def time(self, rows: int, width: int) -> float:
-        z = self.z_plain if width == 1 else self.z_tree
-        return self.surface.time(rows, width, self.context, z)
 
 
 class SurfaceVerifyCost:

@@ -3,9 +3,17 @@ forget a cold start."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tts_service.engine.allocate import BatchCost, SlotStats, nodes_for_step
+from tts_service.engine.allocate import (
+    MAX_DEPTH,
+    MAX_RANK,
+    BatchCost,
+    SlotStats,
+    expected_tokens,
+    nodes_for_step,
+)
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 from tts_service.runner import MAX_NODES
@@ -62,3 +70,17 @@ def test_slot_statistics_forget_a_cold_start_while_nothing_is_drafted():
     for _ in range(150):
         s.tick()
     assert cold < 0.25 and float(s.alphas()[1, 0]) > 0.55  # the prior is 0.6
+
+
+def test_expected_tokens_sum_each_methods_best_slots_over_its_rows():
+    """Rows of a method share its statistics: rows + Σ_methods n · (its k best α̂), past the
+    table's slots too (more nodes than slots add nothing)."""
+    a, b = _stats(0.8), _stats(0.3)
+    rows = [a, a, b]
+    slots = (MAX_DEPTH + 1 - 1) * (MAX_RANK + 1)
+    tokens = expected_tokens(rows, slots + 5)
+    for k in (0, 1, 2, 7, slots, slots + 5):
+        alphas = {id(s): sorted(s.alphas()[1:].ravel().tolist(), reverse=True) for s in (a, b)}
+        want = 3 + sum(sum(alphas[id(s)][:k]) for s in rows)
+        assert tokens[k] == pytest.approx(want, rel=1e-12)
+    assert tokens[0] == 3.0 and tokens[slots] == tokens[slots + 5]

@@ -60,6 +60,22 @@ def test_a_bucket_learns_its_own_time_and_others_follow_the_overall_correction()
     assert s.time(1, 8, CONTEXT, z=-1) < s.time(1, 8, CONTEXT) < s.time(1, 8, CONTEXT, z=1)
 
 
+@pytest.mark.parametrize("overlap", [1.0, 0.0], ids=["cpu-additive", "gpu-overlapped"])
+def test_a_line_reads_what_time_and_sigma_read_at_every_width(overlap):
+    """The planner prices every k from one `line` (one correction per width bucket): it must
+    be the surface's own `time` and `sigma`, bit for bit, at every width and bound."""
+    s = CostSurface(Roofline(SHAPE, 1.2e10, 2e11, overlap))
+    for width in (1, 2, 4, 8, 16):
+        s.record(16, width, CONTEXT, 1.7 * width**0.3 * s.roofline.time(16, width, CONTEXT))
+    for rows, context in [(1, 50), (16, CONTEXT), (64, 5000)]:
+        line = s.line(rows, 65, context)
+        assert len(line) == 65
+        for width, (t, mean, sd) in enumerate(line, start=1):
+            assert sd == s.sigma(rows, width, context)
+            for z in (-1.0, 0.0, 1.0):
+                assert t * math.exp(mean + z * sd) == s.time(rows, width, context, z)
+
+
 def test_old_evidence_fades():
     s = _surface()
     for _ in range(20):
