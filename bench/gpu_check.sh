@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A GPU session's checks in one command, in priority order, each time-boxed so that a slow
-# step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host),
-# the 7B device report (bench.device), the live runner's timing replay (bench.runner_replay:
-# fresh runners as a first job meets them, then `--served`, one runner per method as a Serve
-# replica keeps it; `device-repeat-kv`, the baseline attention, on request) and measured beside
-# predicted (bench.device --predict).
+# step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host;
+# host-cost: with `auto`'s planner), the 7B device report (bench.device), the live runner's
+# timing replay (bench.runner_replay: fresh runners as a first job meets them, then
+# `--served`, one runner per method as a Serve replica keeps it; `device-repeat-kv`, the
+# baseline attention, on request) and measured beside predicted (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host device runner-replay runner-replay-served predict} "
+steps=" ${STEPS:-cuda-tests host host-cost device runner-replay runner-replay-served predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -36,6 +36,8 @@ step() {  # step NAME SECONDS COMMAND...
     step cuda-tests 90 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
     step host 130 $py -m bench.host --device cuda --rows 1 16 64 --nodes 0 8 32 --steps 30 \
         --json "$out/host-gpu.json"
+    step host-cost 60 $py -m bench.host --device cuda --speculation cost --rows 16 64 --nodes 8 \
+        --method stand stand-dyn --steps 30 --json "$out/host-gpu-cost.json"
     step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \

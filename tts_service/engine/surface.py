@@ -250,9 +250,6 @@ class CostSurface:
                 self.overall.weight += weight
                 self.overall.total += weight * r
 
-    def sigma(self, rows: int, width: int, context: int) -> float:
-        return self.correction(rows, width, context)[1]
-
     def line(self, rows: int, widths: int, context: int) -> list[tuple[float, float, float]]:
         """(roofline seconds, mean, sigma) at widths 1..`widths`: what `time` reads per width
         (T = roofline · exp(mean + z·sigma)), with one `correction` per width bucket. The

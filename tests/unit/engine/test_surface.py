@@ -52,10 +52,10 @@ def test_a_bucket_learns_its_own_time_and_others_follow_the_overall_correction()
     for _ in range(40):  # the device is 3x slower than the roofline at 16 rows x 2 tokens
         s.record(16, 2, CONTEXT, 3.0 * s.roofline.time(16, 2, CONTEXT))
     assert s.time(16, 2, CONTEXT) == pytest.approx(3.0 * prior, rel=0.02)
-    assert s.sigma(16, 2, CONTEXT) < 0.1
+    assert s.correction(16, 2, CONTEXT)[1] < 0.1
     # an untimed bucket moves toward the overall correction but stays uncertain
     assert s.time(1, 8, CONTEXT) == pytest.approx(3.0 * s.roofline.time(1, 8, CONTEXT), rel=0.02)
-    assert s.sigma(1, 8, CONTEXT) == pytest.approx(0.4)
+    assert s.correction(1, 8, CONTEXT)[1] == pytest.approx(0.4)
     # pessimistic and optimistic bounds bracket the estimate
     assert s.time(1, 8, CONTEXT, z=-1) < s.time(1, 8, CONTEXT) < s.time(1, 8, CONTEXT, z=1)
 
@@ -71,7 +71,7 @@ def test_a_line_reads_what_time_and_sigma_read_at_every_width(overlap):
         line = s.line(rows, 65, context)
         assert len(line) == 65
         for width, (t, mean, sd) in enumerate(line, start=1):
-            assert sd == s.sigma(rows, width, context)
+            assert sd == s.correction(rows, width, context)[1]
             for z in (-1.0, 0.0, 1.0):
                 assert t * math.exp(mean + z * sd) == s.time(rows, width, context, z)
 
@@ -80,10 +80,10 @@ def test_old_evidence_fades():
     s = _surface()
     for _ in range(20):
         s.record(4, 1, CONTEXT, 2.0 * s.roofline.time(4, 1, CONTEXT))
-    fresh = s.sigma(4, 1, CONTEXT)
+    fresh = s.correction(4, 1, CONTEXT)[1]
     for _ in range(300):  # other shapes run meanwhile
         s.record(16, 1, CONTEXT, s.roofline.time(16, 1, CONTEXT))
-    assert s.sigma(4, 1, CONTEXT) > 2 * fresh
+    assert s.correction(4, 1, CONTEXT)[1] > 2 * fresh
 
 
 def test_the_surface_survives_a_restart_on_disk(tmp_path):
@@ -98,7 +98,7 @@ def test_the_surface_survives_a_restart_on_disk(tmp_path):
     assert second.source == "disk"
     assert second.time(8, 4, CONTEXT) == pytest.approx(0.05, rel=0.02)
     # trusted like a few steps only, so a new process adapts quickly
-    assert first.sigma(8, 4, CONTEXT) < second.sigma(8, 4, CONTEXT) < 0.4
+    assert first.correction(8, 4, CONTEXT)[1] < second.correction(8, 4, CONTEXT)[1] < 0.4
     path.write_text("{not json")
     again = open_surface(model, "tiny", tmp_path)
     assert again.source == "prior"  # unreadable: start over, and overwrite it
