@@ -171,12 +171,12 @@ def expected_tokens(stats: Sequence[SlotStats], max_nodes: int) -> list[float]:
     shared: dict[int, tuple[SlotStats, int]] = {}  # rows of one method share its statistics
     for s in stats:
         shared[id(s)] = (s, shared[id(s)][1] + 1 if id(s) in shared else 1)
-    tokens = [float(len(stats))] * (max_nodes + 1)
+    drafts = [0.0] * (max_nodes + 1)  # Σ over methods, summed in the rows' order of methods
     for s, n in shared.values():
         c = s.cumulative()
         c = c[: max_nodes + 1] + [c[-1]] * (max_nodes + 1 - len(c))
-        tokens = [t + n * b for t, b in zip(tokens, c, strict=True)]
-    return tokens
+        drafts = [d + n * b for d, b in zip(drafts, c, strict=True)]
+    return [len(stats) + d for d in drafts]
 
 
 def best_rate(tokens: Sequence[float], seconds: Sequence[float], ks: range) -> tuple[int, float]:
