@@ -26,10 +26,10 @@ what remains is Python and op dispatch, as a GPU host sees it.
 Per step it reports the critical-path host time, from the end of one forward to the launch of
 the next (joins excluded: a prefill is a forward), split by the decoder's phases
 (`engine.metrics.PHASES`: draft, pack, verify, accept, kv, observe) plus `runner` (the
-runner's own work between steps: with `--speculation cost`, the planner deciding each step
-over a 7B's roofline on one H100, at most `--nodes` per row, at this host's measured drafting
-cost, as `auto` runs); and `ops_per_step`, the torch ops dispatched per step outside
-the forward (torch.profiler, top-level aten ops).
+runner's own work between steps: with `--speculation cost`, `auto`'s planner deciding each
+step over a 7B's roofline on one H100, at most `--nodes` per row, at this host's measured
+drafting cost, its surface untaught (`measure`)); and `ops_per_step`, the torch ops
+dispatched per step outside the forward (torch.profiler, top-level aten ops).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.metrics import PHASES
 from tts_service.engine.sampling import SamplingParams
-from tts_service.engine.surface import CostSurface, ModelShape, Roofline
+from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
 from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
-from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
+from tts_service.runner import MAX_NODES, TrajectoryRequest, TrajectoryRow, TrajectoryRunner
 
 LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")
 ROWS, NODES, METHODS = (1, 16, 64), (0, 8, 32), ("plain", "stand", "stand-dyn")
@@ -256,14 +256,22 @@ def measure(
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler.
 
     `speculation="cost"` runs the runner as `auto` runs it: slot statistics recorded every
-    step and the planner deciding every step, over a 7B's roofline on one H100 (`gpu_surface`),
-    at most `nodes` per row; `"fixed"`, exactly `nodes` per row, no planner."""
+    step and the planner deciding every step (k = 0..64 priced), over a 7B's roofline on one
+    H100 (`gpu_surface`), at most `nodes` per row. Unlike a live runner's, its surface is never
+    taught (the stand-in's forward costs nothing) and it decides on the estimate itself (z = 0),
+    so it re-reads its cost lines every 4 steps, not also after surprises; the drafting it
+    prices is this host's. `"fixed"`: exactly `nodes` per row, no planner."""
     target = StandInTarget(problems, vocab, defer, device, layers)
     runner = TrajectoryRunner(target, rows, speculation, token_budget=(nodes + 1) * rows)
     if speculation == "cost":
-        # z = 0: decide on the roofline itself, where trees of `nodes` pay (the cautious bound
-        # would price a 7B tree step at 2.2x plain's, with nothing timed to say otherwise)
-        runner.planner = SpeculationPlanner(surface=gpu_surface(), max_nodes=nodes, z=0.0)
+        # as the runner builds it (k = 0..MAX_NODES priced every decision), with the step's
+        # tokens capped so that no row gets more than `nodes`; z = 0: decide on the roofline
+        # itself (the cautious bound would price a 7B tree step at 2.2x plain's, with nothing
+        # timed to say otherwise)
+        cap = (nodes + 1) * power_bucket(rows)
+        runner.planner = SpeculationPlanner(
+            surface=gpu_surface(), max_nodes=MAX_NODES, max_step_tokens=cap, z=0.0
+        )
     runner.submit(requests(problems, method, nodes, temperature, overrides))
     dec = cast(StandInDecoder, runner.decoder)
     for _ in range(8):  # warm-up: rows joined, stores and tables not empty

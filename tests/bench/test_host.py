@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench import host
+from bench import host, planner
 
 
 def test_the_host_benchmark_measures_a_cell_at_a_models_depth():
@@ -30,3 +30,8 @@ def test_the_planners_bookkeeping_dispatches_no_torch_op_per_drafted_node():
     )
     assert cost["speculation"] == "cost" and cost["nodes_per_row"] > 1  # trees were planned
     assert cost["ops_per_step"] < fixed["ops_per_step"] + 20
+
+
+def test_the_planner_benchmark_times_a_record_and_a_decision():
+    rec = planner.measure(60)
+    assert rec["record_tree_us"] > 0 and rec["fresh_decision_us"] > 0 and rec["steps"] == 60

@@ -41,6 +41,16 @@ MAX_DEPTH = 16  # slots deeper or wider than this share the last slot's statisti
 MAX_RANK = 8
 
 
+PRIOR = (
+    0.6 ** torch.arange(MAX_DEPTH + 1, dtype=torch.float64)[:, None]
+    * 0.5 ** torch.arange(MAX_RANK + 1, dtype=torch.float64)[None, :]
+).numpy()
+"""α̂'s prior per slot, 0.6^d · 0.5^r, read-only (every method's statistics share it), by
+torch's pow as before the counts moved to numpy: numpy's differs in the last bit at d = 4, and
+the planner's sums would with it."""
+PRIOR.setflags(write=False)
+
+
 class SlotStats:
     """α̂ per tree slot (depth d >= 1, rank r among siblings) for one drafting method.
 
@@ -60,9 +70,7 @@ class SlotStats:
         shape = (MAX_DEPTH + 1, MAX_RANK + 1)
         self.drafted = np.zeros(shape)
         self.hits = np.zeros(shape)
-        d = np.arange(shape[0], dtype=np.float64)[:, None]
-        r = np.arange(shape[1], dtype=np.float64)[None, :]
-        self.prior = 0.6**d * 0.5**r
+        self.prior = PRIOR
         self._cumulative: list[float] | None = None
         self.version = 0  # trees recorded: a planner's cached decision is stale after one
 
@@ -105,11 +113,6 @@ class SlotStats:
             a = np.sort(self.alphas()[1:].ravel())[::-1]
             self._cumulative = [0.0, *np.cumsum(a).tolist()]
         return self._cumulative
-
-    def best(self, k: int) -> float:
-        """Expected accepted draft tokens of the best k-node tree."""
-        c = self.cumulative()
-        return c[min(k, len(c) - 1)]
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def test_the_allocator_by_hand():
     1, 1.8/1.25, 2.3/1.5, 2.4/1.75: k = 2."""
     s = SlotStats(prior_weight=1e-9)
     s.drafted[1:4, 0] = 1.0
-    s.hits[1:4, 0] = torch.tensor([0.8, 0.5, 0.1], dtype=torch.float64)
+    s.hits[1:4, 0] = [0.8, 0.5, 0.1]
     s.drafted[4:, 0] = 1.0
     s.drafted[:, 1:] = 1.0  # every sibling slot drafted and never accepted
     s.record(DraftTree.root_only(0), Acceptance((), (), 0))  # no-op: root only
@@ -84,3 +84,11 @@ def test_expected_tokens_sum_each_methods_best_slots_over_its_rows():
         want = 3 + sum(sum(alphas[id(s)][:k]) for s in rows)
         assert tokens[k] == pytest.approx(want, rel=1e-12)
     assert tokens[0] == 3.0 and tokens[slots] == tokens[slots + 5]
+
+
+def test_the_prior_is_torchs_to_the_last_bit():
+    """The slot counts moved from torch to numpy; the planner's decisions must not move with
+    them (numpy's 0.6**4 is one ulp below torch's)."""
+    d = torch.arange(MAX_DEPTH + 1, dtype=torch.float64)[:, None]
+    r = torch.arange(MAX_RANK + 1, dtype=torch.float64)[None, :]
+    assert (SlotStats().prior == (0.6**d * 0.5**r).numpy()).all()

@@ -61,9 +61,9 @@ def test_a_bucket_learns_its_own_time_and_others_follow_the_overall_correction()
 
 
 @pytest.mark.parametrize("overlap", [1.0, 0.0], ids=["cpu-additive", "gpu-overlapped"])
-def test_a_line_reads_what_time_and_sigma_read_at_every_width(overlap):
+def test_a_line_reads_what_time_and_correction_read_at_every_width(overlap):
     """The planner prices every k from one `line` (one correction per width bucket): it must
-    be the surface's own `time` and `sigma`, bit for bit, at every width and bound."""
+    be the surface's own `time` and `correction`, bit for bit, at every width and bound."""
     s = CostSurface(Roofline(SHAPE, 1.2e10, 2e11, overlap))
     for width in (1, 2, 4, 8, 16):
         s.record(16, width, CONTEXT, 1.7 * width**0.3 * s.roofline.time(16, width, CONTEXT))
