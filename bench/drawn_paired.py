@@ -4,6 +4,8 @@ settings of `stand-dyn` draft at the same positions of logged trajectories.
     python bench/drawn_paired.py [--trajectories bench/trajectories-tuning-t1-smollm2.jsonl.gz]
         [--temperature 1.0] [--nodes 8] [--problems 4] [--max-tokens 256]
         [--out runs/drawn-paired.json]
+    python bench/drawn_paired.py --setting inline='{}' \
+        --setting harvest='{"harvest_rejected": true}'     # any two settings of stand-dyn
 
 Live runs at T = 1.0 sample different text each time, so a few percent of acceptance length is
 below their run-to-run noise, and replay cannot credit a drawn child (given the logged token, a
@@ -45,7 +47,8 @@ from tts_service.models import load_model
 from tts_service.replay import LoggedProblem, parse_line, sized_fields
 
 LOG = Path(__file__).with_name("trajectories-tuning-t1-smollm2.jsonl.gz")
-SETTINGS = {"deterministic": False, "drawn": True}
+SETTINGS: dict[str, dict] = {"deterministic": {"drawn": False}, "drawn": {"drawn": True}}
+"""The two settings compared by default: `stand-dyn`'s fields each overrides (`--setting`)."""
 
 
 @dataclass(frozen=True)
@@ -151,17 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256, help="per response")
     ap.add_argument("--out", type=Path, default=Path("runs/drawn-paired.json"))
+    ap.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME=JSON",
+        help="two of these compare any two settings of stand-dyn's fields (default: drawn)",
+    )
     args = ap.parse_args(argv)
+    settings = SETTINGS
+    if args.setting:
+        pairs = [item.split("=", 1) for item in args.setting]
+        if len(pairs) != 2 or any(len(p) != 2 for p in pairs):
+            ap.error("--setting takes NAME=JSON, exactly twice")
+        settings = {name: json.loads(value) for name, value in pairs}
     model = load_model(ModelConfig(name="smollm2-135m")).model
     problems = read_problems(args.trajectories, args.problems, args.max_tokens)
     fields = sized_fields(method_drafter("stand-dyn", {}, "cpu"), args.nodes)
     cfgs = {
-        name: TypeAdapter(DrafterConfig).validate_python({**fields, "drawn": drawn})
-        for name, drawn in SETTINGS.items()
+        name: TypeAdapter(DrafterConfig).validate_python({**fields, **extra})
+        for name, extra in settings.items()
     }
-    per_model: dict[str, dict] = {name: {} for name in SETTINGS}
-    totals = {name: {"steps": 0, "expected": 0.0, "sampled": 0, "drawn": 0} for name in SETTINGS}
-    by_index: dict[str, dict[int, list[float]]] = {name: {} for name in SETTINGS}
+    per_model: dict[str, dict] = {name: {} for name in settings}
+    totals = {name: {"steps": 0, "expected": 0.0, "sampled": 0, "drawn": 0} for name in settings}
+    by_index: dict[str, dict[int, list[float]]] = {name: {} for name in settings}
     t0, load = time.perf_counter(), os.getloadavg()[0]
     for problem in tqdm(problems, desc="problem", file=sys.stderr):
         scored = score_problem(model, problem, cfgs, per_model, args.temperature, args.nodes)
@@ -180,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
         "load": round(load, 2),
+        "fields": settings,
         "settings": {
             name: {
                 "steps": t["steps"],
@@ -197,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    det, drawn = (record["settings"][n] for n in SETTINGS)
+    (a, first), (b, second) = ((n, record["settings"][n]) for n in settings)
     print(
         f"{args.trajectories.name}, T = {args.temperature}, {args.nodes} nodes, "
-        f"{det['steps']} positions: expected tokens per forward deterministic "
-        f"{det['expected_length']:.4f} (sampled {det['sampled_length']:.4f}), drawn "
-        f"{drawn['expected_length']:.4f} (sampled {drawn['sampled_length']:.4f}): "
-        f"{drawn['expected_length'] / det['expected_length']:.3f}x"
+        f"{first['steps']} positions: expected tokens per forward {a} "
+        f"{first['expected_length']:.4f} (sampled {first['sampled_length']:.4f}), {b} "
+        f"{second['expected_length']:.4f} (sampled {second['sampled_length']:.4f}): "
+        f"{second['expected_length'] / first['expected_length']:.3f}x"
     )
     return 0
 

@@ -22,8 +22,8 @@ def test_both_settings_follow_the_log_and_are_scored_per_step():
     problem = LoggedProblem("p", [1, 2, 3, 4, 5, 9], responses)
     fields = sized_fields(method_drafter("stand-dyn", {}, "cpu"), NODES)
     cfgs = {
-        name: TypeAdapter(DrafterConfig).validate_python({**fields, "drawn": drawn})
-        for name, drawn in SETTINGS.items()
+        name: TypeAdapter(DrafterConfig).validate_python({**fields, **extra})
+        for name, extra in SETTINGS.items()
     }
     per_model: dict[str, dict] = {name: {} for name in SETTINGS}
     scored = score_problem(model, problem, cfgs, per_model, 1.0, NODES)
