@@ -4,7 +4,7 @@ settings of `stand-dyn` draft at the same positions of logged trajectories.
     python bench/drawn_paired.py [--trajectories bench/trajectories-tuning-t1-smollm2.jsonl.gz]
         [--temperature 1.0] [--nodes 8] [--problems 4] [--max-tokens 256]
         [--out runs/drawn-paired.json]
-    python bench/drawn_paired.py --setting inline='{}' \
+    python bench/drawn_paired.py --setting base='{}' \
         --setting harvest='{"harvest_rejected": true}'     # any two settings of stand-dyn
 
 Live runs at T = 1.0 sample different text each time, so a few percent of acceptance length is

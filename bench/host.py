@@ -19,7 +19,10 @@ every position) stands in for the model: at a row's committed position `p`, a tr
 `d` gets the logged distribution of position `p + d` as its logits, whatever its path. The
 decoder packs, verifies (greedy or sampled, from the row's own random stream), accepts, keeps
 the KV cache and lets the drafters observe exactly as it does over a model; only the forward
-is replaced, and its time is not counted. Token ids are folded into a small vocabulary
+is replaced, and its time is not counted. Every tree node gets a logged distribution, so with
+`harvest_rejected` (`stand-dyn`'s default) the store also takes the rejected nodes' (which are
+the logged path's, not theirs): the harvest's cost is measured, but acceptance reads lower
+than the real model's (`--set harvest_rejected=false` for the old cells). Token ids are folded into a small vocabulary
 (`--vocab`, by frequency rank), so the tensor arithmetic a GPU would absorb is negligible and
 what remains is Python and op dispatch, as a GPU host sees it.
 

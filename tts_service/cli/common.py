@@ -116,8 +116,9 @@ def add_common_flags(p: argparse.ArgumentParser, model: type[BaseModel]) -> None
     p.add_argument("--deterministic", action="store_true", help="stand, gtcp: top-k, not Gumbel")
     p.add_argument(
         "--harvest-rejected",
-        action="store_true",
-        help="stand, gtcp, stand-dyn: also store distributions at rejected tree nodes",
+        action=argparse.BooleanOptionalAction,
+        help="stand, gtcp, stand-dyn: also store distributions at rejected tree nodes "
+        "(stand-dyn and auto: on unless --no-harvest-rejected)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -161,8 +162,10 @@ def drafter_flags(args: argparse.Namespace, kind: str, method: str) -> dict:
     given = {
         "--tree": ("tree", args.tree),
         "--deterministic": ("stochastic", False if args.deterministic else None),
-        "--harvest-rejected": ("harvest_rejected", True if args.harvest_rejected else None),
+        "--harvest-rejected": ("harvest_rejected", args.harvest_rejected),
     }
+    if args.harvest_rejected is False:  # the flag as given
+        given["--no-harvest-rejected"] = given.pop("--harvest-rejected")
     out = {}
     if args.num_nodes is not None:
         name = size_field(kind)

@@ -33,6 +33,7 @@ BAD = [
     (["generate", "--method", "pld", "--tree", "stand-80", "hi"], "--tree"),
     (["generate", "--method", "goose", "--deterministic", "hi"], "--deterministic"),
     (["generate", "--method", "pld", "--harvest-rejected", "hi"], "--harvest-rejected"),
+    (["generate", "--method", "pld", "--no-harvest-rejected", "hi"], "--no-harvest-rejected"),
     (["generate", "--dtype", "int8", "hi"], "--dtype"),
     (["generate", "--config", "/no/such.yaml", "hi"], "--config"),
     (["generate", "--stop", "", "hi"], "--stop"),
@@ -194,3 +195,14 @@ def test_num_nodes_sets_the_methods_size_field(method, field):
     argv = ["generate", "--method", method, "--num-nodes", "7", "hi"]
     req = request(make_parser().parse_args(argv), GenerateRequest, {"prompt": "hi"})
     assert size_field(req.drafter.kind) == field and getattr(req.drafter, field) == 7
+
+
+@pytest.mark.parametrize(
+    "flags,harvest",
+    [([], True), (["--no-harvest-rejected"], False), (["--harvest-rejected"], True)],
+)
+def test_stand_dyn_harvests_rejected_nodes_unless_told_not_to(flags, harvest):
+    for method in ("stand-dyn", "auto"):
+        argv = ["generate", "--method", method, *flags, "hi"]
+        req = request(make_parser().parse_args(argv), GenerateRequest, {"prompt": "hi"})
+        assert req.drafter.kind == "stand_dyn" and req.drafter.harvest_rejected is harvest

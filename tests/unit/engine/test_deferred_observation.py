@@ -1,5 +1,6 @@
 """Observation off the critical path: the drafters' deferred learning runs during the next
-forward, deterministically, and leaves the stores as inline observation does."""
+forward, deterministically, and leaves the stores as inline observation does (what the verified
+paths taught them; rejected nodes, with `harvest_rejected`, depend on the trees drafted)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def model():
     return tiny_llama(VOCAB, seed=3, scale=4.0)
 
 
-def run(model, method: str, temperature: float, defer: bool, shared: bool = False):
-    """Three rows, each with its own store (or one they share); their outputs and stores."""
+def run(model, method: str, temperature: float, defer: bool, shared: bool = False, **fields):
+    """Three rows, each with its own store (or one they share), the method's drafter with
+    `fields` changed; their outputs and stores."""
+    drafter = DRAFTER_CONFIGS[method].model_copy(update=fields)
     decoder = BatchDecoder(model, eos_ids=[], defer_observation=defer)
     one = InMemoryNgramStore()
     stores = [one if shared else InMemoryNgramStore() for _ in PROMPTS]
@@ -34,7 +37,7 @@ def run(model, method: str, temperature: float, defer: bool, shared: bool = Fals
     for i, (prompt, store) in enumerate(zip(PROMPTS, stores, strict=True)):
         env = DraftEnv(VOCAB, store, i, CostModel.fixed(FLAT_COST))
         cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=i, ignore_eos=True)
-        rows.append(decoder.new_row(prompt, build_drafter(DRAFTER_CONFIGS[method], env), cfg))
+        rows.append(decoder.new_row(prompt, build_drafter(drafter, env), cfg))
     results = decode_rows(decoder, rows, token_budget=3 * 9)
     assert not decoder.deferred  # nothing left unobserved once the batch is empty
     return [r.token_ids for r in results], stores, sum(r.stats.target_forwards for r in results)
@@ -54,14 +57,21 @@ def test_a_seed_gives_the_same_output_on_every_run(model, method, temperature):
 
 
 @pytest.mark.parametrize("method", ["stand", "stand-dyn"])
-def test_deferred_greedy_equals_plain_and_stores_equal_inline(model, method):
-    deferred, d_stores, d_forwards = run(model, method, 0.0, defer=True)
-    inline, i_stores, i_forwards = run(model, method, 0.0, defer=False)
+@pytest.mark.parametrize("harvest", [False, True])
+def test_deferred_greedy_equals_plain_and_stores_equal_inline(model, method, harvest):
+    """With `harvest_rejected` the store also holds the rejected nodes' distributions, and which
+    nodes a step rejects depends on the trees drafted (from a store one step behind when
+    deferred): the outputs stay plain decoding's, the stores may differ. Without it they hold
+    the verified paths only, the same either way."""
+    deferred, d_stores, d_forwards = run(model, method, 0.0, True, harvest_rejected=harvest)
+    inline, i_stores, i_forwards = run(model, method, 0.0, False, harvest_rejected=harvest)
     for prompt, out in zip(PROMPTS, deferred, strict=True):
         cfg = SamplingConfig(temperature=0.0, max_new_tokens=40, ignore_eos=True)
         assert out == plain_generate(model, prompt, cfg, []).token_ids
     assert deferred == inline
     assert d_forwards < 3 * 40  # it did speculate (and so drafted from a lagging store)
+    if harvest:
+        return
     for d, i in zip(d_stores, i_stores, strict=True):
         a, b = contents(d), contents(i)
         assert a.keys() == b.keys()
