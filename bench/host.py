@@ -22,9 +22,9 @@ the KV cache and lets the drafters observe exactly as it does over a model; only
 is replaced, and its time is not counted. Every tree node gets a logged distribution, so with
 `harvest_rejected` (`stand-dyn`'s default) the store also takes the rejected nodes' (which are
 the logged path's, not theirs): the harvest's cost is measured, but acceptance reads lower
-than the real model's (`--set harvest_rejected=false` for the old cells). Token ids are folded into a small vocabulary
-(`--vocab`, by frequency rank), so the tensor arithmetic a GPU would absorb is negligible and
-what remains is Python and op dispatch, as a GPU host sees it.
+than the real model's (`--set harvest_rejected=false` for the old cells). Token ids are folded
+into a small vocabulary (`--vocab`, by frequency rank), so the tensor arithmetic a GPU would
+absorb is negligible and what remains is Python and op dispatch, as a GPU host sees it.
 
 Per step it reports the critical-path host time, from the end of one forward to the launch of
 the next (joins excluded: a prefill is a forward), split by the decoder's phases
