@@ -189,9 +189,10 @@ def best_rate(tokens: Sequence[float], seconds: Sequence[float], ks: range) -> t
     return ks[rates.index(best)], best
 
 
-def step_seconds(cost: StepCost, rows: int, max_nodes: int, draft_s_per_node: float) -> list[float]:
-    """Seconds of a step with k = 0..max_nodes nodes per row: the forward and the drafting."""
-    return [cost.time(rows, k + 1) + draft_s_per_node * rows * k for k in range(max_nodes + 1)]
+def step_seconds(forward: Sequence[float], rows: int, draft_s_per_node: float) -> list[float]:
+    """Seconds of a step with k = 0, 1, ... nodes per row: its forward (`forward[k]`, width
+    k + 1) and the drafting."""
+    return [t + draft_s_per_node * rows * k for k, t in enumerate(forward)]
 
 
 def nodes_for_step(
@@ -207,7 +208,9 @@ def nodes_for_step(
     tokens per extra second beat the current rate); comparing every k also sees past the jump
     a CPU shows from 1 to 2 tokens per row."""
     tokens = expected_tokens(stats, max_nodes)
-    seconds = step_seconds(cost, len(stats), max_nodes, draft_s_per_node)
+    rows = len(stats)
+    forward = [cost.time(rows, k + 1) for k in range(max_nodes + 1)]
+    seconds = step_seconds(forward, rows, draft_s_per_node)
     return best_rate(tokens, seconds, range(max_nodes + 1))[0]
 
 
@@ -332,11 +335,12 @@ class SpeculationPlanner:
         if stale or self.steps - cached[0] >= REFRESH_STEPS:
             z, line = self.z, surface.line(rows, self.max_nodes + 1, context)
 
-            def seconds(z_tree: float, z_plain: float) -> list[float]:  # as `step_seconds`
-                return [
-                    t * math.exp(mean + (z_tree if k else z_plain) * sd) + per_node * rows * k
+            def seconds(z_tree: float, z_plain: float) -> list[float]:  # `time`, per k
+                forward = [
+                    t * math.exp(mean + (z_tree if k else z_plain) * sd)
                     for k, (t, mean, sd) in enumerate(line)
                 ]
+                return step_seconds(forward, rows, per_node)
 
             cautious, bold, sigma = seconds(z, -z), seconds(-z, z), [sd for *_, sd in line]
             cached = (self.steps, cautious, bold, sigma, surface.surprises, per_node)

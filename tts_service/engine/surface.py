@@ -93,10 +93,16 @@ class Roofline:
     overlap: float
 
     def parts(self, rows: int, width: int, context: int) -> tuple[float, float]:
+        return self._memory(rows, context), self._compute(rows, width, context)
+
+    def _memory(self, rows: int, context: int) -> float:
         s = self.shape
-        memory = (s.weight_bytes + rows * context * s.kv_bytes_per_token) / self.bandwidth
+        return (s.weight_bytes + rows * context * s.kv_bytes_per_token) / self.bandwidth
+
+    def _compute(self, rows: int, width: int, context: int) -> float:
+        s = self.shape
         per_token = s.flops_per_token + (context + width) * s.attention_flops_per_key
-        return memory, rows * width * per_token / self.flops
+        return rows * width * per_token / self.flops
 
     def time(self, rows: int, width: int, context: int) -> float:
         m, c = self.parts(rows, width, context)
@@ -104,11 +110,9 @@ class Roofline:
 
     def times(self, rows: int, widths: int, context: int) -> list[float]:
         """`time` at widths 1..`widths` (the memory term read once)."""
-        (m, _), s = self.parts(rows, 0, context), self.shape
-        out = []
-        for w in range(1, widths + 1):  # `parts`' compute term, the same arithmetic
-            c = rows * w * (s.flops_per_token + (context + w) * s.attention_flops_per_key)
-            c /= self.flops
+        m, out = self._memory(rows, context), []
+        for w in range(1, widths + 1):
+            c = self._compute(rows, w, context)
             out.append(max(m, c) + self.overlap * min(m, c))
         return out
 
