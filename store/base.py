@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from store.index import StoreIndex
 
 
 @dataclass(frozen=True)
@@ -102,3 +105,12 @@ class NgramStore(Protocol):
 
     def clear(self) -> None:
         """Forget this store's own scope (a tiered store keeps the shared global one)."""
+
+
+@runtime_checkable
+class IndexedStore(Protocol):
+    """A store that keeps an array mirror of itself for compiled drafting (`InMemoryNgramStore`;
+    a Redis store cannot: other writers change it behind any mirror)."""
+
+    def compiled(self) -> StoreIndex:
+        """Its `store.index.StoreIndex`, made on the first call and kept equal from then on."""

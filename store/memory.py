@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from store.base import NgramEntry, NgramRow, NgramStore, mean_entry, merge
+
+if TYPE_CHECKING:
+    from store.index import StoreIndex
 
 
 class InMemoryNgramStore:
@@ -34,6 +38,20 @@ class InMemoryNgramStore:
         self._hits = [0] * (max_order + 1)  # [n]: lookups answered by an n-gram
         self._misses = 0
         self._evictions = 0
+        self._index: StoreIndex | None = None
+
+    def compiled(self) -> StoreIndex:
+        """This store as arrays (`store.index`), made on the first call and kept equal from
+        then on: compiled drafting reads it, every `add` merges into both."""
+        if self._index is None:
+            if self.merge != "stand":
+                raise ValueError("a compiled index mirrors merge='stand' only")
+            from store.index import StoreIndex  # numba: only where a compiled drafter runs
+
+            index = StoreIndex(self.max_order, self.topk, self.max_entries)
+            index.load(self._entries.items())
+            self._index = index
+        return self._index
 
     def lookup(self, context: Sequence[int]) -> NgramEntry | None:
         entries = self._entries
@@ -63,6 +81,8 @@ class InMemoryNgramStore:
             key, _ = entries.popitem(last=False)
             self._sums.pop(key, None)
             self._evictions += 1
+        if self._index is not None:
+            self._index.add(rows)
 
     def flush(self) -> None:
         """Nothing is pending: writes land in `add`."""
@@ -74,17 +94,25 @@ class InMemoryNgramStore:
         by_order = [0] * (self.max_order + 1)
         for key in self._entries:
             by_order[len(key)] += 1
+        hits = {str(n): self._hits[n] for n in range(1, self.max_order + 1)}
+        misses = self._misses
+        if self._index is not None:  # the compiled drafter's lookups
+            compiled = self._index.stats()
+            hits = {n: h + compiled["hits_by_order"][n] for n, h in hits.items()}
+            misses += compiled["misses"]
         return {
             "entries": len(self._entries),
             "entries_by_order": {str(n): by_order[n] for n in range(1, self.max_order + 1)},
-            "hits_by_order": {str(n): self._hits[n] for n in range(1, self.max_order + 1)},
-            "misses": self._misses,
+            "hits_by_order": hits,
+            "misses": misses,
             "evictions": self._evictions,
         }
 
     def clear(self) -> None:
         self._entries.clear()
         self._sums.clear()
+        if self._index is not None:
+            self._index.clear()
 
 
 class TieredStore:

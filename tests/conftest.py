@@ -27,6 +27,7 @@ from tts_service.drafters.registry import (
     size_field,
 )
 from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,6 +54,8 @@ DRAFTER_CONFIGS = {
     "recycling-80": RecyclingDrafterConfig(num_nodes=80),
     "stand-80-deterministic": StandDrafterConfig(num_nodes=80, tree="stand-625", stochastic=False),
     "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
+    # `stand-dyn` drafts compiled (stand_kernel); the Python drafter stays in every harness
+    "stand-dyn-python": StandDynDrafterConfig(num_nodes=48, compiled=False),
 }
 
 # a verify cost where tree tokens are nearly free (a GPU's headroom): GT keeps big trees, so the

@@ -32,7 +32,13 @@ import torch
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DeferredObservations, DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import (
+    DeferredObservations,
+    DraftContext,
+    Drafter,
+    NodeTopK,
+    draft_all,
+)
 from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
 from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
@@ -297,10 +303,8 @@ class LoggedDecoder:
         """Every row drafts (deterministically) and commits what its response says; what the
         drafters defer of observing runs after the next step's drafts, as in the engine."""
         batch, total, nodes, width = list(self.active), 0, 0, 1
-        trees = [
-            row.drafter.draft(DraftContext(row.tokens, len(row.prompt_ids), max_nodes, True, fill))
-            for row in batch
-        ]
+        ctxs = [DraftContext(r.tokens, len(r.prompt_ids), max_nodes, True, fill) for r in batch]
+        trees = draft_all([row.drafter for row in batch], ctxs)
         self.deferred.run()  # where the engine's forward would be
         for row, tree in zip(batch, trees, strict=True):
             acc, top = self.oracles[id(row)](tree, len(row.rule.out))

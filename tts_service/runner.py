@@ -30,7 +30,14 @@ from typing import Protocol, TypeVar, cast
 
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
+from tts_service.drafters.base import (
+    Deferred,
+    DraftContext,
+    Drafter,
+    DraftGroup,
+    NodeTopK,
+    group_of,
+)
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
 from tts_service.engine.batch import Row, StepObserver
@@ -159,6 +166,10 @@ class TrajectoryRecorder:
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         return self.inner.draft(ctx)
+
+    def grouped(self) -> tuple[DraftGroup, object] | None:
+        """The inner drafter's group, if it drafts in one (`drafters.base.draft_all`)."""
+        return group_of(self.inner)
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
         nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from

@@ -104,15 +104,26 @@ def _synthetic_log(path, problems: int = 2, responses: int = 4, length: int = 40
         f.write("\n".join(lines) + "\n")
 
 
-def _recording(draft, sizes: list):
-    """`draft`, keeping every tree's draft node count."""
+class _Recording:
+    """A drafter that keeps every tree's draft node count (and drafts alone: a compiled
+    drafter's group would draft around `draft`)."""
 
-    def wrapped(ctx):
-        tree = draft(ctx)
-        sizes.append(tree.size - 1)
+    def __init__(self, inner, sizes: list) -> None:
+        self.inner, self.sizes = inner, sizes
+
+    def start(self, prompt_ids):
+        self.inner.start(prompt_ids)
+
+    def draft(self, ctx):
+        tree = self.inner.draft(ctx)
+        self.sizes.append(tree.size - 1)
         return tree
 
-    return wrapped
+    def observe(self, tree, acc, topk):
+        return self.inner.observe(tree, acc, topk)
+
+    def observe_root(self, tokens, topk):
+        return self.inner.observe_root(tokens, topk)
 
 
 def _run(path, method: str, nodes: int | None = None, sizes: list | None = None) -> dict:
@@ -120,9 +131,7 @@ def _run(path, method: str, nodes: int | None = None, sizes: list | None = None)
     problems, errors = read_log(req.trajectories, req.vocab_size, strict=True)
 
     def recorded(drafter):
-        if sizes is not None:
-            drafter.draft = _recording(drafter.draft, sizes)
-        return drafter
+        return drafter if sizes is None else _Recording(drafter, sizes)
 
     report = replay(problems, replay_config(req), nodes or 1024, req.vocab_size, recorded)
     report = report.to_dict()

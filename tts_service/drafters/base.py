@@ -95,6 +95,41 @@ class Drafter(Protocol):
         context's last `OBSERVE_TAIL` tokens)."""
 
 
+class DraftGroup(Protocol):
+    """Rows whose drafters share one compiled state draft a step in one call."""
+
+    def draft_all(self, members: Sequence, ctxs: Sequence[DraftContext]) -> list[DraftTree]:
+        """The members' trees, exactly as each drafting in turn (in this order) would make
+        them."""
+
+
+def group_of(drafter: object) -> tuple[DraftGroup, object] | None:
+    """(group, member) of a drafter that drafts in a `DraftGroup` (its `grouped()`), else
+    None."""
+    grouped = getattr(drafter, "grouped", None)
+    return grouped() if grouped is not None else None
+
+
+def draft_all(drafters: Sequence[Drafter], ctxs: Sequence[DraftContext]) -> list[DraftTree]:
+    """Every row's tree: grouped drafters in one call per group (rows in order within it),
+    the others one by one. Groups share no state with other drafters, so this is what
+    drafting row after row gives."""
+    trees: list[DraftTree | None] = [None] * len(drafters)
+    groups: dict[int, tuple[DraftGroup, list[int], list]] = {}
+    for b, (drafter, ctx) in enumerate(zip(drafters, ctxs, strict=True)):
+        found = group_of(drafter)
+        if found is None:
+            trees[b] = drafter.draft(ctx)
+        else:
+            entry = groups.setdefault(id(found[0]), (found[0], [], []))
+            entry[1].append(b)
+            entry[2].append(found[1])
+    for group, rows, members in groups.values():
+        for b, tree in zip(rows, group.draft_all(members, [ctxs[b] for b in rows]), strict=True):
+            trees[b] = tree
+    return trees  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class ShapedTree:
     """A tree drafted over a static shape, with the shape node of every tree node."""

@@ -34,12 +34,13 @@ is walked on the host (`verify.walk_sparse`).
 from __future__ import annotations
 
 import heapq
+import importlib.util
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from pydantic import Field
 
-from store.base import NgramEntry, NgramStore
+from store.base import IndexedStore, NgramEntry, NgramStore
 from tts_service.config import Sizing, StrictConfig
 from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
@@ -78,6 +79,12 @@ class StandDynDrafterConfig(StrictConfig):
         "otherwise: deterministic children only.",
     )
     noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
+    compiled: bool = Field(
+        True,
+        description="Draft with the compiled kernel (`stand_kernel`, numba) where it applies: "
+        "deterministic children (`drawn` off) over an in-process store. The same trees as the "
+        "Python drafter, a fraction of the host time; elsewhere the Python drafter runs.",
+    )
 
 
 Candidate = tuple[float, int, int, float]
@@ -369,10 +376,47 @@ SUFFIX_COUNTS: Shared[StandDynDrafterConfig, SuffixCounts] = Shared(
 """Suffix counts over one problem's trajectories."""
 
 
+def _compiled_model(cfg: StandDynDrafterConfig, vocab: int):
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+
+    return SuccessorIndex(vocab, 10), CalibrationIndex()
+
+
+def _compiled_group(cfg: StandDynDrafterConfig, vocab: int):
+    from tts_service.drafters.stand_kernel import StandDynGroup
+
+    return StandDynGroup()
+
+
+COMPILED_MODEL: Shared[StandDynDrafterConfig, tuple] = Shared(
+    "stand_dyn.compiled_model", "model", _compiled_model
+)
+"""`MODEL_STATE` as the compiled drafter keeps it (arrays), per loaded model."""
+COMPILED_GROUP: Shared[StandDynDrafterConfig, object] = Shared(
+    "stand_dyn.compiled_group", "problem", _compiled_group
+)
+"""One problem's compiled rows: `SUFFIX_COUNTS` as arrays, and one kernel call a step."""
+
+
+def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
+    """Whether `stand_kernel` drafts for `cfg` over `store`: asked for, deterministic
+    children, an in-process store, and numba importable."""
+    if not cfg.compiled or cfg.drawn or not isinstance(store, IndexedStore):
+        return False
+    return importlib.util.find_spec("numba") is not None
+
+
 def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
-    successors, calibration = env.shared(MODEL_STATE, cfg)
     cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
     store = env.need_store(cfg.kind)
+    if compiled_applies(cfg, store):
+        from tts_service.drafters.stand_kernel import CompiledStandDyn
+
+        group = env.shared(COMPILED_GROUP, cfg)
+        assert isinstance(store, IndexedStore)
+        group.bind(store.compiled(), *env.shared(COMPILED_MODEL, cfg))
+        return CompiledStandDyn(cfg.num_nodes, cfg.harvest_rejected, store, group, cost)
+    successors, calibration = env.shared(MODEL_STATE, cfg)
     counts = env.shared(SUFFIX_COUNTS, cfg)
     return StandDynDrafter(cfg, store, counts, successors, calibration, cost, env.seed)
 
@@ -389,5 +433,5 @@ SPEC = DrafterSpec(
     size_field="num_nodes",
     needs_cost=True,
     uses_store=True,
-    shared=(MODEL_STATE, SUFFIX_COUNTS),
+    shared=(MODEL_STATE, SUFFIX_COUNTS, COMPILED_MODEL, COMPILED_GROUP),
 )

@@ -33,6 +33,7 @@ from tts_service.drafters.base import (
     DraftContext,
     Drafter,
     NodeTopK,
+    draft_all,
 )
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.cost import sync_device
@@ -415,12 +416,10 @@ class BatchDecoder:
         """Every row's tree: its drafter's, or the root alone on a plain step."""
         if max_nodes == 0:
             return [DraftTree.root_only(r.tokens[-1]) for r in batch]
-        return [
-            r.drafter.draft(
-                DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy, fill)
-            )
-            for r in batch
+        ctxs = [
+            DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy, fill) for r in batch
         ]
+        return draft_all([r.drafter for r in batch], ctxs)
 
     def _accept(
         self, batch: list[Row], trees: list[DraftTree], verified: list[Verified]

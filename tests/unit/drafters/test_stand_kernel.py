@@ -1,0 +1,94 @@
+"""The compiled `stand-dyn` (`stand_kernel`): the same trees as the Python drafter, node for
+node, through the runner (rows joining and leaving, greedy and sampled, GT-sized); its suffix
+index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, where
+`stand-dyn` is compiled and `stand-dyn-python` is not (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from store.memory import InMemoryNgramStore, TieredStore
+from tests.unit.test_runner import _prompts, make_generator
+from tts_service.config import SamplingConfig
+from tts_service.drafters.matching import SuffixCounts
+from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, StandDynDrafterConfig, compiled_applies
+from tts_service.drafters.stand_kernel import StandDynGroup, SuffixIndex, warm
+from tts_service.engine.batch import BatchDecoder
+from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+
+
+@pytest.mark.parametrize("max_tokens", [1 << 17, 300])
+def test_the_suffix_index_counts_as_suffix_counts(max_tokens):
+    """Documents synced in random steps, interleaved; with a small bound the counts restart
+    (only the syncing document is counted again) several times."""
+    rng = random.Random(max_tokens)
+    docs = [[rng.randrange(5) for _ in range(400)] for _ in range(4)]
+    ref, index = SuffixCounts(SUFFIX_ORDERS, max_tokens), SuffixIndex(max_tokens)
+    ids = [(ref.new_doc(), index.new_doc()) for _ in docs]
+    ends = [0] * len(docs)
+    for _ in range(300):
+        d = rng.randrange(len(docs))
+        ends[d] = min(len(docs[d]), ends[d] + rng.randrange(0, 6))
+        ref.sync(ids[d][0], docs[d][: ends[d]])
+        index.sync(ids[d][1], docs[d][: ends[d]])
+        tail = docs[d][max(0, ends[d] - rng.randrange(1, 14)) : ends[d]]
+        assert index.lookup(tail) == ref.lookup(tail)
+    assert index.size == ref.size
+
+
+def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str):
+    """Every step's trees and every trajectory's tokens: 3 problems x 3 trajectories of
+    different lengths on 4 rows, so rows join and leave."""
+    drafted: list[list[tuple]] = []
+    draft = BatchDecoder._draft
+
+    def record(self, batch, max_nodes, fill):
+        trees = draft(self, batch, max_nodes, fill)
+        drafted.append([(t.tokens, t.parents) for t in trees])
+        return trees
+
+    monkeypatch.setattr(BatchDecoder, "_draft", record)
+    calls = []
+    group_draft = StandDynGroup.draft_all
+    monkeypatch.setattr(
+        StandDynGroup, "draft_all", lambda self, m, c: calls.append(1) or group_draft(self, m, c)
+    )
+    cfg = StandDynDrafterConfig(num_nodes=12, sizing=sizing, compiled=compiled)
+    requests, stores = [], []
+    for p, prompt in enumerate(_prompts()[:3]):
+        stores.append(InMemoryNgramStore())
+        for i in range(3):
+            sampling = SamplingConfig(
+                temperature=temperature, max_new_tokens=10 + 6 * ((p + i) % 3), seed=i
+            )
+            requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
+    report = TrajectoryRunner(make_generator(tiny_model), 4).run(requests)
+    assert bool(calls) == compiled  # the kernel drafted, one call a step for all rows
+    tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
+    return drafted, tokens, [s.stats() for s in stores]
+
+
+@pytest.mark.parametrize(("temperature", "sizing"), [(0.0, "fixed"), (1.0, "fixed"), (1.0, "gt")])
+def test_compiled_trees_equal_the_python_drafters(tiny_model, monkeypatch, temperature, sizing):
+    python = _trees(tiny_model, monkeypatch, False, temperature, sizing)
+    monkeypatch.undo()
+    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing)
+    assert len(compiled[0]) == len(python[0]) > 10
+    assert compiled[0] == python[0]  # every step's trees, node for node
+    assert compiled[1] == python[1]
+    assert compiled[2] == python[2]  # the stores' entries and lookup counts
+    assert sum(len(t[0]) > 1 for step in compiled[0] for t in step) > 10  # trees were drafted
+
+
+def test_the_compiled_drafter_applies_where_its_trees_are_the_python_ones():
+    store = InMemoryNgramStore()
+    assert compiled_applies(StandDynDrafterConfig(), store)
+    assert not compiled_applies(StandDynDrafterConfig(compiled=False), store)
+    assert not compiled_applies(StandDynDrafterConfig(drawn=True), store)  # drawn children
+    assert not compiled_applies(StandDynDrafterConfig(), TieredStore(store, InMemoryNgramStore()))
+
+
+def test_warm_compiles_and_runs_every_kernel():
+    assert warm() > 1  # a tree was drafted from the one stored entry

@@ -1,0 +1,111 @@
+"""The store's compiled mirror (`store.index`) and its hash tables (`store.hashtable`): every
+lookup returns what the dict store returns, bit for bit, through merges, evictions and
+clears."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from store.base import NgramRow
+from store.hashtable import (
+    delete_ngram,
+    find_ngram,
+    find_pair,
+    insert_ngram,
+    insert_pair,
+    new_table,
+    room,
+)
+from store.memory import InMemoryNgramStore
+
+
+def _rows(rng: random.Random, n: int) -> list[NgramRow]:
+    rows = []
+    for _ in range(n):
+        ctx = tuple(rng.randrange(6) for _ in range(rng.randrange(0, 7)))
+        k = rng.randrange(1, 11)
+        ids = tuple(rng.sample(range(30), k))
+        # ties (0.5, 0.25) and zeros exercise the tie-break and the cut
+        probs = tuple(rng.choice([0.5, 0.25, 0.0, rng.random()]) for _ in range(k))
+        rows.append(NgramRow(ctx, ids, probs))
+    return rows
+
+
+def test_the_index_returns_the_dict_stores_entries_through_merges_and_evictions():
+    for max_entries in (1_000_000, 40):
+        rng = random.Random(max_entries)
+        store = InMemoryNgramStore(max_entries=max_entries)
+        store.add(_rows(rng, 20))  # entries before the index exists are loaded
+        index = store.compiled()
+        for _ in range(150):
+            store.add(_rows(rng, rng.randrange(1, 8)))
+        contexts = [
+            tuple(rng.randrange(6) for _ in range(rng.randrange(0, 7))) for _ in range(2000)
+        ]
+        for ctx in contexts:
+            assert index.lookup(ctx) == store.lookup(ctx), ctx
+        assert len(store._entries) <= max_entries
+        if max_entries == 40:
+            assert store.stats()["evictions"] > 100
+
+
+def test_the_kernels_lookups_are_counted_in_the_stores_stats():
+    rng = random.Random(3)
+    rows = _rows(rng, 30)
+    plain, mirrored = InMemoryNgramStore(), InMemoryNgramStore()
+    plain.add(rows)
+    mirrored.add(rows)
+    index = mirrored.compiled()
+    for ctx in [(1, 2, 3), (4,), (5, 5, 5, 5, 5), ()]:
+        plain.lookup(ctx)
+        index.lookup(ctx)
+    assert mirrored.stats() == plain.stats()
+
+
+def test_clear_empties_the_index_too():
+    store = InMemoryNgramStore()
+    store.add(_rows(random.Random(1), 10))
+    index = store.compiled()
+    store.clear()
+    assert index.lookup((1, 2, 3)) is None
+    store.add([NgramRow((1, 2), (7,), (1.0,))])
+    assert index.lookup((9, 1, 2)) == store.lookup((9, 1, 2))
+
+
+def test_the_ngram_table_finds_inserts_and_forgets_deleted_keys_across_rehashes():
+    rng = np.random.default_rng(0)
+    tab, kt = new_table(4), np.zeros((600, 13), np.int64)
+    model: dict[tuple[int, ...], int] = {}
+    used = 0
+    for s in range(600):
+        n = int(rng.integers(1, 13))
+        key = rng.integers(0, 5, n)
+        if find_ngram(tab, kt, key, n, n) >= 0:
+            continue
+        tab = room(tab, kt, used, 1)
+        insert_ngram(tab, kt, key, n, n, s)
+        used += 1
+        model[tuple(key.tolist())] = s
+        if s % 7 == 0:  # delete an earlier key
+            victim = next(iter(model))
+            delete_ngram(tab, kt, model.pop(victim))
+    assert len(tab) > 16  # it grew
+    for key, s in model.items():
+        arr = np.array(key, np.int64)
+        assert find_ngram(tab, kt, arr, len(arr), len(arr)) == s
+    for _ in range(300):
+        n = int(rng.integers(1, 13))
+        key = rng.integers(0, 5, n)
+        want = model.get(tuple(key.tolist()), -1)
+        assert find_ngram(tab, kt, key, n, n) == want
+
+
+def test_the_pair_table_maps_pairs_to_slots():
+    tab, pk = new_table(4), np.zeros((200, 2), np.int64)
+    for s in range(200):
+        tab = room(tab, pk, s, 1, pairs=True)
+        insert_pair(tab, pk, s // 10, s % 10 * 3, s)
+    assert [find_pair(tab, pk, s // 10, s % 10 * 3) for s in range(200)] == list(range(200))
+    assert find_pair(tab, pk, 3, 1) == -1
