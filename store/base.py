@@ -112,5 +112,6 @@ class IndexedStore(Protocol):
     """A store that keeps an array mirror of itself for compiled drafting (`InMemoryNgramStore`;
     a Redis store cannot: other writers change it behind any mirror)."""
 
-    def compiled(self) -> StoreIndex:
-        """Its `store.index.StoreIndex`, made on the first call and kept equal from then on."""
+    def compiled(self) -> StoreIndex | None:
+        """Its `store.index.StoreIndex` (made on the first call, its entries' home from then
+        on), or None where it cannot keep one."""

@@ -1,10 +1,11 @@
-"""The in-process store as arrays, for compiled drafting: a mirror of `InMemoryNgramStore`
-that a numba kernel can read without touching Python objects (docs/design.md, "The compiled
+"""The in-process store as arrays, for compiled drafting: `InMemoryNgramStore`'s entries where
+a numba kernel reads them without touching Python objects (docs/design.md, "The compiled
 drafter").
 
-`InMemoryNgramStore.compiled()` attaches one; from then on every `add` merges into both, with
-the same rule (STAND's running mean, cut to the top k, ties to the lower id), the same least
-recently updated eviction, so a lookup here returns what the dict returns, bit for bit (tests).
+`InMemoryNgramStore.compiled()` moves its entries here; from then on its `add` merges here (a
+kernel), with the dict's rule (STAND's running mean, cut to the top k, ties to the lower id)
+and its least recently updated eviction, so a lookup returns what the dict store would, bit
+for bit (tests).
 Entries live in fixed-width rows (`ids`, `probs`: `[slots, topk]`); an n-gram key (order,
 token_1 .. token_8, -1 padded) in `keytok[slot]`, found through an open-addressing table
 (`store.hashtable`); the LRU order is a doubly linked list over the slots (`prev`, `nxt`),
@@ -136,6 +137,7 @@ def add_rows(
         s = meta[HEAD]
         _unlink(prev, nxt, meta, s)
         delete_ngram(tab, keytok, s)
+        keytok[s, 0] = 0  # a free slot
         meta[DELETED] += 1
         nxt[s] = meta[FREE]
         meta[FREE] = s
@@ -239,11 +241,34 @@ class StoreIndex:
         ids, probs = self.ids[s, :k].tolist(), self.probs[s, :k].tolist()
         return NgramEntry(tuple(ids), tuple(probs), int(self.count[s]), n)
 
-    def stats(self) -> dict:
-        """The kernel's lookups: hits by order and misses (`InMemoryNgramStore.stats` adds
-        them to its own)."""
-        hits = {str(n): int(self.meta[META + n]) for n in range(1, self.max_order + 1)}
-        return {"hits_by_order": hits, "misses": int(self.meta[MISSES])}
+    def counts(self) -> dict:
+        """Entries by order, lookups answered by order ([n], n = 0..max_order), misses and
+        evictions (`InMemoryNgramStore.stats` adds what it counted before the index)."""
+        orders = self.keytok[: self.meta[FRESH], 0]
+        by_order = np.bincount(orders, minlength=self.max_order + 1)
+        by_order[0] = 0  # free slots
+        return {
+            "entries_by_order": by_order.tolist(),
+            "hits_by_order": self.meta[META : META + self.max_order + 1].tolist(),
+            "misses": int(self.meta[MISSES]),
+            "evictions": int(self.meta[EVICTIONS]),
+        }
+
+    def items(self) -> list[tuple[tuple[int, ...], NgramEntry]]:
+        """Every (context, entry), least recently updated first (the LRU list's order)."""
+        out = []
+        s = int(self.meta[HEAD])
+        while s >= 0:
+            n, k = int(self.keytok[s, 0]), int(self.nids[s])
+            entry = NgramEntry(
+                tuple(self.ids[s, :k].tolist()),
+                tuple(self.probs[s, :k].tolist()),
+                int(self.count[s]),
+                n,
+            )
+            out.append((tuple(self.keytok[s, 1 : 1 + n].tolist()), entry))
+            s = int(self.nxt[s])
+        return out
 
 
 @njit(cache=True)

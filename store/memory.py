@@ -40,20 +40,28 @@ class InMemoryNgramStore:
         self._evictions = 0
         self._index: StoreIndex | None = None
 
-    def compiled(self) -> StoreIndex:
-        """This store as arrays (`store.index`), made on the first call and kept equal from
-        then on: compiled drafting reads it, every `add` merges into both."""
-        if self._index is None:
-            if self.merge != "stand":
-                raise ValueError("a compiled index mirrors merge='stand' only")
+    def compiled(self) -> StoreIndex | None:
+        """This store as arrays (`store.index`), for compiled drafting; None with merge="sum".
+        From the first call on the entries live there alone: `add` merges there (a kernel),
+        `lookup` reads there, so the dict's Python merge is no longer paid."""
+        if self._index is None and self.merge == "stand":
             from store.index import StoreIndex  # numba: only where a compiled drafter runs
 
             index = StoreIndex(self.max_order, self.topk, self.max_entries)
             index.load(self._entries.items())
+            self._entries.clear()
             self._index = index
         return self._index
 
+    def items(self) -> list[tuple[tuple[int, ...], NgramEntry]]:
+        """Every (context, entry), least recently updated first."""
+        if self._index is not None:
+            return self._index.items()
+        return list(self._entries.items())
+
     def lookup(self, context: Sequence[int]) -> NgramEntry | None:
+        if self._index is not None:
+            return self._index.lookup(context)
         entries = self._entries
         for n in range(min(self.max_order, len(context)), 0, -1):
             hit = entries.get(tuple(context[-n:]))
@@ -64,6 +72,9 @@ class InMemoryNgramStore:
         return None
 
     def add(self, rows: Sequence[NgramRow]) -> None:
+        if self._index is not None:
+            self._index.add(rows)
+            return
         entries = self._entries
         for row in rows:
             for n in range(1, min(self.max_order, len(row.context)) + 1):
@@ -81,8 +92,6 @@ class InMemoryNgramStore:
             key, _ = entries.popitem(last=False)
             self._sums.pop(key, None)
             self._evictions += 1
-        if self._index is not None:
-            self._index.add(rows)
 
     def flush(self) -> None:
         """Nothing is pending: writes land in `add`."""
@@ -94,18 +103,21 @@ class InMemoryNgramStore:
         by_order = [0] * (self.max_order + 1)
         for key in self._entries:
             by_order[len(key)] += 1
-        hits = {str(n): self._hits[n] for n in range(1, self.max_order + 1)}
-        misses = self._misses
-        if self._index is not None:  # the compiled drafter's lookups
-            compiled = self._index.stats()
-            hits = {n: h + compiled["hits_by_order"][n] for n, h in hits.items()}
-            misses += compiled["misses"]
+        hits = [self._hits[n] for n in range(self.max_order + 1)]
+        misses, evictions = self._misses, self._evictions
+        if self._index is not None:  # what happened since the entries moved there
+            counts = self._index.counts()
+            by_order = [a + b for a, b in zip(by_order, counts["entries_by_order"], strict=True)]
+            hits = [a + b for a, b in zip(hits, counts["hits_by_order"], strict=True)]
+            misses += counts["misses"]
+            evictions += counts["evictions"]
+        orders = range(1, self.max_order + 1)
         return {
-            "entries": len(self._entries),
-            "entries_by_order": {str(n): by_order[n] for n in range(1, self.max_order + 1)},
-            "hits_by_order": hits,
+            "entries": sum(by_order),
+            "entries_by_order": {str(n): by_order[n] for n in orders},
+            "hits_by_order": {str(n): hits[n] for n in orders},
             "misses": misses,
-            "evictions": self._evictions,
+            "evictions": evictions,
         }
 
     def clear(self) -> None:

@@ -399,8 +399,8 @@ COMPILED_GROUP: Shared[StandDynDrafterConfig, object] = Shared(
 
 
 def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
-    """Whether `stand_kernel` drafts for `cfg` over `store`: asked for, deterministic
-    children, an in-process store, and numba importable."""
+    """Whether `stand_kernel` may draft for `cfg` over `store`: asked for, deterministic
+    children, an in-process store (one that can index itself), and numba importable."""
     if not cfg.compiled or cfg.drawn or not isinstance(store, IndexedStore):
         return False
     return importlib.util.find_spec("numba") is not None
@@ -409,12 +409,12 @@ def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
 def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
     cost = env.need_cost(cfg.kind) if cfg.sizing == "gt" else None
     store = env.need_store(cfg.kind)
-    if compiled_applies(cfg, store):
+    index = store.compiled() if compiled_applies(cfg, store) else None  # type: ignore[attr-defined]
+    if index is not None:
         from tts_service.drafters.stand_kernel import CompiledStandDyn
 
         group = env.shared(COMPILED_GROUP, cfg)
-        assert isinstance(store, IndexedStore)
-        group.bind(store.compiled(), *env.shared(COMPILED_MODEL, cfg))
+        group.bind(index, *env.shared(COMPILED_MODEL, cfg))
         return CompiledStandDyn(cfg.num_nodes, cfg.harvest_rejected, store, group, cost)
     successors, calibration = env.shared(MODEL_STATE, cfg)
     counts = env.shared(SUFFIX_COUNTS, cfg)

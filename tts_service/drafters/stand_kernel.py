@@ -32,7 +32,7 @@ from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
-from tts_service.drafters.stand import feed_root, feed_store
+from tts_service.drafters.stand import feed_root
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -205,9 +205,14 @@ class SuccessorIndex:
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab):
             bad = int(tokens[(tokens < 0) | (tokens >= self.vocab)][0])
             raise IndexError(f"token {bad} outside the vocabulary of {self.vocab}")
-        k = min(self.k, ids.shape[1])
-        for t, row_ids, row_p in zip(tokens.tolist(), ids, probs, strict=True):  # in order
-            self.ids[t, :k], self.probs[t, :k], self.n[t] = row_ids[:k], row_p[:k], k
+        _set_successors(self.ids, self.probs, self.n, tokens, ids, probs, min(self.k, ids.shape[1]))
+
+
+@njit(cache=True)
+def _set_successors(succ_ids, succ_p, succ_n, tokens, ids, probs, k: int) -> None:
+    for r in range(len(tokens)):  # in order: a repeated token keeps its last row
+        t = tokens[r]
+        succ_ids[t, :k], succ_p[t, :k], succ_n[t] = ids[r, :k], probs[r, :k], k
 
 
 class CalibrationIndex:
@@ -668,26 +673,38 @@ class CompiledStandDyn:
         root_tail: tuple[int, ...],
     ) -> None:
         """`StandDynDrafter._learn`: calibration, the store and the successor table."""
-        store, succ, cal = self.store, self.group.successors, self.group.calibration
-        assert succ is not None and cal is not None
-        on_path = np.zeros(tree.size, np.bool_)
+        index, succ, cal = self.group.index, self.group.successors, self.group.calibration
+        assert index is not None and succ is not None and cal is not None
+        n = tree.size
+        parents = np.array(tree.parents, np.int64)
+        on_path = np.zeros(n, np.bool_)
         on_path[list(acc.path)] = True
         _record(
-            cal.drawn, cal.hits, cal.a, cal.b, kinds, qs, np.array(tree.parents, np.int64),
-            on_path, tree.size, cal.prior_weight, cal.prior_scale,
+            cal.drawn, cal.hits, cal.a, cal.b, kinds, qs, parents, on_path, n,
+            cal.prior_weight, cal.prior_scale,
         )  # fmt: skip
-        order = store.max_order
-        tails = [root_tail[-order:]]
-        for v in range(1, tree.size):
-            tails.append((*tails[tree.parents[v]], tree.tokens[v])[-order:])
-        feed_store(store, tails, tree, acc, topk, self.harvest_rejected)
-        rows = [v for v in range(tree.size) if topk.has(v)]
-        if rows:
-            succ.update(
-                np.array([tree.tokens[v] for v in rows], np.int64),
-                topk.ids[rows].numpy(),
-                topk.probs[rows].numpy(),
-            )
+        # the store: `feed_store`'s rows (root, path, then the rejected nodes with the
+        # harvest), as arrays: each node's context is its path's last `max_order` tokens
+        order = index.max_order
+        ctx = np.full((n, order), -1, np.int64)
+        clen = np.zeros(n, np.int64)
+        root = root_tail[-order:]
+        ctx[0, order - len(root) :], clen[0] = root, len(root)
+        for v in range(1, n):
+            p = tree.parents[v]
+            ctx[v, :-1], ctx[v, -1], clen[v] = ctx[p, 1:], tree.tokens[v], min(order, clen[p] + 1)
+        nodes = [0, *acc.path]
+        if self.harvest_rejected:
+            nodes += [v for v in range(1, n) if not on_path[v]]
+        nodes = [v for v in nodes if topk.has(v)]
+        ids, probs = topk.ids.numpy(), topk.probs.numpy()
+        if nodes:
+            rows = np.array(nodes, np.int64)
+            width = np.full(len(rows), ids.shape[1], np.int64)
+            index.add_arrays(ctx[rows], clen[rows], ids[rows], probs[rows], width)
+        known = [v for v in range(n) if topk.has(v)]
+        if known:
+            succ.update(np.array(tree.tokens, np.int64)[known], ids[known], probs[known])
 
 
 def warm() -> int:

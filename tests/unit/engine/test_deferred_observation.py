@@ -44,7 +44,7 @@ def run(model, method: str, temperature: float, defer: bool, shared: bool = Fals
 
 
 def contents(store: InMemoryNgramStore) -> dict:
-    return {k: (e.ids, e.probs, e.count) for k, e in store._entries.items()}
+    return {k: (e.ids, e.probs, e.count) for k, e in store.items()}
 
 
 @pytest.mark.parametrize("method", ["stand", "stand-dyn"])
@@ -90,9 +90,9 @@ def test_observation_of_a_step_waits_for_the_next_forward(model):
     row = decoder.new_row(PROMPTS[0], build_drafter(DRAFTER_CONFIGS["stand"], env), cfg)
     decoder.join([row])
     decoder.step(8)
-    assert decoder.deferred and not store._entries
+    assert decoder.deferred and not store.items()
     decoder.step(8)
-    assert store._entries and decoder.deferred
+    assert store.items() and decoder.deferred
 
 
 def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model, monkeypatch):

@@ -51,27 +51,36 @@ def test_the_index_returns_the_dict_stores_entries_through_merges_and_evictions(
             assert store.stats()["evictions"] > 100
 
 
-def test_the_kernels_lookups_are_counted_in_the_stores_stats():
-    rng = random.Random(3)
-    rows = _rows(rng, 30)
-    plain, mirrored = InMemoryNgramStore(), InMemoryNgramStore()
+def test_lookups_before_and_after_the_index_are_counted_in_the_stores_stats():
+    rows = _rows(random.Random(3), 30)
+    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
     plain.add(rows)
-    mirrored.add(rows)
-    index = mirrored.compiled()
-    for ctx in [(1, 2, 3), (4,), (5, 5, 5, 5, 5), ()]:
+    indexed.add(rows)
+    contexts = [(1, 2, 3), (4,), (5, 5, 5, 5, 5), ()]
+    for ctx in contexts:
         plain.lookup(ctx)
-        index.lookup(ctx)
-    assert mirrored.stats() == plain.stats()
+        indexed.lookup(ctx)
+    index = indexed.compiled()
+    assert index is not None
+    for ctx in contexts:
+        plain.lookup(ctx)
+        index.lookup(ctx)  # a kernel's lookup
+    assert indexed.stats() == plain.stats()
 
 
-def test_clear_empties_the_index_too():
+def test_a_summing_store_keeps_no_index():
+    assert InMemoryNgramStore(merge="sum").compiled() is None
+
+
+def test_clear_empties_the_index():
     store = InMemoryNgramStore()
     store.add(_rows(random.Random(1), 10))
     index = store.compiled()
+    assert index is not None and store.stats()["entries"] > 0
     store.clear()
-    assert index.lookup((1, 2, 3)) is None
+    assert store.stats()["entries"] == 0 and store.items() == []
     store.add([NgramRow((1, 2), (7,), (1.0,))])
-    assert index.lookup((9, 1, 2)) == store.lookup((9, 1, 2))
+    assert store.lookup((9, 1, 2)) == index.lookup((9, 1, 2)) is not None
 
 
 def test_the_ngram_table_finds_inserts_and_forgets_deleted_keys_across_rehashes():
