@@ -55,6 +55,16 @@ def pair_hash(a: int, b: int) -> uint64:
     return _mix((uint64(a) * _PRIME) ^ uint64(b))
 
 
+@njit(cache=True, inline="always")
+def _free_position(tab, h: uint64) -> int:
+    """The first position at or after `h`'s that holds no key (empty or deleted)."""
+    mask = len(tab) - 1
+    i = int64(h & uint64(mask))
+    while tab[i] >= 0:
+        i = (i + 1) & mask
+    return i
+
+
 @njit(cache=True)
 def find_ngram(tab, kt, ctx, end: int, n: int) -> int:
     """The slot of the n-gram `ctx[end - n:end]`, -1 if absent."""
@@ -82,11 +92,7 @@ def insert_ngram(tab, kt, ctx, end: int, n: int, s: int) -> None:
     kt[s, 0] = n
     for j in range(n):
         kt[s, 1 + j] = ctx[end - n + j]
-    mask = len(tab) - 1
-    i = int64(ngram_hash(ctx, end, n) & uint64(mask))
-    while tab[i] >= 0:
-        i = (i + 1) & mask
-    tab[i] = s
+    tab[_free_position(tab, ngram_hash(ctx, end, n))] = s
 
 
 @njit(cache=True)
@@ -116,37 +122,20 @@ def find_pair(tab, pk, a: int, b: int) -> int:
 @njit(cache=True)
 def insert_pair(tab, pk, a: int, b: int, s: int) -> None:
     pk[s, 0], pk[s, 1] = a, b
-    mask = len(tab) - 1
-    i = int64(pair_hash(a, b) & uint64(mask))
-    while tab[i] >= 0:
-        i = (i + 1) & mask
-    tab[i] = s
+    tab[_free_position(tab, pair_hash(a, b))] = s
 
 
 @njit(cache=True)
-def _rehash_ngrams(old, kt, size: int):
+def _rehash(old, keys, size: int, pairs: bool):
+    """A table of `size` with `old`'s keys (rows of `keys`: n-grams, or pairs)."""
     tab = np.full(size, EMPTY, np.int64)
-    mask = size - 1
     for s in old:
         if s >= 0:
-            n = kt[s, 0]
-            i = int64(ngram_hash(kt[s, 1:], n, n) & uint64(mask))
-            while tab[i] >= 0:
-                i = (i + 1) & mask
-            tab[i] = s
-    return tab
-
-
-@njit(cache=True)
-def _rehash_pairs(old, pk, size: int):
-    tab = np.full(size, EMPTY, np.int64)
-    mask = size - 1
-    for s in old:
-        if s >= 0:
-            i = int64(pair_hash(pk[s, 0], pk[s, 1]) & uint64(mask))
-            while tab[i] >= 0:
-                i = (i + 1) & mask
-            tab[i] = s
+            if pairs:
+                h = pair_hash(keys[s, 0], keys[s, 1])
+            else:
+                h = ngram_hash(keys[s, 1:], keys[s, 0], keys[s, 0])
+            tab[_free_position(tab, h)] = s
     return tab
 
 
@@ -157,4 +146,4 @@ def room(tab: np.ndarray, keys: np.ndarray, used: int, new: int, pairs: bool = F
         return tab
     live = int((tab >= 0).sum())
     size = len(new_table(2 * (live + new)))
-    return (_rehash_pairs if pairs else _rehash_ngrams)(tab, keys, size)
+    return _rehash(tab, keys, size, pairs)

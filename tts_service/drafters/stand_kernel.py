@@ -269,6 +269,16 @@ def _worth_growing(xs, ys, tree_tokens: int, expected: float, alpha: float, most
     return (expected + (most - tree_tokens) * alpha) / _time(xs, ys, most) > rate
 
 
+@njit(cache=True, inline="always")
+def _inverse_mass(probs, s: int, n: int) -> float:
+    """1 / the sum of row `s`'s first n probabilities (1 if it is 0), summed in order as
+    Python's `sum` does."""
+    total = 0.0
+    for j in range(n):
+        total += probs[s, j]
+    return 1.0 / (total if total != 0.0 else 1.0)
+
+
 @njit(cache=True)
 def _found_at(f_tok, nf: int, token: int) -> int:
     for i in range(nf):
@@ -296,10 +306,7 @@ def _candidates(
         if o > 1:
             sh, sho = lookup_slot(tab, keytok, meta, tail, tlen, o - 1)
         base = _kind(STORE, o, count[slot])
-        tot = 0.0
-        for j in range(nids[slot]):
-            tot += probs[slot, j]
-        inv = 1.0 / (tot if tot != 0.0 else 1.0)
+        inv = _inverse_mass(probs, slot, nids[slot])
         for j in range(nids[slot]):
             p = probs[slot, j]
             if p > 0:
@@ -316,10 +323,7 @@ def _candidates(
             if at >= 0:
                 f_kind[at] += AGREE
             base = _kind(BACKOFF, sho, count[sh])
-            tot = 0.0
-            for j in range(nids[sh]):
-                tot += probs[sh, j]
-            inv = 1.0 / (tot if tot != 0.0 else 1.0)
+            inv = _inverse_mass(probs, sh, nids[sh])
             for j in range(nids[sh]):
                 p = probs[sh, j]
                 token = ids[sh, j]
