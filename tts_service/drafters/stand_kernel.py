@@ -525,19 +525,28 @@ class StandDynGroup:
     def draft_all(
         self, members: Sequence[CompiledStandDyn], ctxs: Sequence[DraftContext]
     ) -> list[DraftTree]:
-        """The members' trees, as each drafting in turn would make them."""
+        """The members' trees, as each drafting in turn would make them: each row's tokens are
+        booked in order, and where a row's restarts the suffix counts, the rows before it are
+        drafted first (one call each side)."""
         out: list[DraftTree] = []
-        start = 0
+        start, counted = 0, []
         for r, (m, ctx) in enumerate(zip(members, ctxs, strict=True)):
             if self.suffix.needs_reset(m.doc, len(ctx.tokens)):  # the counts restart here
-                out += self._draft(members[start:r], ctxs[start:r], start)
+                out += self._draft(members[start:r], ctxs[start:r], start, counted)
                 self.suffix.reset_for(m.doc)
-                start = r
-        return out + self._draft(members[start:], ctxs[start:], start)
+                start, counted = r, []
+            counted.append(self.suffix.advance(m.doc, ctx.tokens))
+        return out + self._draft(members[start:], ctxs[start:], start, counted)
 
     def _draft(
-        self, members: Sequence[CompiledStandDyn], ctxs: Sequence[DraftContext], first: int
+        self,
+        members: Sequence[CompiledStandDyn],
+        ctxs: Sequence[DraftContext],
+        first: int,
+        counted: Sequence[tuple[list[int], int, int]],
     ) -> list[DraftTree]:
+        """One kernel call: `members` (rows `first`... of the step) with what each row counts
+        (`SuffixIndex.advance`, booked already)."""
         rows = len(members)
         if not rows:
             return []
@@ -551,11 +560,11 @@ class StandDynGroup:
         costs: list[tuple[np.ndarray, np.ndarray]] = []
         seen: dict[int, int] = {}
         new = 0
-        for r, (m, ctx) in enumerate(zip(members, ctxs, strict=True)):
-            seq, lo[r], hi[r] = sfx.advance(m.doc, ctx.tokens)
+        for r, (m, ctx, (seq, a, b)) in enumerate(zip(members, ctxs, counted, strict=True)):
+            lo[r], hi[r] = a, b
             seqs += seq
             seq_at.append(len(seqs))
-            new += int(hi[r] - lo[r])
+            new += b - a
             tail = ctx.tokens[-TAIL:]
             tails[r, : len(tail)] = tail
             tlens[r] = len(tail)

@@ -12,6 +12,7 @@ import pytest
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.unit.test_runner import _prompts, make_generator
 from tts_service.config import SamplingConfig
+from tts_service.drafters.base import DraftContext
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, StandDynDrafterConfig, compiled_applies
 from tts_service.drafters.stand_kernel import StandDynGroup, SuffixIndex, warm
@@ -92,3 +93,56 @@ def test_the_compiled_drafter_applies_where_its_trees_are_the_python_ones():
 
 def test_warm_compiles_and_runs_every_kernel():
     assert warm() > 1  # a tree was drafted from the one stored entry
+
+
+def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
+    """A small memory bound makes the suffix counts restart at some row of a step: the group
+    drafts the rows before it in one call, restarts, then the rest (`StandDynGroup.draft_all`),
+    and every tree equals the Python drafter's, drafting row after row."""
+    from store.base import NgramRow
+    from tts_service.drafters.goose import AdjacencyTable
+    from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
+    from tts_service.drafters.stand_kernel import (
+        CalibrationIndex,
+        CompiledStandDyn,
+        SuccessorIndex,
+    )
+    from tts_service.engine.tree import DraftTree
+
+    rng = random.Random(7)
+    rows = [
+        NgramRow(
+            tuple(rng.randrange(8) for _ in range(4)),
+            tuple(rng.sample(range(8), 4)),
+            (0.4, 0.3, 0.2, 0.1),
+        )
+        for _ in range(200)
+    ]
+    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
+    plain.add(rows)
+    indexed.add(rows)
+    cfg = StandDynDrafterConfig(num_nodes=6, sizing="fixed", compiled=False)
+    counts = SuffixCounts(SUFFIX_ORDERS, max_tokens=120)
+    python = [
+        StandDynDrafter(cfg, plain, counts, AdjacencyTable(8, 10), AcceptanceCalibration())
+        for _ in range(4)
+    ]
+    group = StandDynGroup()
+    group.suffix = SuffixIndex(max_tokens=120)
+    group.bind(indexed.compiled(), SuccessorIndex(8), CalibrationIndex())
+    compiled = [CompiledStandDyn(6, True, indexed, group) for _ in range(4)]
+    docs = [[rng.randrange(8) for _ in range(60)] for _ in range(4)]
+    for d in python + compiled:
+        d.start([])
+    restarts: list[int] = []  # the doc (= row) each restart came at
+    reset_for = group.suffix.reset_for
+    group.suffix.reset_for = lambda doc: restarts.append(doc) or reset_for(doc)  # type: ignore[method-assign]
+    for end in range(10, 60, 7):
+        ctxs = [DraftContext(doc[:end], 1, 6) for doc in docs]
+        want: list[DraftTree] = [d.draft(c) for d, c in zip(python, ctxs, strict=True)]
+        got = group.draft_all(compiled, ctxs)
+        assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
+        assert group.suffix.size == counts.size  # restarted at the same rows
+        for doc in docs:
+            assert group.suffix.lookup(doc[end - 9 : end]) == counts.lookup(doc[end - 9 : end])
+    assert len(restarts) >= 2 and max(restarts) > 0  # some restart came after a step's first row
