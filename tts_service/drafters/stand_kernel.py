@@ -509,8 +509,6 @@ class StandDynGroup:
         self.successors: SuccessorIndex | None = None
         self.calibration: CalibrationIndex | None = None
         self._costs: dict[int, tuple[VerifyCost, np.ndarray, np.ndarray]] = {}
-        # the last call's trees, [row, node] (members read theirs when they observe)
-        self.kinds = self.qs = np.zeros((0, 1))
 
     def bind(
         self, index: StoreIndex, successors: SuccessorIndex, calibration: CalibrationIndex
@@ -532,21 +530,20 @@ class StandDynGroup:
         start, counted = 0, []
         for r, (m, ctx) in enumerate(zip(members, ctxs, strict=True)):
             if self.suffix.needs_reset(m.doc, len(ctx.tokens)):  # the counts restart here
-                out += self._draft(members[start:r], ctxs[start:r], start, counted)
+                out += self._draft(members[start:r], ctxs[start:r], counted)
                 self.suffix.reset_for(m.doc)
                 start, counted = r, []
             counted.append(self.suffix.advance(m.doc, ctx.tokens))
-        return out + self._draft(members[start:], ctxs[start:], start, counted)
+        return out + self._draft(members[start:], ctxs[start:], counted)
 
     def _draft(
         self,
         members: Sequence[CompiledStandDyn],
         ctxs: Sequence[DraftContext],
-        first: int,
         counted: Sequence[tuple[list[int], int, int]],
     ) -> list[DraftTree]:
-        """One kernel call: `members` (rows `first`... of the step) with what each row counts
-        (`SuffixIndex.advance`, booked already)."""
+        """One kernel call for `members`, with what each row counts (`SuffixIndex.advance`,
+        booked already)."""
         rows = len(members)
         if not rows:
             return []
@@ -569,7 +566,7 @@ class StandDynGroup:
             tails[r, : len(tail)] = tail
             tlens[r] = len(tail)
             limits[r] = min(m.num_nodes, ctx.max_nodes)
-            m.root_tail, m.row = tuple(tail), first + r
+            m.root_tail = tuple(tail)
             if m.cost is not None and not ctx.fill:
                 cost = m.cost.at(len(ctx.tokens))
                 if id(cost) not in seen:
@@ -596,13 +593,9 @@ class StandDynGroup:
             tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of,
             parent, token, kind, q, sizes,
         )  # fmt: skip
-        if first == 0:
-            self.kinds, self.qs = kind, q
-        else:  # after a reset within the step: the rows' trees continue the first part's
-            self.kinds = _stack(self.kinds, kind)
-            self.qs = _stack(self.qs, q)
         out = []
-        for r, n in enumerate(sizes.tolist()):
+        for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
+            m.kinds, m.qs = kind[r, :n], q[r, :n]  # what each node was drafted as
             out.append(
                 DraftTree(
                     tuple(token[r, :n].tolist()),
@@ -621,14 +614,6 @@ class StandDynGroup:
         return hit[1], hit[2]
 
 
-def _stack(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Rows of `a` then rows of `b`, the narrower padded with zeros."""
-    width = max(a.shape[1], b.shape[1])
-    out = np.zeros((a.shape[0] + b.shape[0], width), a.dtype)
-    out[: a.shape[0], : a.shape[1]], out[a.shape[0] :, : b.shape[1]] = a, b
-    return out
-
-
 class CompiledStandDyn:
     """`StandDynDrafter` with deterministic children, one row of a `StandDynGroup` (which
     drafts the step's rows in one call); it observes as the Python drafter does (calibration,
@@ -645,7 +630,8 @@ class CompiledStandDyn:
         self.num_nodes, self.harvest_rejected = num_nodes, harvest_rejected
         self.store, self.group, self.cost = store, group, cost
         self.doc = -1
-        self.row = 0  # this drafter's row in the group's last call
+        # the last tree's: each node's candidate kind and stored probability, the root's context
+        self.kinds, self.qs = np.zeros(0, np.int64), np.zeros(0, np.float64)
         self.root_tail: tuple[int, ...] = ()
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -671,9 +657,7 @@ class CompiledStandDyn:
         return later
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred:
-        n, g = tree.size, self.group  # the next draft overwrites the group's arrays
-        kinds, qs = g.kinds[self.row, :n].copy(), g.qs[self.row, :n].copy()
-        root_tail = self.root_tail
+        kinds, qs, root_tail = self.kinds, self.qs, self.root_tail  # the next draft rebinds them
         return lambda: self._learn(tree, acc, topk, kinds, qs, root_tail)
 
     def _learn(

@@ -15,7 +15,7 @@ from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, StandDynDrafterConfig, compiled_applies
-from tts_service.drafters.stand_kernel import StandDynGroup, SuffixIndex, warm
+from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.batch import BatchDecoder
 from tts_service.runner import TrajectoryRequest, TrajectoryRunner
 
@@ -39,9 +39,10 @@ def test_the_suffix_index_counts_as_suffix_counts(max_tokens):
     assert index.size == ref.size
 
 
-def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str):
+def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str, grouped=True):
     """Every step's trees and every trajectory's tokens: 3 problems x 3 trajectories of
-    different lengths on 4 rows, so rows join and leave."""
+    different lengths on 4 rows, so rows join and leave. `grouped=False`: each compiled row
+    drafts alone (as under a wrapper that hides its group), one call per row."""
     drafted: list[list[tuple]] = []
     draft = BatchDecoder._draft
 
@@ -56,6 +57,8 @@ def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: 
     monkeypatch.setattr(
         StandDynGroup, "draft_all", lambda self, m, c: calls.append(1) or group_draft(self, m, c)
     )
+    if not grouped:
+        monkeypatch.setattr(CompiledStandDyn, "grouped", None)
     cfg = StandDynDrafterConfig(num_nodes=12, sizing=sizing, compiled=compiled)
     requests, stores = [], []
     for p, prompt in enumerate(_prompts()[:3]):
@@ -71,11 +74,16 @@ def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: 
     return drafted, tokens, [s.stats() for s in stores]
 
 
-@pytest.mark.parametrize(("temperature", "sizing"), [(0.0, "fixed"), (1.0, "fixed"), (1.0, "gt")])
-def test_compiled_trees_equal_the_python_drafters(tiny_model, monkeypatch, temperature, sizing):
+@pytest.mark.parametrize(
+    ("temperature", "sizing", "grouped"),
+    [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],
+)
+def test_compiled_trees_equal_the_python_drafters(
+    tiny_model, monkeypatch, temperature, sizing, grouped
+):
     python = _trees(tiny_model, monkeypatch, False, temperature, sizing)
     monkeypatch.undo()
-    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing)
+    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing, grouped)
     assert len(compiled[0]) == len(python[0]) > 10
     assert compiled[0] == python[0]  # every step's trees, node for node
     assert compiled[1] == python[1]
@@ -102,11 +110,7 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
     from store.base import NgramRow
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_kernel import (
-        CalibrationIndex,
-        CompiledStandDyn,
-        SuccessorIndex,
-    )
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
     from tts_service.engine.tree import DraftTree
 
     rng = random.Random(7)
