@@ -109,8 +109,8 @@ class NgramStore(Protocol):
 
 @runtime_checkable
 class IndexedStore(Protocol):
-    """A store that keeps an array mirror of itself for compiled drafting (`InMemoryNgramStore`;
-    a Redis store cannot: other writers change it behind any mirror)."""
+    """A store that can keep its entries as arrays for compiled drafting (`InMemoryNgramStore`;
+    a Redis store cannot: other writers change it behind any local copy)."""
 
     def compiled(self) -> StoreIndex | None:
         """Its `store.index.StoreIndex` (made on the first call, its entries' home from then

@@ -150,13 +150,14 @@ class StoreIndex:
 
     def __init__(self, max_order: int, topk: int, max_entries: int, slots: int = 1024) -> None:
         self.max_order, self.topk, self.max_entries = max_order, topk, max_entries
+        self.meta = np.zeros(META + 9, np.int64)
         self.clear(slots)
 
     def clear(self, slots: int = 1024) -> None:
-        """Forget every entry (and the lookup counts)."""
+        """Forget every entry; the lookup and eviction counts stay, as the dict store's do."""
         self.tab = new_table(slots)
-        self.meta = np.zeros(META + 9, np.int64)
         self.meta[[HEAD, TAIL, FREE]] = -1
+        self.meta[[FRESH, ENTRIES, DELETED]] = 0
         self._alloc(slots, keep=False)
 
     def _alloc(self, slots: int, keep: bool = True) -> None:

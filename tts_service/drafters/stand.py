@@ -170,6 +170,19 @@ def feed_root(store: NgramStore, tokens: Sequence[int], topk: NodeTopK) -> None:
         store.add([NgramRow(tail, tuple(topk.ids[0].tolist()), tuple(topk.probs[0].tolist()))])
 
 
+def learned_nodes(
+    tree: DraftTree, acc: Acceptance, topk: NodeTopK, harvest_rejected: bool
+) -> list[int]:
+    """The nodes whose target distributions the store learns, in merge order: the root and the
+    accepted nodes (the last one is the bonus position), then, with `harvest_rejected`, the
+    rejected ones; only those with a real top-k row."""
+    nodes = [0, *acc.path]
+    if harvest_rejected:
+        on_path = set(acc.path)
+        nodes += [v for v in range(1, tree.size) if v not in on_path]
+    return [v for v in nodes if topk.has(v)]
+
+
 def feed_store(
     store: NgramStore,
     tails: list[tuple[int, ...]],
@@ -178,12 +191,8 @@ def feed_store(
     topk: NodeTopK,
     harvest_rejected: bool,
 ) -> None:
-    """Merge the target's distributions at the root and the accepted nodes (the last one is
-    the bonus position), and optionally at rejected nodes, under each node's context tail."""
-    nodes = [0, *acc.path]
-    if harvest_rejected:
-        nodes += [v for v in range(1, tree.size) if v not in set(acc.path)]
-    nodes = [v for v in nodes if topk.has(v)]
+    """Merge the target's distributions at `learned_nodes` under each node's context tail."""
+    nodes = learned_nodes(tree, acc, topk, harvest_rejected)
     ids, probs = topk.ids[nodes].tolist(), topk.probs[nodes].tolist()
     store.add(
         [NgramRow(tails[v], tuple(i), tuple(p)) for v, i, p in zip(nodes, ids, probs, strict=True)]

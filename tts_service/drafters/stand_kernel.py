@@ -5,7 +5,7 @@ compiled drafter"; issue 27's host budget).
 Everything the Python drafter reads lives here as arrays a kernel can walk without the
 interpreter:
 
-* the problem's store: `InMemoryNgramStore.compiled()`, a mirror kept equal on every `add`;
+* the problem's store: `InMemoryNgramStore.compiled()`, where its entries live from then on;
 * the suffix counts over the problem's trajectories (`SuffixIndex`, `SuffixCounts`' rule);
 * the successor table's unigram tier (`SuccessorIndex`, `AdjacencyTable` as `stand-dyn` uses
   it) and the calibration (`CalibrationIndex`, `AcceptanceCalibration`'s lines), per model.
@@ -32,7 +32,7 @@ from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
-from tts_service.drafters.stand import feed_root
+from tts_service.drafters.stand import feed_root, learned_nodes
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -680,8 +680,8 @@ class CompiledStandDyn:
             cal.drawn, cal.hits, cal.a, cal.b, kinds, qs, parents, on_path, n,
             cal.prior_weight, cal.prior_scale,
         )  # fmt: skip
-        # the store: `feed_store`'s rows (root, path, then the rejected nodes with the
-        # harvest), as arrays: each node's context is its path's last `max_order` tokens
+        # the store: `feed_store`'s rows as arrays; a node's context is its path's last
+        # `max_order` tokens
         order = index.max_order
         ctx = np.full((n, order), -1, np.int64)
         clen = np.zeros(n, np.int64)
@@ -690,10 +690,7 @@ class CompiledStandDyn:
         for v in range(1, n):
             p = tree.parents[v]
             ctx[v, :-1], ctx[v, -1], clen[v] = ctx[p, 1:], tree.tokens[v], min(order, clen[p] + 1)
-        nodes = [0, *acc.path]
-        if self.harvest_rejected:
-            nodes += [v for v in range(1, n) if not on_path[v]]
-        nodes = [v for v in nodes if topk.has(v)]
+        nodes = learned_nodes(tree, acc, topk, self.harvest_rejected)
         ids, probs = topk.ids.numpy(), topk.probs.numpy()
         if nodes:
             rows = np.array(nodes, np.int64)
@@ -706,7 +703,7 @@ class CompiledStandDyn:
 
 def warm() -> int:
     """Compile (or load) every kernel once, on a tiny problem; the size of the tree drafted."""
-    index = StoreIndex(4, 10, 1000)  # adds and looks up as the store it mirrors would
+    index = StoreIndex(4, 10, 1000)  # adds and looks up as an in-process store does
     index.add([NgramRow((1, 2, 3), (4, 5), (0.6, 0.3))])
     group = StandDynGroup()
     group.bind(index, SuccessorIndex(16), CalibrationIndex())

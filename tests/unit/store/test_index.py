@@ -72,12 +72,17 @@ def test_a_summing_store_keeps_no_index():
     assert InMemoryNgramStore(merge="sum").compiled() is None
 
 
-def test_clear_empties_the_index():
-    store = InMemoryNgramStore()
-    store.add(_rows(random.Random(1), 10))
+def test_clear_empties_the_index_and_keeps_the_counts_as_the_dict_store_does():
+    rows = _rows(random.Random(1), 10)
+    store, plain = InMemoryNgramStore(), InMemoryNgramStore()
+    store.add(rows)
+    plain.add(rows)
     index = store.compiled()
     assert index is not None and store.stats()["entries"] > 0
-    store.clear()
+    for s in (store, plain):
+        s.lookup((1, 2, 3))
+        s.clear()
+    assert store.stats() == plain.stats()
     assert store.stats()["entries"] == 0 and store.items() == []
     store.add([NgramRow((1, 2), (7,), (1.0,))])
     assert store.lookup((9, 1, 2)) == index.lookup((9, 1, 2)) is not None
