@@ -594,15 +594,11 @@ class StandDynGroup:
             parent, token, kind, q, sizes,
         )  # fmt: skip
         out = []
+        tokens, parents = token.tolist(), parent.tolist()
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             m.kinds, m.qs = kind[r, :n], q[r, :n]  # what each node was drafted as
             out.append(
-                DraftTree(
-                    tuple(token[r, :n].tolist()),
-                    tuple(parent[r, :n].tolist()),
-                    (False,) * n,
-                    (None,) * n,
-                )
+                DraftTree(tuple(tokens[r][:n]), tuple(parents[r][:n]), (False,) * n, (None,) * n)
             )
         return out
 

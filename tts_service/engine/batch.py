@@ -475,7 +475,7 @@ class BatchDecoder:
         main = torch.cat(
             [
                 last[:, None].to(torch.float64),
-                bonus.gather(1, last[:, None]).to(torch.float64),
+                bonus[:, None].to(torch.float64),
                 on_path.to(torch.float64),
                 top.indices.flatten(1).to(torch.float64),
                 top.values.flatten(1),
@@ -535,26 +535,30 @@ class BatchDecoder:
         uvw: Uniforms | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rules (a) and (b) for every row on the device (`engine.treebatch`): the last accepted
-        node `[R]`, the path `[R, N]` and the bonus token at every node `[R, N]`. A plain step
-        (every tree the root alone) only draws the bonus."""
+        node `[R]`, the path `[R, N]` and the bonus token there `[R]`, drawn from that node's
+        residual alone (the other nodes' are never used). A plain step (every tree the root
+        alone) only draws the bonus."""
         rows, n = tb.shape
         if uvw is None and n == 1:
-            return best.new_zeros(rows), tb.real, best
+            return best.new_zeros(rows), tb.real, best[:, 0]
         if uvw is None:
             last, on_path = accepted_path(tb, greedy_choice(tb, best))
-            return last, on_path, best
+            return last, on_path, best.gather(1, last[:, None])[:, 0]
         u, v, _ = uvw
         mixed = any(greedy)  # greedy rows beside sampled ones (best-of-N: never)
-        on = torch.tensor(greedy, device=self.device)[:, None] if mixed else None
+        on = torch.tensor(greedy, device=self.device) if mixed else None
         if n == 1:
-            bonus = residual_bonus(probs, v)
-            return best.new_zeros(rows), tb.real, bonus if on is None else best.where(on, bonus)
-        matched, residual = match_choice(tb, probs, u)
+            last, on_path, residual = best.new_zeros(rows), tb.real, probs[:, 0]
+        else:
+            matched, residual = match_choice(tb, probs, u)
+            if on is not None:
+                matched = greedy_choice(tb, best).where(on[:, None], matched)
+            last, on_path = accepted_path(tb, matched)
+            residual = residual[torch.arange(rows, device=self.device), last]
+        bonus = residual_bonus(residual, v.gather(1, last[:, None])[:, 0])
         if on is not None:
-            matched = greedy_choice(tb, best).where(on, matched)
-        last, on_path = accepted_path(tb, matched)
-        bonus = residual_bonus(residual, v)
-        return last, on_path, bonus if on is None else best.where(on, bonus)
+            bonus = best.gather(1, last[:, None])[:, 0].where(on, bonus)
+        return last, on_path, bonus
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one

@@ -42,14 +42,16 @@ class DraftTree:
     children: tuple[tuple[int, ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
-        assert len(self.parents) == len(self.sampled) == len(self.q) == n and n >= 1
-        assert self.parents[0] == -1 and all(0 <= p < i for i, p in enumerate(self.parents) if i)
+        n, parents = len(self.tokens), self.parents
+        assert len(parents) == len(self.sampled) == len(self.q) == n and n >= 1
+        assert parents[0] == -1, "node 0 is the root"
         depths = [0] * n
         kids: list[list[int]] = [[] for _ in range(n)]
-        for i in range(1, n):
-            depths[i] = depths[self.parents[i]] + 1
-            kids[self.parents[i]].append(i)
+        for i in range(1, n):  # one pass: check the order, count depths, list children
+            p = parents[i]
+            assert 0 <= p < i, "parents come before their children"
+            depths[i] = depths[p] + 1
+            kids[p].append(i)
         object.__setattr__(self, "depths", tuple(depths))
         object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
 

@@ -174,7 +174,7 @@ def match_choice(
 
 
 def residual_bonus(residual: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`[R, N]`: a token drawn from every node's residual (`[R, N, V]`, any positive scale) by
+    """A token drawn from each residual (`[..., V]`, any positive scale; `v` `[...]`) by
     inverting its CDF at the uniform `v`; ids with zero mass are never drawn."""
     cdf = residual.cumsum(-1)
     total = cdf[..., -1:]
