@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -160,6 +161,8 @@ class BatchDecoder:
         self.eos_ids = list(eos_ids)
         self.decode = decode
         self.min = torch.finfo(model.dtype).min
+        # attend: 0, blocked: `min` (an additive mask in the model's dtype), one op a step
+        self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.active: list[Row] = []
         self.cache = cache if cache is not None else StaticKV(model)
         graphs = cuda_graphs and model.device.type == "cuda"
@@ -293,11 +296,9 @@ class BatchDecoder:
         allowed = (causal[None] & valid[:, None, :]) | torch.eye(
             width, dtype=torch.bool, device=device
         )[None]
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
-        mask.masked_fill_(~allowed, self.min)
         self.model(
             ids,
-            attention_mask=mask[:, None],
+            attention_mask=self.zero.where(allowed, self.min)[:, None],
             position_ids=pos,
             past_key_values=cache,
             logits_to_keep=1,
@@ -325,9 +326,7 @@ class BatchDecoder:
         allowed = torch.zeros(rows, n, width, dtype=torch.bool, device=device)
         allowed[:, :, :start] = kv.valid[:rows, None, :start]
         allowed[:, :, start : start + n] = anc
-        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=device)
-        mask.masked_fill_(~allowed, self.min)
-        return ids, depths + root[:, None], mask[:, None]
+        return ids, depths + root[:, None], self.zero.where(allowed, self.min)[:, None]
 
     @torch.inference_mode()
     def step(
@@ -442,9 +441,9 @@ class BatchDecoder:
             self.cache.keep_roots(start)
         else:
             idx = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long)
-            lengths = torch.tensor([len(k) for k in keeps], dtype=torch.long)
+            lengths = np.array([len(k) for k in keeps])
             self.cache.keep_region(start, idx)
-            self.cache.set_region_valid(start, torch.arange(m)[None] < lengths[:, None])
+            self.cache.set_region_valid(start, torch.from_numpy(np.arange(m) < lengths[:, None]))
         finished = [r for r in batch if r.rule.finish is not None]
         if finished:  # finished rows leave the batch
             self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
@@ -474,8 +473,7 @@ class BatchDecoder:
         k = top.indices.shape[-1]
         main = torch.cat(
             [
-                last[:, None].to(torch.float64),
-                bonus[:, None].to(torch.float64),
+                torch.stack([last, bonus], 1).to(torch.float64),
                 on_path.to(torch.float64),
                 top.indices.flatten(1).to(torch.float64),
                 top.values.flatten(1),
@@ -491,11 +489,14 @@ class BatchDecoder:
             at = torch.tensor(walk, dtype=torch.long, device=self.device)
             u, v, w = (x[at] for x in uvw)
             parts.append(gather_sparse(probs[at], layout, u, v, w).flatten())
-        host = torch.cat(parts).cpu()  # the step's one synchronisation
-        head, sparse = host.split([main.numel(), host.numel() - main.numel()])
-        meta, top_ids, top_probs = head.view(rows, -1).split([2 + n, n * k, n * k], dim=1)
-        top_ids = top_ids.reshape(rows, n, k).long().unbind(0)
-        top_probs = top_probs.reshape(rows, n, k).unbind(0)
+        # the step's one synchronisation; the host reads it as numpy arrays (no torch ops)
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        size = main.numel()
+        head, sparse = host[:size].reshape(rows, -1), torch.from_numpy(host[size:])
+        meta = head[:, : 2 + n]
+        ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
+        top_ids = torch.from_numpy(ids).unbind(0)
+        top_probs = torch.from_numpy(head[:, 2 + n + n * k :].reshape(rows, n, k)).unbind(0)
         walked: dict[int, Acceptance] = {}
         if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
             walks = walk_sparse_all(layout, sparse.view(len(walk), n, -1))

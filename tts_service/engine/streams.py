@@ -82,5 +82,9 @@ def node_uniforms(
     residual on the device; w, the host's draw of recursive rejection sampling). The one place
     the lane layout lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the
     same counter."""
-    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes).to(device)
-    return lanes[:, 0::3], lanes[:, 1::3], lanes[:, 2::3]
+    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes).numpy()
+    # u's lanes, then v's, then w's: one copy, split on the device without strided views
+    rows = lanes.shape[0]
+    ordered = lanes.reshape(rows, nodes, LANES_PER_NODE).transpose(0, 2, 1).reshape(rows, -1)
+    u, v, w = torch.from_numpy(ordered).to(device).split(nodes, 1)
+    return u, v, w

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -84,23 +84,23 @@ def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TreeBatch:
     """Every row's tree padded to `N` nodes; pad nodes are roots of their own that no real
-    node sees. `tokens` pads with the row's root token."""
+    node sees. `tokens` pads with the row's root token. What depends on the trees alone is
+    computed on the host and copied in two arrays, so the device runs no ops for it."""
 
     tokens: torch.Tensor  # [R, N] long
     parents: torch.Tensor  # [R, N] long: -1 for the root and for pads
     real: torch.Tensor  # [R, N] bool: a node of the row's tree
     ancestors: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i or an ancestor of i
     depths: torch.Tensor  # [R, N] long
-    earlier: torch.Tensor | None  # `siblings_before` (None: every tree is its root alone)
+    siblings_before: torch.Tensor  # [R, N, N] bool: j is a draft node with i's parent, before i
+    draft: torch.Tensor  # [R, N] bool: a draft node (a real node but the root)
+    firsts: torch.Tensor  # [R, N] bool: draft nodes whose token no earlier sibling has
+    parent_at: torch.Tensor  # [R, N] long: the parent's index in the flattened [R * N] nodes
 
     @staticmethod
     def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
         """The trees padded to `width` nodes (at least the largest tree's size)."""
-        if width == 1:  # a plain step: every tree is its root
-            tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
-            ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
-            par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
-            return TreeBatch(tok, par, ones[:, 0], ones, zero, None)
+        rows = len(trees)
         pad = [(width - t.size) for t in trees]
         host = np.array(  # tokens, parents, depths: one copy to the device
             [
@@ -116,35 +116,41 @@ class TreeBatch:
             ],
             dtype=np.int64,
         )
+        tok, par = host[:, :width], host[:, width : 2 * width]
+        at = np.arange(rows, dtype=np.int64)[:, None] * width + np.maximum(par, 0)
         masks = batch_masks(trees, width)
-        tok, par, depths = torch.from_numpy(host).to(device, non_blocking=True).split(width, 1)
-        anc, before = torch.from_numpy(masks).to(device, non_blocking=True)
-        real = par >= 0
+        # a duplicate sibling is never accepted: its mass was rejected with the first
+        dup = (masks[1] & (tok[:, :, None] == tok[:, None, :])).any(-1)
+        draft = par >= 0
+        real = draft.copy()
         real[:, 0] = True
-        return TreeBatch(tok, par, real, anc, depths, before)
+        flags = np.concatenate(
+            [masks.transpose(1, 0, 2, 3).reshape(rows, -1), draft, draft & ~dup, real], axis=1
+        )
+        ints = torch.from_numpy(np.concatenate([host, at], axis=1)).to(device, non_blocking=True)
+        bools = torch.from_numpy(flags).to(device, non_blocking=True)
+        tok_t, par_t, depths, at_t = ints.split(width, 1)
+        square = width * width
+        anc, before, draft_t, first, real_t = bools.split([square, square, *(width,) * 3], 1)
+        return TreeBatch(
+            tok_t,
+            par_t,
+            real_t,
+            anc.view(rows, width, width),
+            depths,
+            before.view(rows, width, width),
+            draft_t,
+            first,
+            at_t,
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.tokens.shape[0], self.tokens.shape[1])
 
-    @cached_property
-    def siblings_before(self) -> torch.Tensor:
-        """`[R, N, N]` bool: (i, j) iff j is a draft node with i's parent, listed before i."""
-        if self.earlier is not None:
-            return self.earlier
-        return torch.zeros(self.ancestors.shape, dtype=torch.bool, device=self.tokens.device)
-
-    @cached_property
-    def firsts(self) -> torch.Tensor:
-        """`[R, N]` bool: real draft nodes whose token no earlier sibling has (a duplicate is
-        never accepted: its mass was rejected with the first)."""
-        same_token = self.tokens[:, :, None] == self.tokens[:, None, :]
-        dup = (self.siblings_before & same_token).any(-1)
-        return self.real & (self.parents >= 0) & ~dup
-
     def at_parent(self, values: torch.Tensor) -> torch.Tensor:
         """`values[b, parents[b, i]]` (`[R, N]`; the root and pads read node 0)."""
-        return values.gather(1, self.parents.clamp(min=0))
+        return values.take(self.parent_at)
 
 
 def greedy_choice(batch: TreeBatch, best: torch.Tensor) -> torch.Tensor:
@@ -158,10 +164,8 @@ def match_choice(
     """Rule (b) over deterministic drafts, with `p` `[R, N, V]` float64 and uniforms `u`
     `[R, N]`: (the chosen children `[R, N]` bool, the residual `[R, N, V]` at every node: p
     without its children's tokens)."""
-    rows, n = batch.shape
-    before, firsts = batch.siblings_before, batch.firsts
+    before, firsts, at = batch.siblings_before, batch.firsts, batch.parent_at
     flat = p.flatten(0, 1)
-    at = torch.arange(rows, device=p.device)[:, None] * n + batch.parents.clamp(min=0)
     px = torch.where(firsts, flat[at, batch.tokens], 0.0)
     residual = flat.index_put((at, batch.tokens), -px, accumulate=True).view_as(p)
     mass = residual.sum(-1)
@@ -195,7 +199,7 @@ def outside_support(
 def accepted_path(batch: TreeBatch, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the deepest node `[R]` whose every non-root node on its path was chosen, that path
     `[R, N]` bool, root included). Chosen children are one per node at most, so it is one."""
-    unchosen = ~chosen & (batch.parents >= 0)
+    unchosen = batch.draft ^ chosen  # chosen children are draft nodes
     blocked = (batch.ancestors & unchosen[:, None, :]).any(-1)
     ok = batch.real & ~blocked
     last = torch.where(ok, batch.depths, -1).argmax(-1)

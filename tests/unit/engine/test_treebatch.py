@@ -156,6 +156,8 @@ def test_the_batch_masks_are_each_trees_own(size):
         tb = TreeBatch.of(trees, size, torch.device("cpu"))
         before, firsts = reference_siblings(tb)
         assert torch.equal(tb.siblings_before, before) and torch.equal(tb.firsts, firsts)
+        values = torch.arange(len(trees) * size).view(len(trees), size)
+        assert torch.equal(tb.at_parent(values), values.gather(1, tb.parents.clamp(min=0)))
         for b, tree in enumerate(trees):
             n = tree.size
             want = torch.eye(size, dtype=torch.bool)  # pads see themselves only
