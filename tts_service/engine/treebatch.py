@@ -5,10 +5,11 @@ rules, (a) greedy and (b) sample-and-match over deterministic drafts, run for th
 on the device in a fixed number of tensor ops (whatever the row count and tree shapes), so a
 GPU host launches a few dozen kernels per step and copies one result back:
 
-* `TreeBatch.of`: tokens, parents and depths `[R, N]` from the trees (one host-to-device
-  copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another; unpacked on the host
-  from each tree shape's bit rows, `shape_rows`), which the attention mask and the acceptance
-  read.
+* `TreeBatch.of`: tokens, parents, depths and the parents' flat indices `[R, N]` from the trees
+  (one host-to-device copy), and every flag that depends on the trees alone (another): the
+  ancestor and earlier-sibling masks `[R, N, N]` (unpacked on the host from each tree shape's
+  bit rows, `shape_rows`), draft nodes and first-of-their-token children. The attention mask
+  and the acceptance read them; the device spends no op on them.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
