@@ -31,16 +31,27 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import ModelConfig
+from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.sampling import SamplingParams, target_probs
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.verify import Acceptance
 from tts_service.models import load_model
-from tts_service.replay import LoggedProblem, read_log
+from tts_service.replay import (
+    LoggedProblem,
+    LoggedTarget,
+    logged_requests,
+    read_log,
+    replay_config,
+)
+from tts_service.runner import TrajectoryRunner
 
 Path_ = tuple[int, ...]
 Expand = Callable[[list[Path_]], list[torch.Tensor]]
@@ -176,7 +187,7 @@ def trajectory(
     replayed tokens per forward."""
     response = problem.responses[r][:max_tokens]
     target = TrajectoryTarget(model, cfg, problem.prompt_ids)
-    k = max(caps) - 1
+    k = max(caps)
     expected = {c: 0.0 for c in caps}
     matched: dict[int, list[int]] = {c: [] for c in caps}
     forwarded = 0
@@ -186,8 +197,8 @@ def trajectory(
         tree = best_tree(target.root, target.expand, k)
         forwarded += tree.forwarded
         for c in caps:
-            expected[c] += tree.expected(c - 1)
-            matched[c].append(tree.matched(c - 1, response[t:]))
+            expected[c] += tree.expected(c)
+            matched[c].append(tree.matched(c, response[t:]))
         target.advance(token)
     n = len(response)
     out = {"problem": problem.prompt_id, "trajectory": r, "positions": n, "forwarded": forwarded}
@@ -200,6 +211,59 @@ def trajectory(
         out[f"replayed_{c}"] = n / max(steps, 1)
         out[f"steps_{c}"] = steps
     return out
+
+
+class StepCounter:
+    """A trajectory's drafter, unchanged, that books each step's root position (response
+    tokens committed before it) and the tokens it committed."""
+
+    def __init__(self, inner: Drafter, steps: list[tuple[int, int]]) -> None:
+        self.inner, self.steps, self.position = inner, steps, 0
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.inner.start(prompt_ids)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        self.position = len(ctx.tokens) - ctx.prompt_len
+        return self.inner.draft(ctx)
+
+    def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
+        self.steps.append((self.position, len(acc.committed)))
+        return self.inner.observe(tree, acc, topk)
+
+    def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
+        self.steps.append((len(tokens), 1))
+        return self.inner.observe_root(tokens, topk)
+
+
+def method_on_sample(
+    problems: Sequence[LoggedProblem],
+    method: str,
+    cap: int,
+    trajectories: Sequence[int],
+    max_tokens: int,
+) -> float:
+    """`method`'s tokens per forward at `cap` nodes on the ceiling's positions: the whole log
+    replayed as `tts replay` does (every trajectory feeding the store), counting only the
+    steps of `trajectories` rooted in their first `max_tokens` tokens, as the ceiling's
+    replay counts them (the last step's tokens cut at `max_tokens`)."""
+    cfg = replay_config(SimpleNamespace(method=method, nodes=cap, tree=None))
+    booked: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    requests = []
+    for req in logged_requests(problems, cfg):
+        if req.index in trajectories:
+            steps = booked.setdefault((req.problem_id, req.index), [])
+            req = replace(req, wrap=lambda d, steps=steps: StepCounter(d, steps))
+        requests.append(req)
+    runner = TrajectoryRunner(LoggedTarget(problems), 1, "fixed", token_budget=cap + 1)
+    runner.run(requests)
+    tokens = forwards = 0
+    for steps in booked.values():
+        for position, committed in steps:
+            if position < max_tokens:
+                tokens += min(committed, max_tokens - position)
+                forwards += 1
+    return tokens / max(forwards, 1)
 
 
 def summary(records: Sequence[dict], caps: Sequence[int]) -> dict:
@@ -220,12 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, required=True, help="the log's")
     ap.add_argument("--trajectories", type=int, nargs="+", default=[0], help="indices per problem")
     ap.add_argument("--max-tokens", type=int, default=256, help="positions per trajectory")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16], help="node caps")
+    ap.add_argument(
+        "--nodes", type=int, nargs="+", default=[2, 4, 8], help="draft nodes, as replay's caps"
+    )
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument(
+        "--methods", nargs="*", default=["stand-dyn"], help="replayed on the same positions"
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON Lines, one per trajectory")
     args = ap.parse_args(argv)
-    if args.temperature <= 0 or min(args.nodes) < 2:
-        ap.error("--temperature must be > 0 and every --nodes at least 2 (the root and one)")
+    if args.temperature <= 0 or min(args.nodes) < 1:
+        ap.error("--temperature must be > 0 and every --nodes at least 1")
     torch.set_grad_enabled(False)
     loaded = load_model(ModelConfig(name=args.model))
     cfg = SamplingParams(temperature=args.temperature)
@@ -246,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rec), file=sys.stderr, flush=True)
         total = {"summary": summary(records, args.nodes), "log": str(args.log)}
         total["temperature"] = args.temperature
+        sample = [r for r in args.trajectories]
+        for method in args.methods:
+            total[method] = {
+                str(c): round(method_on_sample(problems, method, c, sample, args.max_tokens), 3)
+                for c in args.nodes
+            }
         f.write(json.dumps(total) + "\n")
     print(json.dumps(total))
     return 0

@@ -13,12 +13,13 @@ from store.base import NgramStore
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.registry import DrafterConfig, RowDrafters
+from tts_service.drafters.stand_dyn import preload_compiled
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import GenerationOutput, GenerationResult
 from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
-from tts_service.models import LoadedModel, encode_prompt, load_model
+from tts_service.models import LoadedModel, encode_prompt, load_model, resolve_device
 
 
 class InputTooLongError(ValueError):
@@ -55,6 +56,10 @@ class Generator:
 
     @classmethod
     def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
+        """The configured model, loaded. On a CUDA device, where `auto` drafts with the
+        compiled kernels, they load meanwhile (`stand_dyn.preload_compiled`)."""
+        if resolve_device(cfg.device).type == "cuda":
+            preload_compiled()
         return cls(
             load_model(cfg, cache_dir),
             max_model_len=cfg.max_model_len,

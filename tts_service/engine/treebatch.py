@@ -6,10 +6,9 @@ on the device in a fixed number of tensor ops (whatever the row count and tree s
 GPU host launches a few dozen kernels per step and copies one result back:
 
 * `TreeBatch.of`: tokens, parents, depths and the parents' flat indices `[R, N]` from the trees
-  (one host-to-device copy), and every flag that depends on the trees alone (another): the
-  ancestor and earlier-sibling masks `[R, N, N]` (unpacked on the host from each tree shape's
-  bit rows, `shape_rows`), draft nodes and first-of-their-token children. The attention mask
-  and the acceptance read them; the device spends no op on them.
+  (one host-to-device copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another;
+  unpacked on the host from each tree shape's bit rows, `shape_rows`), which the attention
+  mask and the acceptance read.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import torch
@@ -85,25 +84,26 @@ def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TreeBatch:
     """Every row's tree padded to `N` nodes; pad nodes are roots of their own that no real
-    node sees. `tokens` pads with the row's root token. What depends on the trees alone is
-    computed on the host and copied in two arrays, so the device runs no ops for it."""
+    node sees. `tokens` pads with the row's root token."""
 
     tokens: torch.Tensor  # [R, N] long
     parents: torch.Tensor  # [R, N] long: -1 for the root and for pads
     real: torch.Tensor  # [R, N] bool: a node of the row's tree
     ancestors: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i or an ancestor of i
     depths: torch.Tensor  # [R, N] long
-    siblings_before: torch.Tensor  # [R, N, N] bool: j is a draft node with i's parent, before i
-    draft: torch.Tensor  # [R, N] bool: a draft node (a real node but the root)
-    firsts: torch.Tensor  # [R, N] bool: draft nodes whose token no earlier sibling has
-    parent_at: torch.Tensor  # [R, N] long: the parent's index in the flattened [R * N] nodes
+    earlier: torch.Tensor | None  # `siblings_before` (None: every tree is its root alone)
+    indices: torch.Tensor | None  # `parent_at`, copied with the trees (None: likewise)
 
     @staticmethod
     def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
         """The trees padded to `width` nodes (at least the largest tree's size)."""
-        rows = len(trees)
+        if width == 1:  # a plain step: every tree is its root
+            tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
+            ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
+            par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
+            return TreeBatch(tok, par, ones[:, 0], ones, zero, None, None)
         pad = [(width - t.size) for t in trees]
-        host = np.array(  # tokens, parents, depths: one copy to the device
+        host = np.array(  # tokens, parents, depths, parents' flat indices: one copy
             [
                 (
                     *t.tokens,
@@ -117,37 +117,48 @@ class TreeBatch:
             ],
             dtype=np.int64,
         )
-        tok, par = host[:, :width], host[:, width : 2 * width]
-        at = np.arange(rows, dtype=np.int64)[:, None] * width + np.maximum(par, 0)
+        rows = np.arange(len(trees), dtype=np.int64)[:, None] * width
+        at = rows + np.maximum(host[:, width : 2 * width], 0)
+        ints = torch.from_numpy(np.concatenate([host, at], axis=1))
+        tok, par, depths, at_t = ints.to(device, non_blocking=True).split(width, 1)
         masks = batch_masks(trees, width)
-        # a duplicate sibling is never accepted: its mass was rejected with the first
-        dup = (masks[1] & (tok[:, :, None] == tok[:, None, :])).any(-1)
-        draft = par >= 0
-        real = draft.copy()
+        anc, before = torch.from_numpy(masks).to(device, non_blocking=True)
+        real = par >= 0
         real[:, 0] = True
-        flags = np.concatenate(
-            [masks.transpose(1, 0, 2, 3).reshape(rows, -1), draft, draft & ~dup, real], axis=1
-        )
-        ints = torch.from_numpy(np.concatenate([host, at], axis=1)).to(device, non_blocking=True)
-        bools = torch.from_numpy(flags).to(device, non_blocking=True)
-        tok_t, par_t, depths, at_t = ints.split(width, 1)
-        square = width * width
-        anc, before, draft_t, first, real_t = bools.split([square, square, *(width,) * 3], 1)
-        return TreeBatch(
-            tok_t,
-            par_t,
-            real_t,
-            anc.view(rows, width, width),
-            depths,
-            before.view(rows, width, width),
-            draft_t,
-            first,
-            at_t,
-        )
+        return TreeBatch(tok, par, real, anc, depths, before, at_t)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.tokens.shape[0], self.tokens.shape[1])
+
+    @cached_property
+    def siblings_before(self) -> torch.Tensor:
+        """`[R, N, N]` bool: (i, j) iff j is a draft node with i's parent, listed before i."""
+        if self.earlier is not None:
+            return self.earlier
+        return torch.zeros(self.ancestors.shape, dtype=torch.bool, device=self.tokens.device)
+
+    @cached_property
+    def draft(self) -> torch.Tensor:
+        """`[R, N]` bool: the draft nodes (real nodes but the root)."""
+        return self.parents >= 0
+
+    @cached_property
+    def firsts(self) -> torch.Tensor:
+        """`[R, N]` bool: draft nodes whose token no earlier sibling has (a duplicate is never
+        accepted: its mass was rejected with the first)."""
+        same_token = self.tokens[:, :, None] == self.tokens[:, None, :]
+        return self.draft & ~(self.siblings_before & same_token).any(-1)
+
+    @cached_property
+    def parent_at(self) -> torch.Tensor:
+        """`[R, N]` long: each node's parent as an index into the flattened `[R * N]` nodes
+        (the root and pads: their own row's node 0); computed with the trees on the host."""
+        if self.indices is not None:
+            return self.indices
+        rows, n = self.shape
+        at = torch.arange(rows, device=self.tokens.device)[:, None] * n
+        return at + self.parents.clamp(min=0)
 
     def at_parent(self, values: torch.Tensor) -> torch.Tensor:
         """`values[b, parents[b, i]]` (`[R, N]`; the root and pads read node 0)."""

@@ -6,15 +6,23 @@ index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, wh
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
 from store.memory import InMemoryNgramStore, TieredStore
+from tests.conftest import save_tiny_model
 from tests.unit.test_runner import _prompts, make_generator
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.matching import SuffixCounts
-from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, StandDynDrafterConfig, compiled_applies
+from tts_service.drafters.stand_dyn import (
+    SUFFIX_ORDERS,
+    StandDynDrafterConfig,
+    compiled_applies,
+    preload_compiled,
+)
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.batch import BatchDecoder
 from tts_service.runner import TrajectoryRequest, TrajectoryRunner
@@ -150,3 +158,28 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
         for doc in docs:
             assert group.suffix.lookup(doc[end - 9 : end]) == counts.lookup(doc[end - 9 : end])
     assert len(restarts) >= 2 and max(restarts) > 0  # some restart came after a step's first row
+
+
+def test_the_kernels_preload_in_a_daemon_thread():
+    """`preload_compiled` loads the kernels beside the caller and ends (`Generator.load` starts
+    it on a CUDA device, before the model loads)."""
+    thread = preload_compiled()
+    assert thread is not None and thread.daemon
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+
+
+def test_a_cpu_model_load_never_imports_numba(tmp_path):
+    """`auto` on a CPU drafts in Python: loading a model there must not pay numba's import."""
+    save_tiny_model(tmp_path, 32, seed=5, scale=4.0)
+    code = (
+        "import sys\n"
+        "from tts_service.config import ModelConfig\n"
+        "from tts_service.generation import Generator\n"
+        f"Generator.load(ModelConfig(name={str(tmp_path)!r}, device='cpu'))\n"
+        "print('numba' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
