@@ -41,7 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 from tts_service.config import ModelConfig
 from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.sampling import SamplingParams, target_probs
-from tts_service.engine.tree import DraftTree
+from tts_service.engine.tree import DraftTree, pack
 from tts_service.engine.verify import Acceptance
 from tts_service.models import load_model
 from tts_service.replay import (
@@ -113,56 +113,49 @@ def path_prob(known: dict[Path_, torch.Tensor], path: Path_) -> float:
 
 
 class TrajectoryTarget:
-    """The target over one logged trajectory: its KV cache holds the context up to a
-    position, `root` is p there, `expand` forwards hypothetical continuations as one tree
-    (ancestors included; their writes are dropped) and `advance` commits the logged token."""
+    """The target over one logged trajectory, under the engine's invariant: the KV cache holds
+    the context but its last token, the root (`token`), and `root` is p after it. `expand`
+    forwards hypothetical continuations as one tree (`engine.tree.pack`; its writes are
+    dropped); `advance` commits the logged token."""
 
     def __init__(self, model: PreTrainedModel, cfg: SamplingParams, prompt: Sequence[int]):
         self.model, self.cfg = model, cfg
         self.cache = DynamicCache(config=model.config)
-        self.length = 0
-        self.root = self._forward(list(prompt), None, None)[-1]
-        self.length = len(prompt)
+        self.length = 0  # tokens in the cache
+        p = self._forward(DraftTree.chain(prompt[0], list(prompt[1:])), keep=len(prompt) - 1)
+        self.token, self.root = prompt[-1], p[-1]
 
     @torch.inference_mode()
-    def _forward(self, ids: list[int], pos: list[int] | None, allowed: torch.Tensor | None):
-        device = self.model.device
-        x = torch.tensor([ids], device=device)
-        if pos is None:
-            pos = list(range(self.length, self.length + len(ids)))
-        kwargs = {}
-        if allowed is not None:
-            keys = torch.ones(len(ids), self.length + len(ids), dtype=torch.bool, device=device)
-            keys[:, self.length :] = allowed
-            mask = torch.zeros(keys.shape, dtype=self.model.dtype, device=device)
-            kwargs["attention_mask"] = mask.masked_fill_(~keys, torch.finfo(mask.dtype).min)[
-                None, None
-            ]
+    def _forward(self, tree: DraftTree, keep: int = 0) -> torch.Tensor:
+        """p after each of `tree`'s nodes (`[n, V]`; its root is the cache's next token); the
+        cache keeps the first `keep` of them (a chain's) and drops the rest."""
+        ids, pos, mask = pack(tree, self.length, self.model.dtype, self.model.device)
         out = self.model(
-            input_ids=x,
-            position_ids=torch.tensor([pos], device=device),
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
-            **kwargs,
         )
+        self.length += keep
+        self.cache.crop(self.length - self.cache.get_seq_length())  # negative: tokens to drop
         return target_probs(out.logits[0], self.cfg)
 
     def expand(self, paths: list[Path_]) -> list[torch.Tensor]:
         nodes = sorted({p[:i] for p in paths for i in range(1, len(p) + 1)}, key=len)
-        index = {p: i for i, p in enumerate(nodes)}
-        allowed = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-        for p, i in index.items():
-            for d in range(1, len(p) + 1):
-                allowed[i, index[p[:d]]] = True
-        ids = [p[-1] for p in nodes]
-        pos = [self.length + len(p) - 1 for p in nodes]
-        probs = self._forward(ids, pos, allowed.to(self.model.device))
-        self.cache.crop(self.length - self.cache.get_seq_length())  # negative: tokens to drop
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(nodes)}
+        tree = DraftTree(
+            (self.token, *(p[-1] for p in nodes)),
+            (-1, *(index[p[:-1]] for p in nodes)),
+            (False,) * (len(nodes) + 1),
+            (None,) * (len(nodes) + 1),
+        )
+        probs = self._forward(tree)
         return [probs[index[p]] for p in paths]
 
     def advance(self, token: int) -> None:
-        self.root = self._forward([token], None, None)[-1]
-        self.length += 1
+        self.root = self._forward(DraftTree.chain(self.token, [token]), keep=1)[1]
+        self.token = token
 
 
 def check_log(p: torch.Tensor, ids: Sequence[int], probs: Sequence[float], where: str) -> None:
