@@ -79,7 +79,8 @@ class TeacherForcedDecoder(BatchDecoder):
         self._probs = super()._store_probs(batch, logits)  # the target's p at every node
         return self._probs
 
-    def verify(self, batch, trees, logits, tb) -> list[Verified]:
+    def verify(self, batch, trees, logits, tb, static=None) -> list[Verified]:
+        assert static is None, "p at every node is read eagerly (`_store_probs`)"
         self._live = super().verify(batch, trees, logits, tb)
         assert self._probs is not None
         out = []

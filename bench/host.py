@@ -9,6 +9,9 @@ stand-in target whose forward costs nothing.
                                                                  # the step's one sync included
     python -m bench.host --speculation cost                      # `auto`'s runner: the planner
                                                                  # and slot statistics too
+    python -m bench.host --graph-acceptance                      # the acceptance captured per
+                                                                 # bucket (a CPU: replayed
+                                                                 # eagerly, as device work)
 
 On a GPU a 7B decode step for 16 rows takes a few milliseconds and tree tokens are nearly
 free, so the step time is whatever the host does between two forwards. This measures that
@@ -58,6 +61,7 @@ from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
+from tts_service.engine.graphs import EagerReplayedAcceptance
 from tts_service.engine.metrics import PHASES
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
@@ -113,8 +117,21 @@ class StandInDecoder(BatchDecoder):
 
     last_step_steady = False  # a forward that costs nothing has nothing to teach the surface
 
-    def __init__(self, model, problems: Sequence[LoggedProblem], vocab: int, defer: bool) -> None:
-        super().__init__(model, eos_ids=[], cuda_graphs=False, defer_observation=defer)
+    def __init__(
+        self,
+        model,
+        problems: Sequence[LoggedProblem],
+        vocab: int,
+        defer: bool,
+        graph_acceptance: bool = False,
+    ) -> None:
+        super().__init__(
+            model,
+            eos_ids=[],
+            cuda_graphs=False,
+            defer_observation=defer,
+            graph_acceptance=graph_acceptance,
+        )
         self.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered, one copy
         self.problems, self.vocab = problems, vocab
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
@@ -165,9 +182,11 @@ class StandInTarget(LoggedTarget):
         defer: bool = True,
         device: str = "cpu",
         layers: int = 1,
+        graph_acceptance: bool = False,
     ) -> None:
         super().__init__(problems, vocab)
         self.defer = defer
+        self.graph_acceptance = graph_acceptance
         cfg = LlamaConfig(
             vocab_size=vocab,
             hidden_size=16,
@@ -182,7 +201,9 @@ class StandInTarget(LoggedTarget):
         self.model = LlamaForCausalLM(cfg).to(device).eval()
 
     def new_decoder(self) -> StandInDecoder:
-        return StandInDecoder(self.model, self.problems, self.vocab, self.defer)
+        return StandInDecoder(
+            self.model, self.problems, self.vocab, self.defer, self.graph_acceptance
+        )
 
 
 def requests(
@@ -255,6 +276,7 @@ def measure(
     overrides: Sequence[str] = (),
     layers: int = 1,
     speculation: str = "fixed",
+    graph_acceptance: bool = False,
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler.
 
@@ -263,8 +285,12 @@ def measure(
     H100 (`gpu_surface`), at most `nodes` per row. Unlike a live runner's, its surface is never
     taught (the stand-in's forward costs nothing) and it decides on the estimate itself (z = 0),
     so it re-reads its cost lines every 4 steps, not also after surprises; the drafting it
-    prices is this host's. `"fixed"`: exactly `nodes` per row, no planner."""
-    target = StandInTarget(problems, vocab, defer, device, layers)
+    prices is this host's. `"fixed"`: exactly `nodes` per row, no planner.
+
+    `graph_acceptance`: the acceptance captured per bucket (`graphs.GraphedAcceptance`). On a
+    CPU its replays run eagerly (`EagerReplayedAcceptance`) and count as the device's work, as
+    the stand-in forward does: out of the host time (`graph_ms`, their own) and the op count."""
+    target = StandInTarget(problems, vocab, defer, device, layers, graph_acceptance)
     runner = TrajectoryRunner(target, rows, speculation, token_budget=(nodes + 1) * rows)
     if speculation == "cost":
         # as the runner builds it (k = 0..MAX_NODES priced every decision), with the step's
@@ -280,6 +306,7 @@ def measure(
     for _ in range(8):  # warm-up: rows joined, stores and tables not empty
         runner.tick()
     phases0, join0, steps0 = dict(dec.phases.seconds), dec.join_s, dec.phases.steps
+    replay0 = replay_seconds(dec)
     drafted0, rows0 = dec.forwards.draft_nodes, dec.forwards.row_forwards
     tokens0 = dec.forwards.new_tokens
     t0 = time.perf_counter()
@@ -289,14 +316,16 @@ def measure(
     done = dec.phases.steps - steps0
     split = {k: (dec.phases.seconds[k] - phases0[k]) * 1e3 / done for k in PHASES}
     forward_ms, overlap_ms = split.pop("forward"), split.pop("overlap")
-    host_ms = wall * 1e3 / done - forward_ms - overlap_ms
+    graph_ms = (replay_seconds(dec) - replay0) * 1e3 / done
+    split["verify"] -= graph_ms
+    host_ms = wall * 1e3 / done - forward_ms - overlap_ms - graph_ms
     split["runner"] = host_ms - sum(split.values())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         s0 = dec.phases.steps
         for _ in range(max(steps // 4, 4)):
             runner.tick()
         profiled = dec.phases.steps - s0
-    ops = top_level_ops(prof, ("forward", "join", "overlap")) / profiled
+    ops = top_level_ops(prof, ("forward", "join", "overlap", "graph")) / profiled
     f = dec.forwards
     return {
         "rows": rows,
@@ -315,9 +344,19 @@ def measure(
         "overlap_ms_per_step": round(overlap_ms, 3),
         "split_ms": {k: round(v, 3) for k, v in split.items()},
         "standin_forward_ms": round(forward_ms, 3),
+        "graph_acceptance": graph_acceptance,
+        "graph_ms": round(graph_ms, 3),
+        "captures": dec.accept_graphs.captures if dec.accept_graphs is not None else 0,
         "ops_per_step": round(ops, 1),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
     }
+
+
+def replay_seconds(dec: BatchDecoder) -> float:
+    """Seconds the decoder's acceptance replays ran eagerly so far (a CPU's stand-in for a
+    graph's device work; 0 without them, or on a GPU, where a replay is a launch)."""
+    graphs = dec.accept_graphs
+    return graphs.replay_s if isinstance(graphs, EagerReplayedAcceptance) else 0.0
 
 
 def read_problems(path: Path) -> list[LoggedProblem]:
@@ -352,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         "--inline-observation", action="store_true", help="observe before the next draft"
     )
     ap.add_argument(
+        "--graph-acceptance",
+        action="store_true",
+        help="capture the acceptance per bucket (on a CPU: replayed eagerly, counted as device "
+        "work)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -384,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.set,
                     args.layers,
                     args.speculation,
+                    args.graph_acceptance,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)

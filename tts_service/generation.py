@@ -89,7 +89,11 @@ class Generator:
         """A batch decoder over this model (the runner's, unless it is given one)."""
         loaded = self.loaded
         return BatchDecoder(
-            loaded.model, loaded.eos_token_ids, self.decode, cuda_graphs=loaded.cuda_graphs
+            loaded.model,
+            loaded.eos_token_ids,
+            self.decode,
+            cuda_graphs=loaded.cuda_graphs,
+            graph_acceptance=loaded.graph_acceptance,
         )
 
     def encode(self, prompt: str, chat: bool) -> list[int]:

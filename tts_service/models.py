@@ -55,6 +55,7 @@ class LoadedModel:
     dtype: torch.dtype
     name: str
     cuda_graphs: bool = True  # capture verify forwards on a CUDA device (engine/graphs.py)
+    graph_acceptance: bool = False  # capture each step's acceptance too (engine/graphs.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -204,6 +205,7 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         dtype=dtype,
         name=cfg.name,
         cuda_graphs=cfg.cuda_graphs,
+        graph_acceptance=cfg.graph_acceptance,
     )
 
 

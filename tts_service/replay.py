@@ -352,8 +352,10 @@ class LoggedBatchDecoder(BatchDecoder):
             del self.oracles[id(row)]
         return finished
 
-    def verify(self, batch, trees, logits, tb) -> list[Verified]:
-        super().verify(batch, trees, logits, tb)  # the device's work, timed; the log decides
+    def verify(self, batch, trees, logits, tb, static=None) -> list[Verified]:
+        super().verify(
+            batch, trees, logits, tb, static
+        )  # the device's work, timed; the log decides
         return [
             Verified(*self.oracles[id(row)](tree, len(row.rule.out)))
             for row, tree in zip(batch, trees, strict=True)
@@ -372,7 +374,11 @@ class TimedTarget(Generator):
     def new_decoder(self) -> LoggedBatchDecoder:
         loaded = self.loaded
         return LoggedBatchDecoder(
-            self.problems, loaded.model, loaded.eos_token_ids, cuda_graphs=loaded.cuda_graphs
+            self.problems,
+            loaded.model,
+            loaded.eos_token_ids,
+            cuda_graphs=loaded.cuda_graphs,
+            graph_acceptance=loaded.graph_acceptance,
         )
 
     def output(self, res: GenerationResult) -> GenerationOutput:

@@ -77,6 +77,13 @@ class ModelConfig(StrictConfig):
         description="On a CUDA device, capture the verify forward as CUDA graphs per (rows, "
         "tokens) bucket (engine/graphs.py); a capture that fails falls back to eager.",
     )
+    graph_acceptance: bool = Field(
+        False,
+        description="Capture each step's acceptance too (p, top-k, rules (a) and (b), the "
+        "bonus: one replay instead of ~60 launches; engine/graphs.py GraphedAcceptance), per "
+        "bucket and sampling parameters; batches it cannot serve run it eagerly. Opt-in until "
+        "a GPU session has measured it; on a CPU the same path runs eagerly.",
+    )
     cost_model: Literal["learned", "measured"] = Field(
         "learned",
         description="How speculation prices tree tokens on this device. learned: a roofline "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,7 +40,15 @@ from tts_service.drafters.base import (
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
-from tts_service.engine.graphs import MAX_TOKENS, GraphedForward, forward_at
+from tts_service.engine.graphs import (
+    MAX_TOKENS,
+    EagerReplayedAcceptance,
+    GraphedAcceptance,
+    GraphedForward,
+    StepInputs,
+    bucket_shape,
+    forward_at,
+)
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV, padded_rows
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
@@ -50,15 +59,18 @@ from tts_service.engine.treebatch import (
     GatheredNodes,
     SparseLayout,
     TreeBatch,
-    accepted_path,
     gather_sparse,
-    greedy_choice,
-    match_choice,
     outside_support,
-    residual_bonus,
+    step_verdict,
+    verdict,
     walk_sparse_all,
 )
 from tts_service.engine.verify import Acceptance, SparseNode, node_support, walk_sparse
+
+
+def _params(cfg: SamplingParams) -> tuple[float, float, int, float]:
+    """What p depends on (`sampling.store_probs`): rows alike in it share one computation."""
+    return (cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
 
 
 @dataclass(eq=False)
@@ -136,7 +148,9 @@ class BatchDecoder:
     drafters defer of observing a step runs during the next forward (False: at once, the
     reference the tests compare with). `grouped_attention`: run an SDPA model's tree steps over
     each KV head once (`engine.attention`; None: on a CUDA device, where the copies it saves
-    cost more than the step)."""
+    cost more than the step). `graph_acceptance`: capture the step's acceptance too, per bucket
+    (`graphs.GraphedAcceptance`; on a CPU, `graphs.EagerReplayedAcceptance`: the same path run
+    eagerly, as the tests and the host benchmark check it)."""
 
     def __init__(
         self,
@@ -150,6 +164,7 @@ class BatchDecoder:
         prompt_cache: bool = True,
         defer_observation: bool = True,
         grouped_attention: bool | None = None,
+        graph_acceptance: bool = False,
     ) -> None:
         self.model = model
         if model.device.type == "cuda" if grouped_attention is None else grouped_attention:
@@ -168,6 +183,13 @@ class BatchDecoder:
         graphs = cuda_graphs and model.device.type == "cuda"
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs
+        self.accept_graphs: GraphedAcceptance | None = None
+        if graph_acceptance:
+            cuda = model.device.type == "cuda"
+            self.accept_graphs = (GraphedAcceptance if cuda else EagerReplayedAcceptance)(
+                model.device
+            )
+        self.accept_epoch = self.cache.epoch
         self.forwards = ForwardStats()
         self.phases = StepPhases()
         self.defer_observation = defer_observation
@@ -196,6 +218,15 @@ class BatchDecoder:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def _shape(self, rows: int, width: int) -> tuple[int, int]:
+        """The (rows, tokens) a step of this size runs at: its graph bucket where the forward or
+        the acceptance is captured."""
+        if self.graphs is not None:
+            return self.graphs.bucket(rows, width)
+        if self.accept_graphs is not None and self.accept_graphs.enabled:
+            return bucket_shape(rows, width)
+        return rows, width
 
     def stop_rule(self, cfg: SamplingParams, on_commit: OnCommit | None = None) -> StopRule:
         """Where a row of this model stops (its EOS ids, stop strings through its tokenizer)."""
@@ -314,7 +345,7 @@ class BatchDecoder:
         start = kv.length
         width = kv.capacity if kv.full_view else start + n
         r, w = tb.shape
-        root = torch.tensor(roots + [0] * (rows - r), dtype=torch.long).to(
+        root = torch.tensor(roots + [0] * (rows - len(roots)), dtype=torch.long).to(
             device, non_blocking=True
         )
         ids, depths, anc = tb.tokens, tb.depths, tb.ancestors
@@ -353,9 +384,14 @@ class BatchDecoder:
         # 2-3. pack and one forward for the whole batch
         start = self.cache.length
         width = max(t.size for t in trees)
-        shape = self.graphs.bucket(len(batch), width) if self.graphs else (len(batch), width)
+        shape = self._shape(len(batch), width)
         self.cache.reserve(shape[0], start + shape[1])
-        tb = TreeBatch.of(trees, width, self.device)
+        static = self.accept_graphs.inputs(*shape) if self.accept_graphs is not None else None
+        if static is None:
+            tb = TreeBatch.of(trees, width, self.device)
+        else:  # the whole bucket, written to its captured acceptance's inputs
+            pad = [DraftTree.root_only(0)] * (shape[0] - len(trees))
+            tb = TreeBatch.of(trees + pad, shape[1], self.device, into=static.trees)
         ids, pos, mask = self._pack(tb, [len(r.tokens) - 1 for r in batch], shape)
         marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
@@ -364,7 +400,9 @@ class BatchDecoder:
         self.flush_observations()
         marks.append(clock())
         # 4-5. verify (on the device, one copy back) and accept
-        verified = self.verify(batch, trees, logits[: len(batch), :width], tb)
+        if static is None:
+            logits = logits[: len(batch), :width]
+        verified = self.verify(batch, trees, logits, tb, static)
         marks.append(clock())
         keeps, committed = self._accept(batch, trees, verified)
         marks.append(clock())
@@ -455,37 +493,43 @@ class BatchDecoder:
         return finished
 
     def verify(
-        self, batch: list[Row], trees: list[DraftTree], logits: torch.Tensor, tb: TreeBatch
+        self,
+        batch: list[Row],
+        trees: list[DraftTree],
+        logits: torch.Tensor,
+        tb: TreeBatch,
+        static: StepInputs | None = None,
     ) -> list[Verified]:
         """Every row's acceptance and top-k from `logits` (`[R, N, V]`), with one copy back:
         rules (a) and (b) for all rows at once on the device (`engine.treebatch`); for rows
         whose trees have sampled children (rule (c)), p on each node's support and a draw from
         p outside it, which the host walks for all of them at once
-        (`treebatch.walk_sparse_all`; on a CPU, row by row from the dense p). Timing replay
-        overrides it (acceptance that follows a log, `tts_service.replay.LoggedBatchDecoder`)."""
-        rows, n = tb.shape
-        probs = self._store_probs(batch, logits)  # sampled rows: p itself
-        top = torch.topk(probs, min(STORE_TOPK, probs.shape[-1]), dim=-1)
-        best = logits.argmax(-1)
+        (`treebatch.walk_sparse_all`; on a CPU, row by row from the dense p). With `static`
+        (the bucket's captured-acceptance inputs, `tb` and `logits` the whole bucket's), a
+        batch of one set of sampling parameters and no rule (c) replays the captured
+        acceptance. Timing replay overrides it (acceptance that follows a log,
+        `tts_service.replay.LoggedBatchDecoder`)."""
+        rows, n = len(batch), tb.shape[1]
+        k = min(STORE_TOPK, logits.shape[-1])
         greedy = [r.cfg.greedy for r in batch]
-        uvw = None if all(greedy) else self._uniforms(batch, n)
-        last, on_path, bonus = self._accept_all(tb, probs, best, greedy, uvw)
-        k = top.indices.shape[-1]
-        main = torch.cat(
-            [
-                torch.stack([last, bonus], 1).to(torch.float64),
-                on_path.to(torch.float64),
-                top.indices.flatten(1).to(torch.float64),
-                top.values.flatten(1),
-            ],
-            dim=1,
-        )
         walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
+        main = probs = uvw = None
+        if static is not None and not walk:
+            main = self._replay_acceptance(batch, logits, static, k)
+        if main is None:
+            if static is not None:  # eagerly, on the bucket's real rows
+                logits, tb = logits[:rows], tb.head(rows)
+            probs = self._store_probs(batch, logits)  # sampled rows: p itself
+            uvw = None if all(greedy) else self._uniforms(batch, n)
+            mixed = uvw is not None and any(greedy)
+            on = torch.tensor(greedy, device=self.device) if mixed else None
+            uv = None if uvw is None else (uvw[0], uvw[1])
+            main = verdict(tb, logits, probs, k, uv, on)
         parts = [main.flatten()]
         gather = walk and self.gather_sparse
         layout = SparseLayout.of([trees[b] for b in walk], n) if gather else None
         if layout is not None:
-            assert uvw is not None
+            assert uvw is not None and probs is not None
             at = torch.tensor(walk, dtype=torch.long, device=self.device)
             u, v, w = (x[at] for x in uvw)
             parts.append(gather_sparse(probs[at], layout, u, v, w).flatten())
@@ -527,47 +571,38 @@ class BatchDecoder:
         keys = [r.verify_key for r in batch]
         return node_uniforms(keys, [len(r.tokens) for r in batch], n, self.device)
 
-    def _accept_all(
-        self,
-        tb: TreeBatch,
-        probs: torch.Tensor,
-        best: torch.Tensor,
-        greedy: list[bool],
-        uvw: Uniforms | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rules (a) and (b) for every row on the device (`engine.treebatch`): the last accepted
-        node `[R]`, the path `[R, N]` and the bonus token there `[R]`, drawn from that node's
-        residual alone (the other nodes' are never used). A plain step (every tree the root
-        alone) only draws the bonus."""
-        rows, n = tb.shape
-        if uvw is None and n == 1:
-            return best.new_zeros(rows), tb.real, best[:, 0]
-        if uvw is None:
-            last, on_path = accepted_path(tb, greedy_choice(tb, best))
-            return last, on_path, best.gather(1, last[:, None])[:, 0]
-        u, v, _ = uvw
-        mixed = any(greedy)  # greedy rows beside sampled ones (best-of-N: never)
-        on = torch.tensor(greedy, device=self.device) if mixed else None
-        if n == 1:
-            last, on_path, residual = best.new_zeros(rows), tb.real, probs[:, 0]
-        else:
-            matched, residual = match_choice(tb, probs, u)
-            if on is not None:
-                matched = greedy_choice(tb, best).where(on[:, None], matched)
-            last, on_path = accepted_path(tb, matched)
-            residual = residual[torch.arange(rows, device=self.device), last]
-        bonus = residual_bonus(residual, v.gather(1, last[:, None])[:, 0])
-        if on is not None:
-            bonus = best.gather(1, last[:, None])[:, 0].where(on, bonus)
-        return last, on_path, bonus
+    def _replay_acceptance(
+        self, batch: list[Row], logits: torch.Tensor, static: StepInputs, k: int
+    ) -> torch.Tensor | None:
+        """`treebatch.step_verdict` of the whole bucket (`logits` and the trees in `static`)
+        through its captured graph: the real rows' `[R, ...]`, or None where the rows do not
+        share one set of sampling parameters or the capture failed (the caller runs it
+        eagerly)."""
+        assert self.accept_graphs is not None
+        cfg = batch[0].cfg
+        params = _params(cfg)
+        if any(_params(r.cfg) != params for r in batch):
+            return None
+        if self.graphs is not None and self.graphs.epoch != self.accept_epoch:
+            self.accept_graphs.clear()  # the forward's logits buffers were captured again
+            self.accept_epoch = self.graphs.epoch
+        rows, n = static.ints.shape[0], static.masks.shape[-1]
+        inputs: tuple[torch.Tensor, ...] = (logits, *static.trees)
+        if not cfg.greedy:
+            pad = rows - len(batch)
+            keys = [r.verify_key for r in batch] + [0] * pad
+            node_uniforms(keys, [len(r.tokens) for r in batch] + [0] * pad, n, into=static.uvw)
+            inputs = (*inputs, static.uvw)
+        fn = partial(step_verdict, cfg, k)
+        main = self.accept_graphs(((rows, n), params, k), fn, inputs)
+        return None if main is None else main[: len(batch)]
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one
         computation per distinct set of them (best-of-N: one)."""
         groups: dict[tuple, list[int]] = {}
         for b, row in enumerate(batch):
-            c = row.cfg
-            groups.setdefault((c.temperature, c.top_p, c.top_k, c.min_p), []).append(b)
+            groups.setdefault(_params(row.cfg), []).append(b)
         if len(groups) == 1:
             return store_probs(logits, batch[0].cfg)
         out = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)

@@ -19,6 +19,8 @@ plain 777 to 894 beside them). The step that captures is not its bucket's cost (
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,13 @@ MAX_TOKENS = 1024
 def bucket_of(n: int) -> int:
     """The power of two at or above `n`."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def bucket_shape(rows: int, tokens: int) -> tuple[int, int]:
+    """The padded (rows, tokens) shape a step of this size is captured at: both rounded up to
+    powers of two, or the shape itself past `MAX_TOKENS`."""
+    shape = (bucket_of(rows), bucket_of(tokens))
+    return (rows, tokens) if shape[0] * shape[1] > MAX_TOKENS else shape
 
 
 def forward_at(
@@ -84,10 +93,7 @@ class GraphedForward:
 
     def bucket(self, rows: int, tokens: int) -> tuple[int, int]:
         """The padded (rows, tokens) shape a step of this size runs at."""
-        shape = (bucket_of(rows), bucket_of(tokens))
-        if not self.enabled or shape[0] * shape[1] > MAX_TOKENS:
-            return rows, tokens
-        return shape
+        return bucket_shape(rows, tokens) if self.enabled else (rows, tokens)
 
     def __call__(
         self,
@@ -157,3 +163,135 @@ class GraphedForward:
         g = _Graph(graph, *static, logits)
         self.graphs[(ids.shape[0], ids.shape[1])] = g
         return g
+
+
+@dataclass
+class StepInputs:
+    """A bucket's static inputs to its captured acceptance, filled on the host's side of each
+    step: the trees (`treebatch.tree_arrays`' layout; `TreeBatch.of`'s `into`) and the
+    uniforms' block (`streams.node_uniforms`' `into`)."""
+
+    ints: torch.Tensor  # [R, 4N] long
+    masks: torch.Tensor  # [2, R, N, N] bool
+    uvw: torch.Tensor  # [R, 3N] float64
+
+    @property
+    def trees(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ints, self.masks
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], object]
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+
+
+class GraphedAcceptance:
+    """A verify step's acceptance (`treebatch.step_verdict`: p, the top-k, rules (a) and (b),
+    the bonus and the one tensor the host copies back) captured as a CUDA graph per (bucket,
+    sampling parameters) and replayed each step: ~60 kernel launches become one.
+
+    The inputs are static: the forward's logits (a captured forward's own output buffer, so
+    nothing is copied) and the bucket's `StepInputs`, which the host fills before the forward
+    (`TreeBatch.of` writes the trees there, and `_pack` reads them from there). An input that is
+    not the captured tensor itself is copied into it. A capture that fails turns these graphs
+    off with a warning; the acceptance then runs eagerly, as it does for shapes past the
+    buckets, batches of several sampling parameters and rows walked on the host (rule (c))."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[tuple[int, int], StepInputs] = {}
+        self.graphs: dict[Hashable, _Captured] = {}
+        self.pool = None
+        self.enabled = True
+        self.captures = 0
+
+    def inputs(self, rows: int, tokens: int) -> StepInputs | None:
+        """The static inputs of a step padded to (`rows`, `tokens`), a bucket; None where the
+        step is no bucket (or these graphs are off): it runs eagerly."""
+        shape = (rows, tokens)
+        if not self.enabled or shape != (bucket_of(rows), bucket_of(tokens)):
+            return None
+        if rows * tokens > MAX_TOKENS:
+            return None
+        buf = self.buffers.get(shape)
+        if buf is None:
+            dev = self.device
+            buf = StepInputs(
+                torch.zeros(rows, 4 * tokens, dtype=torch.long, device=dev),
+                torch.zeros(2, rows, tokens, tokens, dtype=torch.bool, device=dev),
+                torch.zeros(rows, 3 * tokens, dtype=torch.float64, device=dev),
+            )
+            self.buffers[shape] = buf
+        return buf
+
+    def __call__(
+        self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor | None:
+        """`fn(*inputs)`, replayed from the capture for `key` (captured at its first step);
+        None where the capture failed (the caller runs it eagerly)."""
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(fn, inputs) if self.enabled else None
+            if g is None:
+                return None
+            self.graphs[key] = g
+            self.captures += 1
+        for static, x in zip(g.inputs, inputs, strict=True):
+            if x is not static:
+                static.copy_(x)
+        g.replay()
+        return g.output
+
+    def clear(self) -> None:
+        """Drop every capture (the forward's graphs, whose logits they read, were captured
+        again); the static inputs stay."""
+        self.graphs.clear()
+        self.pool = None
+
+    def _capture(
+        self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
+    ) -> _Captured | None:
+        """Warm up on a side stream, then capture over the inputs as they are (static)."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*inputs)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            log.warning("CUDA graph capture of the acceptance failed (%s); running it eagerly", e)
+            self.enabled = False
+            return None
+        self.pool = graph.pool()
+        return _Captured(graph.replay, inputs, out)
+
+
+class EagerReplayedAcceptance(GraphedAcceptance):
+    """`GraphedAcceptance` where no GPU is: the same buckets, static inputs and copies, with
+    each replay running the function eagerly over the static inputs. It checks the captured
+    path's data flow on a CPU (the tests), and lets the host benchmark see what a GPU host does
+    around a replay: the replays run in a `graph` profiler scope and their seconds are counted
+    (`replay_s`), the device's work, as the stand-in forward's is."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.replay_s = 0.0
+
+    def _capture(
+        self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
+    ) -> _Captured | None:
+        out = fn(*inputs).clone()
+
+        def replay() -> None:
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("graph"):
+                out.copy_(fn(*inputs))
+            self.replay_s += time.perf_counter() - t0
+
+        return _Captured(replay, inputs, out)

@@ -75,16 +75,25 @@ def counter_uniforms(keys: Sequence[int], counters: Sequence[int], lanes: int) -
 
 
 def node_uniforms(
-    keys: Sequence[int], counters: Sequence[int], nodes: int, device: torch.device | str = "cpu"
+    keys: Sequence[int],
+    counters: Sequence[int],
+    nodes: int,
+    device: torch.device | str = "cpu",
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's uniforms for the first `nodes` nodes of each row's tree, `[R, nodes]`
     each, on `device`: (u, accepting or rejecting the node; v, drawing the bonus from its
     residual on the device; w, the host's draw of recursive rejection sampling). The one place
     the lane layout lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the
-    same counter."""
+    same counter. `into`: a `[R, 3 * nodes]` float64 device buffer to copy them to (a captured
+    acceptance's static input, `graphs.GraphedAcceptance`); the three are its views."""
     lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes).numpy()
     # u's lanes, then v's, then w's: one copy, split on the device without strided views
     rows = lanes.shape[0]
     ordered = lanes.reshape(rows, nodes, LANES_PER_NODE).transpose(0, 2, 1).reshape(rows, -1)
-    u, v, w = torch.from_numpy(ordered).to(device).split(nodes, 1)
+    if into is None:
+        into = torch.from_numpy(ordered).to(device)
+    else:
+        into.copy_(torch.from_numpy(ordered))
+    u, v, w = into.split(nodes, 1)
     return u, v, w

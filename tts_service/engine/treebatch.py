@@ -31,6 +31,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
+from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance, SparseNode
 
@@ -81,6 +82,31 @@ def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:
     return np.ascontiguousarray(bits.reshape(2, len(trees), width, nbytes * 8)[..., :width])
 
 
+def tree_arrays(trees: Sequence[DraftTree], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """On the host, the trees padded to `width` nodes: `[R, 4 * width]` int64 (tokens, the pads
+    the root's; parents, -1 for the root and pads; depths; the parents' flat indices into
+    `[R * width]`, the root and pads their row's node 0) and the `[2, R, width, width]` masks
+    (`batch_masks`): what `TreeBatch.of` copies to the device, two copies a step."""
+    pad = [(width - t.size) for t in trees]
+    host = np.array(
+        [
+            (
+                *t.tokens,
+                *(t.tokens[0],) * p,
+                *t.parents,
+                *(-1,) * p,
+                *t.depths,
+                *(0,) * p,
+            )
+            for t, p in zip(trees, pad, strict=True)
+        ],
+        dtype=np.int64,
+    ).reshape(len(trees), 3 * width)
+    rows = np.arange(len(trees), dtype=np.int64)[:, None] * width
+    at = rows + np.maximum(host[:, width : 2 * width], 0)
+    return np.concatenate([host, at], axis=1), batch_masks(trees, width)
+
+
 @dataclass(frozen=True)
 class TreeBatch:
     """Every row's tree padded to `N` nodes; pad nodes are roots of their own that no real
@@ -95,37 +121,47 @@ class TreeBatch:
     indices: torch.Tensor | None  # `parent_at`, copied with the trees (None: likewise)
 
     @staticmethod
-    def of(trees: Sequence[DraftTree], width: int, device: torch.device) -> TreeBatch:
-        """The trees padded to `width` nodes (at least the largest tree's size)."""
-        if width == 1:  # a plain step: every tree is its root
+    def of(
+        trees: Sequence[DraftTree],
+        width: int,
+        device: torch.device,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> TreeBatch:
+        """The trees padded to `width` nodes (at least the largest tree's size). `into`: device
+        buffers `[R, 4 * width]` long and `[2, R, width, width]` bool to copy them to (a
+        captured acceptance's static inputs, `graphs.GraphedAcceptance`); the batch is their
+        views."""
+        if width == 1 and into is None:  # a plain step: every tree is its root
             tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
             par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
             return TreeBatch(tok, par, ones[:, 0], ones, zero, None, None)
-        pad = [(width - t.size) for t in trees]
-        host = np.array(  # tokens, parents, depths, parents' flat indices: one copy
-            [
-                (
-                    *t.tokens,
-                    *(t.tokens[0],) * p,
-                    *t.parents,
-                    *(-1,) * p,
-                    *t.depths,
-                    *(0,) * p,
-                )
-                for t, p in zip(trees, pad, strict=True)
-            ],
-            dtype=np.int64,
-        )
-        rows = np.arange(len(trees), dtype=np.int64)[:, None] * width
-        at = rows + np.maximum(host[:, width : 2 * width], 0)
-        ints = torch.from_numpy(np.concatenate([host, at], axis=1))
-        tok, par, depths, at_t = ints.to(device, non_blocking=True).split(width, 1)
-        masks = batch_masks(trees, width)
-        anc, before = torch.from_numpy(masks).to(device, non_blocking=True)
+        ints, masks = tree_arrays(trees, width)
+        if into is None:
+            ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
+            masks_t = torch.from_numpy(masks).to(device, non_blocking=True)
+        else:
+            ints_t, masks_t = into
+            ints_t.copy_(torch.from_numpy(ints), non_blocking=True)
+            masks_t.copy_(torch.from_numpy(masks), non_blocking=True)
+        return TreeBatch.views(ints_t, masks_t)
+
+    @staticmethod
+    def views(ints: torch.Tensor, masks: torch.Tensor) -> TreeBatch:
+        """The batch over `tree_arrays`' layout on the device (views, and the real-node flags):
+        a captured acceptance rebuilds it from its static inputs."""
+        tok, par, depths, at = ints.split(masks.shape[-1], 1)
+        anc, before = masks
         real = par >= 0
         real[:, 0] = True
-        return TreeBatch(tok, par, real, anc, depths, before, at_t)
+        return TreeBatch(tok, par, real, anc, depths, before, at)
+
+    def head(self, rows: int) -> TreeBatch:
+        """The first `rows` rows (a bucket's real rows; views)."""
+        parts = (self.tokens, self.parents, self.real, self.ancestors, self.depths)
+        earlier = None if self.earlier is None else self.earlier[:rows]
+        indices = None if self.indices is None else self.indices[:rows]
+        return TreeBatch(*(x[:rows] for x in parts), earlier, indices)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -217,6 +253,83 @@ def accepted_path(batch: TreeBatch, chosen: torch.Tensor) -> tuple[torch.Tensor,
     last = torch.where(ok, batch.depths, -1).argmax(-1)
     on_path = batch.ancestors[torch.arange(batch.shape[0], device=last.device), last]
     return last, on_path
+
+
+def accept_all(
+    tb: TreeBatch,
+    probs: torch.Tensor,
+    best: torch.Tensor,
+    uv: tuple[torch.Tensor, torch.Tensor] | None,
+    greedy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rules (a) and (b) for every row (`p` `probs` `[R, N, V]`, argmax `best` `[R, N]`,
+    uniforms `uv`; None: every row greedy): the last accepted node `[R]`, the path `[R, N]` and
+    the bonus token there `[R]`, drawn from that node's residual alone (the other nodes' are
+    never used). `greedy` `[R]` bool: the greedy rows among sampled ones. A plain step (every
+    tree the root alone) only draws the bonus."""
+    rows, n = tb.shape
+    if uv is None and n == 1:
+        return best.new_zeros(rows), tb.real, best[:, 0]
+    if uv is None:
+        last, on_path = accepted_path(tb, greedy_choice(tb, best))
+        return last, on_path, best.gather(1, last[:, None])[:, 0]
+    u, v = uv
+    if n == 1:
+        last, on_path, residual = best.new_zeros(rows), tb.real, probs[:, 0]
+    else:
+        matched, residual = match_choice(tb, probs, u)
+        if greedy is not None:
+            matched = greedy_choice(tb, best).where(greedy[:, None], matched)
+        last, on_path = accepted_path(tb, matched)
+        residual = residual[torch.arange(rows, device=last.device), last]
+    bonus = residual_bonus(residual, v.gather(1, last[:, None])[:, 0])
+    if greedy is not None:
+        bonus = best.gather(1, last[:, None])[:, 0].where(greedy, bonus)
+    return last, on_path, bonus
+
+
+def verdict(
+    tb: TreeBatch,
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    k: int,
+    uv: tuple[torch.Tensor, torch.Tensor] | None,
+    greedy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the host reads of a step, `[R, 2 + N + 2 N k]` float64 (one copy back): per row the
+    last accepted node and the bonus token (`accept_all`), the path's flags, and the top-`k`
+    ids, then probabilities, of `probs` at every node (what the drafters learn from)."""
+    top = torch.topk(probs, k, dim=-1)
+    last, on_path, bonus = accept_all(tb, probs, logits.argmax(-1), uv, greedy)
+    return torch.cat(
+        [
+            torch.stack([last, bonus], 1).to(torch.float64),
+            on_path.to(torch.float64),
+            top.indices.flatten(1).to(torch.float64),
+            top.values.flatten(1),
+        ],
+        dim=1,
+    )
+
+
+def step_verdict(
+    cfg: SamplingParams,
+    k: int,
+    logits: torch.Tensor,
+    ints: torch.Tensor,
+    masks: torch.Tensor,
+    uvw: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`verdict` of a batch whose rows share `cfg`, from the step's device tensors alone:
+    logits `[R, N, V]`, the trees as `tree_arrays` lays them out, and the uniforms' block
+    `[R, 3N]` (`streams.node_uniforms`' `into`; None under greedy). Static shapes and no host
+    synchronisation: what `graphs.GraphedAcceptance` captures."""
+    tb = TreeBatch.views(ints, masks)
+    uv = None
+    if uvw is not None:
+        u, v, _ = uvw.split(tb.shape[1], 1)
+        uv = (u, v)
+    return verdict(tb, logits, store_probs(logits, cfg), k, uv)
 
 
 WALK_ALL_FROM = 8

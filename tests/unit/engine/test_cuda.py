@@ -75,6 +75,38 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs
 
 
+@pytest.mark.parametrize("name", ["plain", "pld", "stand-dyn"])
+def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
+    """The acceptance captured per bucket (`graphs.GraphedAcceptance`) beside the forward's
+    graphs: greedy rows commit what plain decoding commits alone, and sampled rows the tokens
+    the eager acceptance commits over the same forwards, rows leaving at different lengths."""
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    prompts = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4], [11]]
+    lengths = (24, 9, 30, 17)
+    greedy = [SamplingConfig(temperature=0, max_new_tokens=n) for n in lengths]
+    pairs = zip(prompts, greedy, strict=True)
+    refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
+    sampled = [
+        SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i) for i, n in enumerate(lengths)
+    ]
+
+    def run(cfgs, graph_acceptance):
+        decoder = BatchDecoder(
+            model, eos_ids=[], compact_slack=0, graph_acceptance=graph_acceptance
+        )
+        rows = [
+            decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c)
+            for p, c in zip(prompts, cfgs, strict=True)
+        ]
+        return [r.token_ids for r in decode_rows(decoder, rows, 24)], decoder
+
+    out, decoder = run(greedy, True)
+    assert out == refs
+    graphs = decoder.accept_graphs
+    assert graphs is not None and graphs.enabled and graphs.captures > 0
+    assert run(sampled, True)[0] == run(sampled, False)[0]
+
+
 def _graphed_step(decoder: BatchDecoder, rows: int, width: int) -> tuple[bool, torch.Tensor]:
     """One verify forward of `rows` chains of `width` tokens through the decoder's graphs;
     (whether its time may teach the cost surface, the logits)."""

@@ -150,13 +150,15 @@ def test_stand_dyn_drawn_and_deterministic_nodes_match_the_exact_distribution(mo
 def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
     """Test of the test: drawing the bonus from p instead of the residual (PTD's typo), in the
     batched sample-and-match over deterministic drafts (PLD) uses."""
-    from tts_service.engine import batch, treebatch
+    from tts_service.engine import treebatch
+
+    match_choice = treebatch.match_choice
 
     def residual_is_p(tb, p: torch.Tensor, u: torch.Tensor):
-        chosen, _ = treebatch.match_choice(tb, p, u)
+        chosen, _ = match_choice(tb, p, u)
         return chosen, p
 
-    monkeypatch.setattr(batch, "match_choice", residual_is_p)
+    monkeypatch.setattr(treebatch, "match_choice", residual_is_p)
     samples, _ = _speculative_samples(model, DRAFTER_CONFIGS["pld"])
     assert _chisquare_pvalue(samples, exact) < 1e-3
 
