@@ -149,9 +149,9 @@ class StandInDecoder(BatchDecoder):
             super().join(rows)
         self.join_s += time.perf_counter() - t0
 
-    def _pack(self, tb, roots, shape):
+    def _pack(self, tb, shape):
         self._depths = tb.depths
-        return super()._pack(tb, roots, shape)
+        return super()._pack(tb, shape)
 
     def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
         with torch.profiler.record_function("forward"):

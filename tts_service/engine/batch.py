@@ -52,7 +52,7 @@ from tts_service.engine.graphs import (
 from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV, padded_rows
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
-from tts_service.engine.streams import Stream, node_uniforms, stream_seed
+from tts_service.engine.streams import Stream, node_uniform_block, node_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
     WALK_ALL_FROM,
@@ -336,7 +336,7 @@ class BatchDecoder:
         )
         return cache, valid
 
-    def _pack(self, tb: TreeBatch, roots: list[int], shape: tuple[int, int]):
+    def _pack(self, tb: TreeBatch, shape: tuple[int, int]):
         """Batched inputs padded to `shape` = (rows, tokens): `[R, N]` ids and positions and the
         `[R, 1, N, K]` mask, K the key width attention sees (the slots in use plus the tree's,
         or the whole cache under `full_view`). Pad rows and pad nodes attend to themselves."""
@@ -345,19 +345,16 @@ class BatchDecoder:
         start = kv.length
         width = kv.capacity if kv.full_view else start + n
         r, w = tb.shape
-        root = torch.tensor(roots + [0] * (rows - len(roots)), dtype=torch.long).to(
-            device, non_blocking=True
-        )
-        ids, depths, anc = tb.tokens, tb.depths, tb.ancestors
+        ids, pos, anc = tb.tokens, tb.positions, tb.ancestors
         if (r, w) != (rows, n):  # a graph bucket's extra rows and tokens: each sees itself alone
             ids = torch.nn.functional.pad(ids, (0, n - w, 0, rows - r))
-            depths = torch.nn.functional.pad(depths, (0, n - w, 0, rows - r))
+            pos = torch.nn.functional.pad(pos, (0, n - w, 0, rows - r))
             anc = torch.eye(n, dtype=torch.bool, device=device).repeat(rows, 1, 1)
             anc[:r, :w, :w] = tb.ancestors
         allowed = torch.zeros(rows, n, width, dtype=torch.bool, device=device)
         allowed[:, :, :start] = kv.valid[:rows, None, :start]
         allowed[:, :, start : start + n] = anc
-        return ids, depths + root[:, None], self.zero.where(allowed, self.min)[:, None]
+        return ids, pos, self.zero.where(allowed, self.min)[:, None]
 
     @torch.inference_mode()
     def step(
@@ -387,12 +384,14 @@ class BatchDecoder:
         shape = self._shape(len(batch), width)
         self.cache.reserve(shape[0], start + shape[1])
         static = self.accept_graphs.inputs(*shape) if self.accept_graphs is not None else None
+        roots = [len(r.tokens) - 1 for r in batch]
         if static is None:
-            tb = TreeBatch.of(trees, width, self.device)
+            tb = TreeBatch.of(trees, width, self.device, roots)
         else:  # the whole bucket, written to its captured acceptance's inputs
-            pad = [DraftTree.root_only(0)] * (shape[0] - len(trees))
-            tb = TreeBatch.of(trees + pad, shape[1], self.device, into=static.trees)
-        ids, pos, mask = self._pack(tb, [len(r.tokens) - 1 for r in batch], shape)
+            pad = shape[0] - len(trees)
+            trees_b, roots_b = trees + [DraftTree.root_only(0)] * pad, roots + [0] * pad
+            tb = TreeBatch.of(trees_b, shape[1], self.device, roots_b, static.trees)
+        ids, pos, mask = self._pack(tb, shape)
         marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
         marks.append(clock())
@@ -478,10 +477,8 @@ class BatchDecoder:
         if m == 1:  # every row keeps its root alone, where the forward wrote it
             self.cache.keep_roots(start)
         else:
-            idx = torch.tensor([k + [0] * (m - len(k)) for k in keeps], dtype=torch.long)
-            lengths = np.array([len(k) for k in keeps])
-            self.cache.keep_region(start, idx)
-            self.cache.set_region_valid(start, torch.from_numpy(np.arange(m) < lengths[:, None]))
+            keep = np.array([k + [-1] * (m - len(k)) for k in keeps], dtype=np.int64)
+            self.cache.keep_region(start, keep)
         finished = [r for r in batch if r.rule.finish is not None]
         if finished:  # finished rows leave the batch
             self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
@@ -525,28 +522,28 @@ class BatchDecoder:
             on = torch.tensor(greedy, device=self.device) if mixed else None
             uv = None if uvw is None else (uvw[0], uvw[1])
             main = verdict(tb, logits, probs, k, uv, on)
-        parts = [main.flatten()]
         gather = walk and self.gather_sparse
         layout = SparseLayout.of([trees[b] for b in walk], n) if gather else None
-        if layout is not None:
+        if layout is None:  # the step's one synchronisation; the host reads numpy arrays
+            host = main.cpu().numpy()
+        else:
             assert uvw is not None and probs is not None
             at = torch.tensor(walk, dtype=torch.long, device=self.device)
             u, v, w = (x[at] for x in uvw)
-            parts.append(gather_sparse(probs[at], layout, u, v, w).flatten())
-        # the step's one synchronisation; the host reads it as numpy arrays (no torch ops)
-        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
-        size = main.numel()
-        head, sparse = host[:size].reshape(rows, -1), torch.from_numpy(host[size:])
+            rule_c = gather_sparse(probs[at], layout, u, v, w)
+            host = torch.cat([main.flatten(), rule_c.flatten()]).cpu().numpy()
+        size = main.numel()  # a captured acceptance's pad rows: read, not used
+        head, sparse = host.reshape(-1)[:size].reshape(-1, main.shape[1])[:rows], host[size:]
         meta = head[:, : 2 + n]
         ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
         top_ids = torch.from_numpy(ids).unbind(0)
         top_probs = torch.from_numpy(head[:, 2 + n + n * k :].reshape(rows, n, k)).unbind(0)
         walked: dict[int, Acceptance] = {}
         if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
-            walks = walk_sparse_all(layout, sparse.view(len(walk), n, -1))
+            walks = walk_sparse_all(layout, sparse.reshape(len(walk), n, -1))
             walked = dict(zip(walk, walks, strict=True))
         elif layout is not None:  # a few rows: each walks the nodes it reaches
-            data = sparse.view(len(walk), n, -1).numpy()
+            data = sparse.reshape(len(walk), n, -1)
             for i, b in enumerate(walk):
                 nodes = GatheredNodes(layout, data, i)
                 walked[b] = walk_sparse(trees[b], nodes, nodes.u, nodes.w)
@@ -575,7 +572,7 @@ class BatchDecoder:
         self, batch: list[Row], logits: torch.Tensor, static: StepInputs, k: int
     ) -> torch.Tensor | None:
         """`treebatch.step_verdict` of the whole bucket (`logits` and the trees in `static`)
-        through its captured graph: the real rows' `[R, ...]`, or None where the rows do not
+        through its captured graph (pad rows included), or None where the rows do not
         share one set of sampling parameters or the capture failed (the caller runs it
         eagerly)."""
         assert self.accept_graphs is not None
@@ -591,11 +588,12 @@ class BatchDecoder:
         if not cfg.greedy:
             pad = rows - len(batch)
             keys = [r.verify_key for r in batch] + [0] * pad
-            node_uniforms(keys, [len(r.tokens) for r in batch] + [0] * pad, n, into=static.uvw)
+            counters = [len(r.tokens) for r in batch] + [0] * pad
+            static.uvw.copy_(torch.from_numpy(node_uniform_block(keys, counters, n)))
             inputs = (*inputs, static.uvw)
         fn = partial(step_verdict, cfg, k)
         main = self.accept_graphs(((rows, n), params, k), fn, inputs)
-        return None if main is None else main[: len(batch)]
+        return main
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one
@@ -647,8 +645,8 @@ class BatchDecoder:
         self.cache.reserve(shape[0], start + shape[1])
         sync_device(self.model.device)
         t0 = time.perf_counter()
-        tb = TreeBatch.of(trees, width, self.device)
-        ids, pos, mask = self._pack(tb, [start] * rows, shape)
+        tb = TreeBatch.of(trees, width, self.device, [start] * rows)
+        ids, pos, mask = self._pack(tb, shape)
         self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
         seconds = time.perf_counter() - t0
         self.cache.length = start

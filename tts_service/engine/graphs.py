@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tts_service.engine.kv import StaticKV
+from tts_service.engine.treebatch import TREE_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,9 @@ class GraphedForward:
 class StepInputs:
     """A bucket's static inputs to its captured acceptance, filled on the host's side of each
     step: the trees (`treebatch.tree_arrays`' layout; `TreeBatch.of`'s `into`) and the
-    uniforms' block (`streams.node_uniforms`' `into`)."""
+    uniforms' block (`streams.node_uniform_block`)."""
 
-    ints: torch.Tensor  # [R, 4N] long
+    ints: torch.Tensor  # [R, TREE_BLOCKS * N] long
     masks: torch.Tensor  # [2, R, N, N] bool
     uvw: torch.Tensor  # [R, 3N] float64
 
@@ -219,7 +220,7 @@ class GraphedAcceptance:
         if buf is None:
             dev = self.device
             buf = StepInputs(
-                torch.zeros(rows, 4 * tokens, dtype=torch.long, device=dev),
+                torch.zeros(rows, TREE_BLOCKS * tokens, dtype=torch.long, device=dev),
                 torch.zeros(2, rows, tokens, tokens, dtype=torch.bool, device=dev),
                 torch.zeros(rows, 3 * tokens, dtype=torch.float64, device=dev),
             )

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -198,14 +199,18 @@ class StaticKV(Cache):
         return self.kv[:, :, : self.rows]
 
     @torch.inference_mode()
-    def keep_region(self, start: int, idx: torch.Tensor) -> None:
-        """After a forward wrote slots from `start`: row b keeps slots `start + idx[b]`
-        (`[rows, m]`, in order) at `[start, start + m)`, and the cache ends there. Only the
-        written region is copied, never the prefix. `idx` pads a short row with any index."""
-        m = idx.shape[1]
+    def keep_region(self, start: int, keep: np.ndarray) -> None:
+        """After a forward wrote slots from `start`: row b keeps slots `start + keep[b]`
+        (`[rows, m]` int64, in order; -1 pads a short row) at `[start, start + m)`, valid there
+        and nowhere else in it, and the cache ends there. Only the written region is copied,
+        never the prefix; the slots and their flags go to the device in one copy."""
+        rows, m = keep.shape
+        host = np.concatenate([start + np.maximum(keep, 0), keep >= 0], axis=1)
+        sel, valid = torch.from_numpy(host).to(self.device, non_blocking=True).split(m, 1)
         kv = self._rows_kv()
-        sel = (start + idx.to(self.device))[None, None, :, None, :, None]
-        kv[..., start : start + m, :] = kv.gather(4, sel.expand(*kv.shape[:4], m, self.head_dim))
+        sel = sel.view(1, 1, rows, 1, m, 1).expand(*kv.shape[:4], m, self.head_dim)
+        kv[..., start : start + m, :] = kv.gather(4, sel)
+        self.valid[: self.rows, start : start + m] = valid
         self.length = start + m
 
     @torch.inference_mode()
@@ -214,11 +219,6 @@ class StaticKV(Cache):
         the root is already at `start`, so only the length and its validity change."""
         self.valid[: self.rows, start] = True
         self.length = start + 1
-
-    @torch.inference_mode()
-    def set_region_valid(self, start: int, valid: torch.Tensor) -> None:
-        """Which of the slots from `start` (`[rows, m]`) each row may attend to."""
-        self.valid[: self.rows, start : start + valid.shape[1]] = valid.to(self.device)
 
     @torch.inference_mode()
     def gather_slots(self, idx: torch.Tensor, valid: torch.Tensor) -> None:

@@ -56,8 +56,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def counter_uniforms(keys: Sequence[int], counters: Sequence[int], lanes: int) -> torch.Tensor:
-    """`[R, lanes]` float64 uniforms in [0, 1), on the CPU: lane j of row r is a hash of
+def counter_uniforms(keys: Sequence[int], counters: Sequence[int], lanes: int) -> np.ndarray:
+    """`[R, lanes]` float64 uniforms in [0, 1), on the host: lane j of row r is a hash of
     (`keys[r]`, `counters[r]`, j), so every row draws from its own stream in one call for the
     whole batch, and what a row draws does not depend on which rows share its batch.
 
@@ -71,29 +71,25 @@ def counter_uniforms(keys: Sequence[int], counters: Sequence[int], lanes: int) -
     counter = np.asarray(counters, dtype=np.uint64)[:, None]
     lane = np.arange(1, lanes + 1, dtype=np.uint64)
     x = key + (counter * np.uint64(LANES) + lane) * _GOLDEN
-    return torch.from_numpy((_mix(_mix(x)) >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+    return (_mix(_mix(x)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def node_uniform_block(keys: Sequence[int], counters: Sequence[int], nodes: int) -> np.ndarray:
+    """`[R, 3 * nodes]` on the host: `node_uniforms`' u, v and w side by side (what a captured
+    acceptance's static input holds, `graphs.GraphedAcceptance`). The one place the lane layout
+    lives."""
+    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes)
+    rows = lanes.shape[0]
+    return lanes.reshape(rows, nodes, LANES_PER_NODE).transpose(0, 2, 1).reshape(rows, -1)
 
 
 def node_uniforms(
-    keys: Sequence[int],
-    counters: Sequence[int],
-    nodes: int,
-    device: torch.device | str = "cpu",
-    into: torch.Tensor | None = None,
+    keys: Sequence[int], counters: Sequence[int], nodes: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's uniforms for the first `nodes` nodes of each row's tree, `[R, nodes]`
     each, on `device`: (u, accepting or rejecting the node; v, drawing the bonus from its
-    residual on the device; w, the host's draw of recursive rejection sampling). The one place
-    the lane layout lives: a plain step's bonus (`decode.plain_generate`) is v of node 0 at the
-    same counter. `into`: a `[R, 3 * nodes]` float64 device buffer to copy them to (a captured
-    acceptance's static input, `graphs.GraphedAcceptance`); the three are its views."""
-    lanes = counter_uniforms(keys, counters, LANES_PER_NODE * nodes).numpy()
-    # u's lanes, then v's, then w's: one copy, split on the device without strided views
-    rows = lanes.shape[0]
-    ordered = lanes.reshape(rows, nodes, LANES_PER_NODE).transpose(0, 2, 1).reshape(rows, -1)
-    if into is None:
-        into = torch.from_numpy(ordered).to(device)
-    else:
-        into.copy_(torch.from_numpy(ordered))
-    u, v, w = into.split(nodes, 1)
+    residual on the device; w, the host's draw of recursive rejection sampling). A plain step's
+    bonus (`decode.plain_generate`) is v of node 0 at the same counter. One copy, split on the
+    device without strided views."""
+    u, v, w = torch.from_numpy(node_uniform_block(keys, counters, nodes)).to(device).split(nodes, 1)
     return u, v, w

@@ -148,7 +148,6 @@ class LeaderModel:
 _REWRITES = (
     "reserve",
     "keep_region",
-    "set_region_valid",
     "keep_roots",
     "gather_slots",
     "select_rows",
@@ -179,9 +178,6 @@ class LeaderKV(StaticKV):
 
     def keep_region(self, *args):
         return self._mirror("keep_region", args)
-
-    def set_region_valid(self, *args):
-        return self._mirror("set_region_valid", args)
 
     def keep_roots(self, *args):
         return self._mirror("keep_roots", args)

@@ -5,10 +5,10 @@ rules, (a) greedy and (b) sample-and-match over deterministic drafts, run for th
 on the device in a fixed number of tensor ops (whatever the row count and tree shapes), so a
 GPU host launches a few dozen kernels per step and copies one result back:
 
-* `TreeBatch.of`: tokens, parents, depths and the parents' flat indices `[R, N]` from the trees
-  (one host-to-device copy) and the ancestor and earlier-sibling masks `[R, N, N]` (another;
-  unpacked on the host from each tree shape's bit rows, `shape_rows`), which the attention
-  mask and the acceptance read.
+* `TreeBatch.of`: tokens, parents, depths, the parents' flat indices and positions `[R, N]` from
+  the trees (one host-to-device copy) and the ancestor and earlier-sibling masks `[R, N, N]`
+  (another; unpacked on the host from each tree shape's bit rows, `shape_rows`), which the
+  attention mask and the acceptance read.
 * `greedy_choice` / `match_choice`: which child each node accepts, if any. Rule (b): a child
   x_i, the first of its token among its siblings, is accepted with probability
   p(x_i) / (p(x_i) + the mass of its later siblings + the node's residual mass), the mass not yet
@@ -16,6 +16,9 @@ GPU host launches a few dozen kernels per step and copies one result back:
   exactly 1; the residual bonus is drawn per node up front (its residual is known before the
   walk), as `verify.draw_match` does.
 * `accepted_path`: the deepest node whose whole path was chosen, and that path.
+* `verdict`: all of it and the drafters' top-k in the one tensor the host copies back;
+  `step_verdict` computes it from the step's device tensors alone, which is what a CUDA graph
+  captures (`graphs.GraphedAcceptance`).
 
 The uniforms come from `streams.counter_uniforms`: a function of (the row's seed, the root's
 position, the node), so a row's draws do not depend on the batch it is in, and one call serves
@@ -82,10 +85,18 @@ def batch_masks(trees: Sequence[DraftTree], width: int) -> np.ndarray:
     return np.ascontiguousarray(bits.reshape(2, len(trees), width, nbytes * 8)[..., :width])
 
 
-def tree_arrays(trees: Sequence[DraftTree], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """On the host, the trees padded to `width` nodes: `[R, 4 * width]` int64 (tokens, the pads
-    the root's; parents, -1 for the root and pads; depths; the parents' flat indices into
-    `[R * width]`, the root and pads their row's node 0) and the `[2, R, width, width]` masks
+TREE_BLOCKS = 5
+"""`tree_arrays`' int blocks of `width` columns: tokens, parents, depths, parents' flat indices,
+positions."""
+
+
+def tree_arrays(
+    trees: Sequence[DraftTree], width: int, roots: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """On the host, the trees padded to `width` nodes: `[R, TREE_BLOCKS * width]` int64 (tokens,
+    the pads the root's; parents, -1 for the root and pads; depths; the parents' flat indices
+    into `[R * width]`, the root and pads their row's node 0; positions, each row's root
+    position `roots[b]` (default 0) plus the depth) and the `[2, R, width, width]` masks
     (`batch_masks`): what `TreeBatch.of` copies to the device, two copies a step."""
     pad = [(width - t.size) for t in trees]
     host = np.array(
@@ -104,7 +115,10 @@ def tree_arrays(trees: Sequence[DraftTree], width: int) -> tuple[np.ndarray, np.
     ).reshape(len(trees), 3 * width)
     rows = np.arange(len(trees), dtype=np.int64)[:, None] * width
     at = rows + np.maximum(host[:, width : 2 * width], 0)
-    return np.concatenate([host, at], axis=1), batch_masks(trees, width)
+    pos = host[:, 2 * width :]
+    if roots is not None:
+        pos = pos + np.asarray(roots, dtype=np.int64)[:, None]
+    return np.concatenate([host, at, pos], axis=1), batch_masks(trees, width)
 
 
 @dataclass(frozen=True)
@@ -114,9 +128,9 @@ class TreeBatch:
 
     tokens: torch.Tensor  # [R, N] long
     parents: torch.Tensor  # [R, N] long: -1 for the root and for pads
-    real: torch.Tensor  # [R, N] bool: a node of the row's tree
     ancestors: torch.Tensor  # [R, N, N] bool: (i, j) iff j is i or an ancestor of i
     depths: torch.Tensor  # [R, N] long
+    positions: torch.Tensor  # [R, N] long: the root's position plus the depth
     earlier: torch.Tensor | None  # `siblings_before` (None: every tree is its root alone)
     indices: torch.Tensor | None  # `parent_at`, copied with the trees (None: likewise)
 
@@ -125,18 +139,21 @@ class TreeBatch:
         trees: Sequence[DraftTree],
         width: int,
         device: torch.device,
+        roots: Sequence[int] | None = None,
         into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> TreeBatch:
-        """The trees padded to `width` nodes (at least the largest tree's size). `into`: device
-        buffers `[R, 4 * width]` long and `[2, R, width, width]` bool to copy them to (a
-        captured acceptance's static inputs, `graphs.GraphedAcceptance`); the batch is their
-        views."""
+        """The trees padded to `width` nodes (at least the largest tree's size), their roots at
+        positions `roots` (default 0). `into`: device buffers `[R, TREE_BLOCKS * width]` long
+        and `[2, R, width, width]` bool to copy them to (a captured acceptance's static inputs,
+        `graphs.GraphedAcceptance`); the batch is their views."""
         if width == 1 and into is None:  # a plain step: every tree is its root
-            tok = torch.tensor([t.tokens[:1] for t in trees], dtype=torch.long).to(device)
+            at = [0] * len(trees) if roots is None else roots
+            host = [(t.tokens[0], r) for t, r in zip(trees, at, strict=True)]
+            tok, pos = torch.tensor(host, dtype=torch.long).to(device).split(1, 1)
             ones = torch.ones(len(trees), 1, 1, dtype=torch.bool, device=device)
             par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
-            return TreeBatch(tok, par, ones[:, 0], ones, zero, None, None)
-        ints, masks = tree_arrays(trees, width)
+            return TreeBatch(tok, par, ones, zero, pos, None, None)
+        ints, masks = tree_arrays(trees, width, roots)
         if into is None:
             ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
             masks_t = torch.from_numpy(masks).to(device, non_blocking=True)
@@ -150,15 +167,13 @@ class TreeBatch:
     def views(ints: torch.Tensor, masks: torch.Tensor) -> TreeBatch:
         """The batch over `tree_arrays`' layout on the device (views, and the real-node flags):
         a captured acceptance rebuilds it from its static inputs."""
-        tok, par, depths, at = ints.split(masks.shape[-1], 1)
+        tok, par, depths, at, pos = ints.split(masks.shape[-1], 1)
         anc, before = masks
-        real = par >= 0
-        real[:, 0] = True
-        return TreeBatch(tok, par, real, anc, depths, before, at)
+        return TreeBatch(tok, par, anc, depths, pos, before, at)
 
     def head(self, rows: int) -> TreeBatch:
         """The first `rows` rows (a bucket's real rows; views)."""
-        parts = (self.tokens, self.parents, self.real, self.ancestors, self.depths)
+        parts = (self.tokens, self.parents, self.ancestors, self.depths, self.positions)
         earlier = None if self.earlier is None else self.earlier[:rows]
         indices = None if self.indices is None else self.indices[:rows]
         return TreeBatch(*(x[:rows] for x in parts), earlier, indices)
@@ -173,6 +188,19 @@ class TreeBatch:
         if self.earlier is not None:
             return self.earlier
         return torch.zeros(self.ancestors.shape, dtype=torch.bool, device=self.tokens.device)
+
+    @cached_property
+    def real(self) -> torch.Tensor:
+        """`[R, N]` bool: the nodes of each row's tree (its root and draft nodes, not pads)."""
+        real = self.parents >= 0
+        real[:, 0] = True
+        return real
+
+    @property
+    def root_path(self) -> torch.Tensor:
+        """`[R, N]` bool: the path of a step that accepts no draft node, the root alone (the
+        root's row of the ancestor mask)."""
+        return self.ancestors[:, 0]
 
     @cached_property
     def draft(self) -> torch.Tensor:
@@ -269,13 +297,13 @@ def accept_all(
     tree the root alone) only draws the bonus."""
     rows, n = tb.shape
     if uv is None and n == 1:
-        return best.new_zeros(rows), tb.real, best[:, 0]
+        return best.new_zeros(rows), tb.root_path, best[:, 0]
     if uv is None:
         last, on_path = accepted_path(tb, greedy_choice(tb, best))
         return last, on_path, best.gather(1, last[:, None])[:, 0]
     u, v = uv
     if n == 1:
-        last, on_path, residual = best.new_zeros(rows), tb.real, probs[:, 0]
+        last, on_path, residual = best.new_zeros(rows), tb.root_path, probs[:, 0]
     else:
         matched, residual = match_choice(tb, probs, u)
         if greedy is not None:
@@ -322,7 +350,7 @@ def step_verdict(
 ) -> torch.Tensor:
     """`verdict` of a batch whose rows share `cfg`, from the step's device tensors alone:
     logits `[R, N, V]`, the trees as `tree_arrays` lays them out, and the uniforms' block
-    `[R, 3N]` (`streams.node_uniforms`' `into`; None under greedy). Static shapes and no host
+    `[R, 3N]` (`streams.node_uniform_block`; None under greedy). Static shapes and no host
     synchronisation: what `graphs.GraphedAcceptance` captures."""
     tb = TreeBatch.views(ints, masks)
     uv = None
@@ -477,7 +505,7 @@ def _padded(flat: np.ndarray, sizes: np.ndarray, k: int, fill: float | None = No
     return out if fill is None else np.where(cols < sizes[:, None], out, fill)
 
 
-def walk_sparse_all(layout: SparseLayout, data: torch.Tensor) -> list[Acceptance]:
+def walk_sparse_all(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
     """`verify.walk_sparse` for many trees at once (rules (b)-(d), sampled children included):
     the host half of rule (c) on a GPU, from the step's one copy, in a fixed number of array
     operations per sibling rank whatever the row count (numpy: on arrays this small an
@@ -492,7 +520,7 @@ def walk_sparse_all(layout: SparseLayout, data: torch.Tensor) -> list[Acceptance
     node accepts and reads the bonus of the node it stops at."""
     rows, n, width = data.shape
     k = width - 4
-    flat = data.numpy().reshape(rows * n, width)
+    flat = data.reshape(rows * n, width)
     values = np.where(np.arange(k) < layout.lens[:, None], flat[:, :k], 0.0)  # pads: nothing
     mass, scale = flat[:, k], np.ones(rows * n)  # the outside's share of a residual: scale·mass
     pick = np.full(rows * n, -1)  # the child each node accepts (its rank)

@@ -113,8 +113,9 @@ def _graphed_step(decoder: BatchDecoder, rows: int, width: int) -> tuple[bool, t
     start = decoder.cache.length
     shape = decoder.graphs.bucket(rows, width)
     decoder.cache.reserve(shape[0], start + shape[1])
-    tb = TreeBatch.of([DraftTree.chain(1, [1] * (width - 1))] * rows, width, decoder.device)
-    ids, pos, mask = decoder._pack(tb, [start] * rows, shape)
+    trees = [DraftTree.chain(1, [1] * (width - 1))] * rows
+    tb = TreeBatch.of(trees, width, decoder.device, [start] * rows)
+    ids, pos, mask = decoder._pack(tb, shape)
     logits = decoder._forward(ids, pos, mask, start)
     return decoder.graphs.last_steady, logits
 

@@ -16,7 +16,13 @@ from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
-from tts_service.engine.treebatch import TreeBatch, step_verdict, tree_arrays, verdict
+from tts_service.engine.treebatch import (
+    TREE_BLOCKS,
+    TreeBatch,
+    step_verdict,
+    tree_arrays,
+    verdict,
+)
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
 LENGTHS = (24, 9, 30)
@@ -112,7 +118,7 @@ def test_step_verdict_reads_only_its_inputs():
     gen = torch.Generator().manual_seed(0)
     cfg = SamplingParams(temperature=0.7)
     rows, n, vocab = 4, 4, 16
-    ints = torch.zeros(rows, 4 * n, dtype=torch.long)
+    ints = torch.zeros(rows, TREE_BLOCKS * n, dtype=torch.long)
     masks = torch.zeros(2, rows, n, n, dtype=torch.bool)
     uvw = torch.zeros(rows, 3 * n, dtype=torch.float64)
     for step in range(3):
@@ -127,8 +133,9 @@ def test_step_verdict_reads_only_its_inputs():
         ]
         logits = torch.randn(rows, n, vocab, generator=gen) * 3
         uvw.copy_(torch.rand(rows, 3 * n, generator=gen, dtype=torch.float64))
-        tb = TreeBatch.of(trees, n, torch.device("cpu"), into=(ints, masks))
-        host = tree_arrays(trees, n)
+        roots = [10 * step + b for b in range(rows)]
+        tb = TreeBatch.of(trees, n, torch.device("cpu"), roots, (ints, masks))
+        host = tree_arrays(trees, n, roots)
         assert torch.equal(ints, torch.from_numpy(host[0]))
         assert torch.equal(masks, torch.from_numpy(host[1]))
         u, v, _ = uvw.split(n, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -55,7 +56,7 @@ def test_tree_logits_equal_root_path_forwards_across_compaction_steps(dtype, att
             while n > 0:
                 keep.append(n)
                 n = tree.parents[n]
-            kv.keep_region(prefix_len, torch.tensor([[0, *keep[::-1]]]))
+            kv.keep_region(prefix_len, np.array([[0, *keep[::-1]]]))
             committed += tree.path_tokens(node) + [rng.randrange(64)]
     assert kv.epoch > 1  # it grew at least once, keeping every entry
 

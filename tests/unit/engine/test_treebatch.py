@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,8 +153,9 @@ def test_the_batch_masks_are_each_trees_own(size):
         DraftTree.chain(0, [1] * (size - 1)),  # the deepest: a chain
         random_tree(rng, max(1, size // 2)),  # padded
     ]
+    roots = [5 * b + 3 for b in range(len(trees))]
     for _ in range(2):
-        tb = TreeBatch.of(trees, size, torch.device("cpu"))
+        tb = TreeBatch.of(trees, size, torch.device("cpu"), roots)
         before, firsts = reference_siblings(tb)
         assert torch.equal(tb.siblings_before, before) and torch.equal(tb.firsts, firsts)
         values = torch.arange(len(trees) * size).view(len(trees), size)
@@ -164,6 +166,7 @@ def test_the_batch_masks_are_each_trees_own(size):
             want[:n, :n] = ancestor_mask(tree.parents)
             assert torch.equal(tb.ancestors[b], want)
             assert tb.depths[b, :n].tolist() == list(tree.depths)
+            assert tb.positions[b, :n].tolist() == [roots[b] + d for d in tree.depths]
             assert tb.parents[b, :n].tolist() == list(tree.parents)
     assert shape_rows.cache_info().hits >= len(trees) or size == 1  # 1: no masks to build
 
@@ -193,8 +196,8 @@ def test_counter_uniforms_are_splitmix64_and_uniform():
     keys, counters = [12345, 2**62 + 7, 2**63 - 1], [5, 99_999, 2**40]
     got = counter_uniforms(keys, counters, 6)
     want = [[ref(k, c, j) for j in range(6)] for k, c in zip(keys, counters, strict=True)]
-    assert got.dtype == torch.float64 and got.tolist() == want
-    many = counter_uniforms(range(1000), [0] * 1000, 1000)
+    assert got.dtype == np.float64 and got.tolist() == want
+    many = torch.from_numpy(counter_uniforms(range(1000), [0] * 1000, 1000))
     hist = torch.histc(many.flatten(), bins=10, min=0.0, max=1.0)
     assert ((hist - 1e5).abs() < 5 * (1e5 * 0.9) ** 0.5).all(), hist
     assert not torch.equal(many[0], many[1])  # rows are distinct streams
@@ -235,7 +238,7 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
         uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
         layout = SparseLayout.of(trees, n)
         data = gather_sparse(p, layout, *uvw)
-        got = walk_sparse_all(layout, data)
+        got = walk_sparse_all(layout, data.numpy())
         for b, tree in enumerate(trees):
             nodes = GatheredNodes(layout, data.numpy(), b)  # the few-rows path: row by row
             assert walk_sparse(tree, nodes, nodes.u, nodes.w) == got[b]
