@@ -230,14 +230,29 @@ def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
     ]
 
 
-def replay_runner(model, problems: list[LoggedProblem]) -> TrajectoryRunner:
-    """A live runner over the logged problems, its rows as wide as a problem's best-of-N."""
-    loaded = LoadedModel(model, None, (), model.device, model.dtype, "timing-replay")
+def replay_runner(
+    model, problems: list[LoggedProblem], graph_acceptance: bool = False
+) -> TrajectoryRunner:
+    """A live runner over the logged problems, its rows as wide as a problem's best-of-N
+    (`graph_acceptance`: `model.graph_acceptance`, the acceptance captured too)."""
+    loaded = LoadedModel(
+        model,
+        None,
+        (),
+        model.device,
+        model.dtype,
+        "timing-replay",
+        graph_acceptance=graph_acceptance,
+    )
     return TrajectoryRunner(TimedTarget(loaded, problems), max(len(p.responses) for p in problems))
 
 
 def timing_replay(
-    model, method: str, problems: list[LoggedProblem], runner: TrajectoryRunner | None = None
+    model,
+    method: str,
+    problems: list[LoggedProblem],
+    runner: TrajectoryRunner | None = None,
+    graph_acceptance: bool = False,
 ) -> dict:
     """Best-of-N of every logged problem through the live runner (`TrajectoryRunner`: its cost
     surface, allocator and drafters, continuous batching N rows wide) on the real device, with
@@ -247,7 +262,7 @@ def timing_replay(
     captured graphs kept)."""
     fields = method_drafter(method, {}, "cuda" if model.device.type == "cuda" else "cpu")
     drafter = TypeAdapter(DrafterConfig).validate_python(fields)
-    runner = runner or replay_runner(model, problems)
+    runner = runner or replay_runner(model, problems, graph_acceptance)
     runner.decoder.phases = StepPhases()
     graphs = runner.decoder.graphs
     before = (graphs.captures, graphs.eager_steps) if graphs is not None else (0, 0)
@@ -278,6 +293,13 @@ def timing_replay(
             "captures": graphs.captures - before[0],
             "eager_steps": graphs.eager_steps - before[1],
             "enabled": graphs.enabled,
+        },
+        # the acceptance's graphs (`model.graph_acceptance`): captured so far, still on
+        "acceptance_graphs": None
+        if runner.decoder.accept_graphs is None
+        else {
+            "captures": runner.decoder.accept_graphs.captures,
+            "enabled": runner.decoder.accept_graphs.enabled,
         },
         # what the planner's last fresh decisions rested on (`PlanDecision`): which estimate
         # turned it, when `auto` runs below plain on a device

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A GPU session's checks in one command, in priority order, each time-boxed so that a slow
 # step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host;
-# host-cost: with `auto`'s planner), the 7B device report (bench.device), the live runner's
+# host-graph: the acceptance captured, model.graph_acceptance, which is opt-in until this
+# measures it; host-cost: with `auto`'s planner), the 7B device report (bench.device), the live runner's
 # timing replay (bench.runner_replay: fresh runners as a first job meets them, then
 # `--served`, one runner per method as a Serve replica keeps it; `device-repeat-kv`, the
 # baseline attention, on request) and measured beside predicted (bench.device --predict).
@@ -9,6 +10,8 @@
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
+#   STEPS="cuda-tests host-graph runner-replay-graph" bash bench/gpu_check.sh  # the captured
+#                                               # acceptance against the eager one, alone
 #
 # Needs torch, transformers, scipy, pytest, and this repository's Python dependencies
 # (pydantic, redis) importable; nothing is downloaded.
@@ -19,7 +22,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host host-cost device runner-replay runner-replay-served predict} "
+steps=" ${STEPS:-cuda-tests host host-graph host-cost device runner-replay runner-replay-graph runner-replay-served predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -36,6 +39,8 @@ step() {  # step NAME SECONDS COMMAND...
     step cuda-tests 90 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
     step host 130 $py -m bench.host --device cuda --rows 1 16 64 --nodes 0 8 32 --steps 30 \
         --json "$out/host-gpu.json"
+    step host-graph 80 $py -m bench.host --device cuda --graph-acceptance --rows 1 16 64 \
+        --nodes 0 8 --steps 30 --json "$out/host-gpu-graph.json"
     step host-cost 60 $py -m bench.host --device cuda --speculation cost --rows 16 64 --nodes 8 \
         --method stand stand-dyn --steps 30 --json "$out/host-gpu-cost.json"
     step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
@@ -43,6 +48,7 @@ step() {  # step NAME SECONDS COMMAND...
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
     step runner-replay 150 $py -m bench.runner_replay --out "$out"
+    step runner-replay-graph 150 $py -m bench.runner_replay --graph-acceptance --out "$out/graph"
     step runner-replay-served 150 $py -m bench.runner_replay --served --out "$out/served"
     step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
 } 2>&1 | tee "$out/gpu_check.log"

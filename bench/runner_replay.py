@@ -4,6 +4,7 @@ planner, lazy CUDA graphs), then `auto` once under cProfile.
 
     python -m bench.runner_replay --out runs/gpu      # about 90 s on one H100, 7B shape
     python -m bench.runner_replay --out runs/gpu --served   # a Serve replica's later jobs
+    python -m bench.runner_replay --out runs/gpu-ga --graph-acceptance  # the acceptance captured
 
 By default every run is a fresh runner, as a first job (or a one-off `tts solve`) meets it:
 cost surface from its prior, every CUDA graph still to capture. `--served` keeps one runner per
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--served", action="store_true", help="one warm runner per method")
+    ap.add_argument(
+        "--graph-acceptance",
+        action="store_true",
+        help="every runner's acceptance captured too (model.graph_acceptance)",
+    )
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -46,21 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = dv.build_model(args.model_config, None, args.device, dtype)
     problems = dv.read_log(dv.LOG, args.problems, args.max_tokens)
     # the process's first run pays the first captures and kernel loads: not measured
-    print("warm-up", json.dumps(dv.timing_replay(model, "plain", problems)), flush=True)
+    ga = args.graph_acceptance
+    print("warm-up", json.dumps(dv.timing_replay(model, "plain", problems, None, ga)), flush=True)
     methods = ("plain", "auto", "stand")
-    runners = {m: dv.replay_runner(model, problems) for m in methods} if args.served else {}
+    runners = {m: dv.replay_runner(model, problems, ga) for m in methods} if args.served else {}
     for method, runner in runners.items():  # each replica's first job: not measured
         print("first job", method, json.dumps(dv.timing_replay(model, method, problems, runner)))
     res: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for method in methods:
-            got = dv.timing_replay(model, method, problems, runners.get(method))
+            got = dv.timing_replay(model, method, problems, runners.get(method), ga)
             res.setdefault(method, []).append(got)
             print(method, json.dumps(res[method][-1]), flush=True)
             (args.out / "runner-replay.json").write_text(json.dumps(res, indent=1) + "\n")
     prof = cProfile.Profile()
     prof.enable()
-    got = dv.timing_replay(model, "auto", problems, runners.get("auto"))
+    got = dv.timing_replay(model, "auto", problems, runners.get("auto"), ga)
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
