@@ -79,10 +79,11 @@ class ModelConfig(StrictConfig):
     )
     graph_acceptance: bool = Field(
         False,
-        description="Capture each step's acceptance too (p, top-k, rules (a) and (b), the "
-        "bonus: one replay instead of ~60 launches; engine/graphs.py GraphedAcceptance), per "
-        "bucket and sampling parameters; batches it cannot serve run it eagerly. Opt-in until "
-        "a GPU session has measured it; on a CPU the same path runs eagerly.",
+        description="With cuda_graphs, capture each step's acceptance too (p, top-k, rules "
+        "(a) and (b), the bonus: one replay instead of ~70 launches; engine/graphs.py "
+        "GraphedAcceptance), per bucket and sampling parameters; batches it cannot serve run "
+        "it eagerly. Opt-in until a GPU session has measured it; on a CPU the same path runs "
+        "eagerly.",
     )
     cost_model: Literal["learned", "measured"] = Field(
         "learned",

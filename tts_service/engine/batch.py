@@ -149,8 +149,9 @@ class BatchDecoder:
     reference the tests compare with). `grouped_attention`: run an SDPA model's tree steps over
     each KV head once (`engine.attention`; None: on a CUDA device, where the copies it saves
     cost more than the step). `graph_acceptance`: capture the step's acceptance too, per bucket
-    (`graphs.GraphedAcceptance`; on a CPU, `graphs.EagerReplayedAcceptance`: the same path run
-    eagerly, as the tests and the host benchmark check it)."""
+    (`graphs.GraphedAcceptance`, on CUDA with `cuda_graphs`: it reads the captured forward's
+    logits in place; on a CPU, `graphs.EagerReplayedAcceptance`: the same path run eagerly, as
+    the tests and the host benchmark check it)."""
 
     def __init__(
         self,
@@ -184,11 +185,10 @@ class BatchDecoder:
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs
         self.accept_graphs: GraphedAcceptance | None = None
-        if graph_acceptance:
-            cuda = model.device.type == "cuda"
-            self.accept_graphs = (GraphedAcceptance if cuda else EagerReplayedAcceptance)(
-                model.device
-            )
+        if graph_acceptance and model.device.type != "cuda":
+            self.accept_graphs = EagerReplayedAcceptance(model.device)
+        elif graph_acceptance and graphs:  # it reads the captured forward's logits in place
+            self.accept_graphs = GraphedAcceptance(model.device)
         self.accept_epoch = self.cache.epoch
         self.forwards = ForwardStats()
         self.phases = StepPhases()
@@ -391,6 +391,10 @@ class BatchDecoder:
             pad = shape[0] - len(trees)
             trees_b, roots_b = trees + [DraftTree.root_only(0)] * pad, roots + [0] * pad
             tb = TreeBatch.of(trees_b, shape[1], self.device, roots_b, static.trees)
+            if not all(r.cfg.greedy for r in batch):  # copied while the device is still free
+                keys = [r.verify_key for r in batch] + [0] * pad
+                block = node_uniform_block(keys, [r + 1 for r in roots_b], shape[1])
+                static.uvw.copy_(torch.from_numpy(block), non_blocking=True)
         ids, pos, mask = self._pack(tb, shape)
         marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
@@ -532,8 +536,9 @@ class BatchDecoder:
             u, v, w = (x[at] for x in uvw)
             rule_c = gather_sparse(probs[at], layout, u, v, w)
             host = torch.cat([main.flatten(), rule_c.flatten()]).cpu().numpy()
-        size = main.numel()  # a captured acceptance's pad rows: read, not used
-        head, sparse = host.reshape(-1)[:size].reshape(-1, main.shape[1])[:rows], host[size:]
+        flat, size = host.reshape(-1), main.numel()
+        # a captured acceptance's pad rows are copied too, and not read
+        head, sparse = flat[:size].reshape(-1, main.shape[1])[:rows], flat[size:]
         meta = head[:, : 2 + n]
         ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
         top_ids = torch.from_numpy(ids).unbind(0)
@@ -583,17 +588,11 @@ class BatchDecoder:
         if self.graphs is not None and self.graphs.epoch != self.accept_epoch:
             self.accept_graphs.clear()  # the forward's logits buffers were captured again
             self.accept_epoch = self.graphs.epoch
-        rows, n = static.ints.shape[0], static.masks.shape[-1]
+        shape = (static.ints.shape[0], static.masks.shape[-1])
         inputs: tuple[torch.Tensor, ...] = (logits, *static.trees)
-        if not cfg.greedy:
-            pad = rows - len(batch)
-            keys = [r.verify_key for r in batch] + [0] * pad
-            counters = [len(r.tokens) for r in batch] + [0] * pad
-            static.uvw.copy_(torch.from_numpy(node_uniform_block(keys, counters, n)))
+        if not cfg.greedy:  # the uniforms: filled before the forward (`step`)
             inputs = (*inputs, static.uvw)
-        fn = partial(step_verdict, cfg, k)
-        main = self.accept_graphs(((rows, n), params, k), fn, inputs)
-        return main
+        return self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 1024
 """The largest rows × tokens bucket captured; bigger steps run eagerly."""
 
+MAX_ACCEPTANCE_GRAPHS = 64
+"""Acceptance captures kept (one per bucket and sampling parameters): a server's clients may
+choose their parameters freely, and each new set costs a capture; past this many, new ones
+run eagerly."""
+
 
 def bucket_of(n: int) -> int:
     """The power of two at or above `n`."""
@@ -198,7 +203,12 @@ class GraphedAcceptance:
     (`TreeBatch.of` writes the trees there, and `_pack` reads them from there). An input that is
     not the captured tensor itself is copied into it. A capture that fails turns these graphs
     off with a warning; the acceptance then runs eagerly, as it does for shapes past the
-    buckets, batches of several sampling parameters and rows walked on the host (rule (c))."""
+    buckets, batches of several sampling parameters and rows walked on the host (rule (c)), and
+    sets of parameters past `MAX_ACCEPTANCE_GRAPHS`.
+
+    Memory: the captures share one private pool, which keeps the acceptance's largest working
+    set (p in float64, `[rows, tokens, V]`, and what is computed from it) for as long as they
+    live, where the eager acceptance returns it to the caching allocator after each step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -234,7 +244,8 @@ class GraphedAcceptance:
         None where the capture failed (the caller runs it eagerly)."""
         g = self.graphs.get(key)
         if g is None:
-            g = self._capture(fn, inputs) if self.enabled else None
+            full = len(self.graphs) >= MAX_ACCEPTANCE_GRAPHS
+            g = self._capture(fn, inputs) if self.enabled and not full else None
             if g is None:
                 return None
             self.graphs[key] = g
@@ -287,12 +298,13 @@ class EagerReplayedAcceptance(GraphedAcceptance):
     def _capture(
         self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
     ) -> _Captured | None:
-        out = fn(*inputs).clone()
+        captured = _Captured(lambda: None, inputs, fn(*inputs))
 
-        def replay() -> None:
+        def replay() -> None:  # a new output each time: the host's copy of it is not a view
             t0 = time.perf_counter()
             with torch.profiler.record_function("graph"):
-                out.copy_(fn(*inputs))
+                captured.output = fn(*inputs)
             self.replay_s += time.perf_counter() - t0
 
-        return _Captured(replay, inputs, out)
+        captured.replay = replay
+        return captured

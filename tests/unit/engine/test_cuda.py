@@ -87,7 +87,8 @@ def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
     pairs = zip(prompts, greedy, strict=True)
     refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
     sampled = [
-        SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i) for i, n in enumerate(lengths)
+        SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i, top_p=0.9, top_k=20, min_p=0.05)
+        for i, n in enumerate(lengths)
     ]
 
     def run(cfgs, graph_acceptance):
@@ -104,7 +105,29 @@ def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
     assert out == refs
     graphs = decoder.accept_graphs
     assert graphs is not None and graphs.enabled and graphs.captures > 0
-    assert run(sampled, True)[0] == run(sampled, False)[0]
+    out, decoder = run(sampled, True)
+    assert out == run(sampled, False)[0]
+    graphs = decoder.accept_graphs
+    assert graphs is not None and graphs.enabled and graphs.captures > 0
+
+
+def test_graphed_acceptance_is_captured_again_when_the_cache_grows():
+    """A cache that starts small is reallocated mid-run (the forward's graphs are captured
+    again, their logits buffers new): the acceptance's captures are dropped with them and
+    captured again, and every row still commits what plain decoding commits."""
+    from tts_service.engine.kv import StaticKV
+
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    prompts = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
+    cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (40, 30, 48)]
+    pairs = list(zip(prompts, cfgs, strict=True))
+    refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
+    cache = StaticKV(model, capacity=16)
+    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0, cache=cache, graph_acceptance=True)
+    rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS["pld"], 64), c) for p, c in pairs]
+    assert [r.token_ids for r in decode_rows(decoder, rows, 24)] == refs
+    assert cache.epoch > 1 and decoder.accept_epoch == decoder.graphs.epoch
+    assert decoder.accept_graphs.enabled and decoder.accept_graphs.captures > 0
 
 
 def _graphed_step(decoder: BatchDecoder, rows: int, width: int) -> tuple[bool, torch.Tensor]:

@@ -13,9 +13,13 @@ import torch
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
+from tts_service.engine import batch as batch_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
+from tts_service.engine.sampling import SamplingParams, store_probs
+from tts_service.engine.streams import node_uniform_block
+from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
     TREE_BLOCKS,
     TreeBatch,
@@ -26,6 +30,7 @@ from tts_service.engine.treebatch import (
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
 LENGTHS = (24, 9, 30)
+FILTERS = {"top_p": 0.9, "top_k": 20, "min_p": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +38,25 @@ def model():
     return tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0)
 
 
+@pytest.fixture
+def eager_steps(monkeypatch) -> list[int]:
+    """Counts the steps whose acceptance ran eagerly (`treebatch.verdict` called by the decoder
+    itself rather than inside a replay)."""
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return verdict(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "verdict", counted)
+    return calls
+
+
 def decode(
-    decoder: BatchDecoder, name: str, temperatures: tuple[float, ...], **fields
+    decoder: BatchDecoder, name: str, temperatures: tuple[float, ...], filters=None, **fields
 ) -> list[list[int]]:
     cfgs = [
-        SamplingConfig(temperature=t, max_new_tokens=n, seed=i)
+        SamplingConfig(temperature=t, max_new_tokens=n, seed=i, **(filters or {}))
         for i, (t, n) in enumerate(zip(temperatures, LENGTHS, strict=True))
     ]
     config = DRAFTER_CONFIGS[name].model_copy(update=fields)
@@ -54,7 +73,7 @@ def replayed(model) -> BatchDecoder:
 
 
 @pytest.mark.parametrize("name", ["plain", "stand", "pld", "stand-dyn"])
-def test_captured_greedy_acceptance_equals_plain_decoding(model, name):
+def test_captured_greedy_acceptance_equals_plain_decoding(model, name, eager_steps):
     refs = [
         plain_generate(
             model, p, SamplingConfig(temperature=0, max_new_tokens=n), eos_ids=[]
@@ -66,15 +85,19 @@ def test_captured_greedy_acceptance_equals_plain_decoding(model, name):
     graphs = decoder.accept_graphs
     assert graphs is not None and graphs.enabled and graphs.captures > 0
     assert graphs.replay_s > 0  # type: ignore[attr-defined]
+    assert eager_steps[0] == 0  # every step replayed (greedy trees have no sampled children)
 
 
+@pytest.mark.parametrize("filters", [None, FILTERS], ids=["temperature", "top-p-k-min-p"])
 @pytest.mark.parametrize("name", ["plain", "pld", "stand-dyn"])
-def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name):
+def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name, filters):
     """The same rows, seeds and trees through the captured and the eager acceptance: the same
-    tokens (the uniforms are per row and node, so a bucket's pad rows change nothing)."""
+    tokens (the uniforms are per row and node, so a bucket's pad rows change nothing), with
+    temperature alone and with every filter of p."""
     eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
     decoder = replayed(model)
-    assert decode(decoder, name, (0.8,) * 3) == decode(eager, name, (0.8,) * 3)
+    out = decode(decoder, name, (0.8,) * 3, filters)
+    assert out == decode(eager, name, (0.8,) * 3, filters)
     graphs = decoder.accept_graphs
     assert graphs is not None and graphs.captures > 0
     assert len(graphs.buffers) > 1  # rows leaving: more than one bucket
@@ -85,19 +108,26 @@ def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name):
     [((0.8, 0.6, 0.8), {}), ((0.8, 0.0, 0.8), {}), ((0.8,) * 3, {"drawn": True})],
     ids=["two-temperatures", "greedy-beside-sampled", "drawn-children"],
 )
-def test_batches_the_capture_cannot_serve_run_eagerly(model, temperatures, fields):
+def test_batches_the_capture_cannot_serve_run_eagerly(model, temperatures, fields, eager_steps):
     """Rows of several sampling parameters, and trees with sampled children (the host walks
     them, rule (c)), fall back to the eager acceptance, on the bucket's real rows, beside steps
     the capture serves (once the odd row has left, or a step drew nothing): the same tokens."""
     eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
     decoder = replayed(model)
     out = decode(decoder, "stand-dyn", temperatures, **fields)
+    fell_back = eager_steps[0]
+    assert fell_back > 0
     assert out == decode(eager, "stand-dyn", temperatures, **fields)
 
 
-def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog):
-    """A real CUDA capture on a CPU fails: the acceptance turns its graphs off with a warning and
-    the rows commit what the eager acceptance commits."""
+def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog, monkeypatch):
+    """A CUDA capture that fails (here: no stream can be made): the acceptance turns its graphs
+    off with a warning and the rows commit what the eager acceptance commits."""
+
+    def no_stream(*args, **kwargs):
+        raise RuntimeError("no CUDA stream")
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
     eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
     decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
     decoder.accept_graphs = GraphedAcceptance(decoder.device)
@@ -108,36 +138,59 @@ def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog):
     assert "capture of the acceptance failed" in caplog.text
 
 
-def test_step_verdict_reads_only_its_inputs():
-    """What a capture replays: `step_verdict` over the static inputs equals `verdict` over the
-    batch's own tensors, and refilling the inputs (the next step's trees) changes its answer
-    as it changes the eager one."""
-    from tts_service.engine.sampling import SamplingParams, store_probs
-    from tts_service.engine.tree import DraftTree
-
-    gen = torch.Generator().manual_seed(0)
-    cfg = SamplingParams(temperature=0.7)
-    rows, n, vocab = 4, 4, 16
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_step_verdict_over_the_static_inputs_equals_the_eager_verdict(n, temperature):
+    """What a capture replays: `step_verdict` over static buffers, refilled step after step with
+    other trees (pad rows among them), equals `verdict` over a tree batch of the step's own
+    (built without the buffers), greedy and sampled, plain steps and trees."""
+    gen = torch.Generator().manual_seed(n)
+    cfg = SamplingParams(temperature=temperature, **FILTERS)
+    rows, vocab = 4, 16
     ints = torch.zeros(rows, TREE_BLOCKS * n, dtype=torch.long)
     masks = torch.zeros(2, rows, n, n, dtype=torch.bool)
     uvw = torch.zeros(rows, 3 * n, dtype=torch.float64)
+    answers = []
     for step in range(3):
+        shapes = [(-1, 0, 0, 1), (-1, 0, 1, 2)]
         trees = [
             DraftTree(
-                (1, *torch.randint(0, vocab, (3,), generator=gen).tolist()),
-                (-1, 0, 0, 1) if step % 2 else (-1, 0, 1, 2),
-                (False,) * 4,
-                (None,) * 4,
+                (1, *torch.randint(0, vocab, (n - 1,), generator=gen).tolist()),
+                shapes[(b + step) % 2][:n],
+                (False,) * n,
+                (None,) * n,
             )
-            for _ in range(rows)
-        ]
+            for b in range(rows - 1)
+        ] + [DraftTree.root_only(0)]  # a bucket's pad row
+        roots = [10 * step + b for b in range(rows - 1)] + [0]
         logits = torch.randn(rows, n, vocab, generator=gen) * 3
-        uvw.copy_(torch.rand(rows, 3 * n, generator=gen, dtype=torch.float64))
-        roots = [10 * step + b for b in range(rows)]
-        tb = TreeBatch.of(trees, n, torch.device("cpu"), roots, (ints, masks))
+        keys, counters = [7 * b + 1 for b in range(rows)], [r + 1 for r in roots]
+        uvw.copy_(torch.from_numpy(node_uniform_block(keys, counters, n)))
+        TreeBatch.of(trees, n, torch.device("cpu"), roots, (ints, masks))
         host = tree_arrays(trees, n, roots)
         assert torch.equal(ints, torch.from_numpy(host[0]))
         assert torch.equal(masks, torch.from_numpy(host[1]))
-        u, v, _ = uvw.split(n, 1)
-        ref = verdict(tb, logits, store_probs(logits, cfg), 5, (u, v))
-        assert torch.equal(step_verdict(cfg, 5, logits, ints, masks, uvw), ref)
+        own = TreeBatch.of(trees, n, torch.device("cpu"), roots)
+        uv = None if cfg.greedy else tuple(uvw.split(n, 1)[:2])
+        ref = verdict(own, logits, store_probs(logits, cfg), 5, uv)
+        got = step_verdict(cfg, 5, logits, ints, masks, None if cfg.greedy else uvw)
+        assert torch.equal(got, ref)
+        answers.append(got)
+    assert not torch.equal(answers[0], answers[1])  # the refilled inputs were read
+
+
+def test_captures_past_the_cap_run_eagerly(monkeypatch):
+    """A new set of sampling parameters past `MAX_ACCEPTANCE_GRAPHS` is not captured (None: the
+    caller runs it eagerly); the sets already captured still replay."""
+    from tts_service.engine import graphs
+
+    monkeypatch.setattr(graphs, "MAX_ACCEPTANCE_GRAPHS", 1)
+    acc = EagerReplayedAcceptance(torch.device("cpu"))
+    x = torch.arange(4.0)
+    assert torch.equal(acc("a", lambda t: t * 2, (x,)), x * 2)
+    assert acc("b", lambda t: t * 3, (x,)) is None
+    y = x + 1
+    want = y * 2
+    assert torch.equal(acc("a", lambda t: t * 2, (y,)), want)  # copied into x, replayed
+    assert torch.equal(x, y)
+    assert acc.captures == 1
