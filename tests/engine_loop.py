@@ -6,10 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tts_service.config import SamplingConfig
 from tts_service.drafters.base import Drafter
 from tts_service.engine.batch import BatchDecoder, Row
-from tts_service.engine.decode import GenerationResult, OnCommit
+from tts_service.engine.decode import GenerationResult, OnCommit, plain_generate
 from tts_service.runner import nodes_per_row
+
+
+def plain_greedy(model, prompts: Sequence[list[int]], lengths: Sequence[int]) -> list[list[int]]:
+    """Each prompt decoded alone, greedily, without drafts (`decode.plain_generate`): what every
+    row of a greedy batch must commit."""
+    return [
+        plain_generate(
+            model, p, SamplingConfig(temperature=0, max_new_tokens=n), eos_ids=[]
+        ).token_ids
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
 
 
 def decode_rows(

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
-from tests.engine_loop import decode_rows
+from tests.engine_loop import decode_rows, plain_greedy
 from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import GraphedForward
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
@@ -47,12 +46,7 @@ def decode(decoder: BatchDecoder, name: str, temperature: float) -> list[list[in
 @pytest.mark.parametrize("name", ["stand", "pld", "recycle", "stand-dyn"])
 def test_bucket_padded_greedy_batches_equal_plain_decoding(name):
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0)
-    refs = [
-        plain_generate(
-            model, p, SamplingConfig(temperature=0, max_new_tokens=n), eos_ids=[]
-        ).token_ids
-        for p, n in zip(PROMPTS, LENGTHS, strict=True)
-    ]
+    refs = plain_greedy(model, PROMPTS, LENGTHS)
     decoder = bucketed(model)
     assert decode(decoder, name, 0.0) == refs
     assert decoder.graphs.padded > 0  # type: ignore[union-attr]

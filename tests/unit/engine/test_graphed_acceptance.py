@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
-from tests.engine_loop import decode_rows
+from tests.engine_loop import decode_rows, plain_greedy
 from tts_service.config import SamplingConfig
 from tts_service.engine import batch as batch_module
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import node_uniform_block
@@ -74,12 +73,7 @@ def replayed(model) -> BatchDecoder:
 
 @pytest.mark.parametrize("name", ["plain", "stand", "pld", "stand-dyn"])
 def test_captured_greedy_acceptance_equals_plain_decoding(model, name, eager_steps):
-    refs = [
-        plain_generate(
-            model, p, SamplingConfig(temperature=0, max_new_tokens=n), eos_ids=[]
-        ).token_ids
-        for p, n in zip(PROMPTS, LENGTHS, strict=True)
-    ]
+    refs = plain_greedy(model, PROMPTS, LENGTHS)
     decoder = replayed(model)
     assert decode(decoder, name, (0.0,) * 3) == refs
     graphs = decoder.accept_graphs
