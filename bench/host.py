@@ -61,7 +61,7 @@ from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
-from tts_service.engine.graphs import EagerReplayedAcceptance
+from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
 from tts_service.engine.metrics import PHASES
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
@@ -133,6 +133,11 @@ class StandInDecoder(BatchDecoder):
             graph_acceptance=graph_acceptance,
         )
         self.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered, one copy
+        if graph_acceptance and self.device.type == "cuda":
+            # a captured acceptance though the stand-in's forward is not captured (the engine
+            # captures it only beside the forward's graphs): its fresh logits, 256 wide, are
+            # copied into the captured ones each step
+            self.accept_graphs = GraphedAcceptance(self.device)
         self.problems, self.vocab = problems, vocab
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
         self._depths = torch.zeros(0, 0, dtype=torch.long)

@@ -353,9 +353,8 @@ class LoggedBatchDecoder(BatchDecoder):
         return finished
 
     def verify(self, batch, trees, logits, tb, static=None) -> list[Verified]:
-        super().verify(
-            batch, trees, logits, tb, static
-        )  # the device's work, timed; the log decides
+        # the device's work, timed; the log decides
+        super().verify(batch, trees, logits, tb, static)
         return [
             Verified(*self.oracles[id(row)](tree, len(row.rule.out)))
             for row, tree in zip(batch, trees, strict=True)

@@ -35,3 +35,18 @@ def test_the_planners_bookkeeping_dispatches_no_torch_op_per_drafted_node():
 def test_the_planner_benchmark_times_a_record_and_a_decision():
     rec = planner.measure(60)
     assert rec["record_tree_us"] > 0 and rec["fresh_decision_us"] > 0 and rec["steps"] == 60
+
+
+def test_the_captured_acceptance_is_counted_as_device_work():
+    """`--graph-acceptance`: on a CPU the replays run eagerly; their time is reported apart
+    (`graph_ms`) and their ops are not the host's, so a tree step dispatches fewer ops than
+    the eager acceptance, at the same acceptance length."""
+    problems = host.fold(host.read_problems(host.LOG)[:1], 64)
+    eager, captured = (
+        host.measure(problems, 64, 4, 8, "stand-dyn", 24, 0.6, graph_acceptance=graph)
+        for graph in (False, True)
+    )
+    assert captured["captures"] > 0 and captured["graph_ms"] > 0
+    assert (eager["captures"], eager["graph_ms"]) == (0, 0)
+    assert captured["ops_per_step"] < eager["ops_per_step"] - 30
+    assert captured["acceptance_length"] == eager["acceptance_length"]

@@ -392,8 +392,8 @@ class BatchDecoder:
             trees_b, roots_b = trees + [DraftTree.root_only(0)] * pad, roots + [0] * pad
             tb = TreeBatch.of(trees_b, shape[1], self.device, roots_b, static.trees)
             if not all(r.cfg.greedy for r in batch):  # copied while the device is still free
-                keys = [r.verify_key for r in batch] + [0] * pad
-                block = node_uniform_block(keys, [r + 1 for r in roots_b], shape[1])
+                keys, counters = self._verify_streams(batch, pad)
+                block = node_uniform_block(keys, counters, shape[1])
                 static.uvw.copy_(torch.from_numpy(block), non_blocking=True)
         ids, pos, mask = self._pack(tb, shape)
         marks.append(clock())
@@ -567,11 +567,17 @@ class BatchDecoder:
             out.append(Verified(acc, NodeTopK(top_ids[b], top_probs[b])))
         return out
 
+    @staticmethod
+    def _verify_streams(batch: list[Row], pad: int = 0) -> tuple[list[int], list[int]]:
+        """Every row's verifier stream and counter (`streams.counter_uniforms`): its key, and
+        its length (its root's position + 1, a value it never repeats); `pad` rows of zeros
+        after them (a bucket's pad rows, whose draws nothing reads)."""
+        keys = [r.verify_key for r in batch] + [0] * pad
+        return keys, [len(r.tokens) for r in batch] + [0] * pad
+
     def _uniforms(self, batch: list[Row], n: int) -> Uniforms:
-        """Every row's (u, v, w) at its `n` nodes (`streams.node_uniforms`), counted at its
-        root's position."""
-        keys = [r.verify_key for r in batch]
-        return node_uniforms(keys, [len(r.tokens) for r in batch], n, self.device)
+        """Every row's (u, v, w) at its `n` nodes (`streams.node_uniforms`)."""
+        return node_uniforms(*self._verify_streams(batch), n, self.device)
 
     def _replay_acceptance(
         self, batch: list[Row], logits: torch.Tensor, static: StepInputs, k: int

@@ -45,6 +45,12 @@ def bucket_of(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def is_bucket(rows: int, tokens: int) -> bool:
+    """A shape that is captured: both powers of two, within `MAX_TOKENS` (not a shape between
+    buckets, nor one past them)."""
+    return (rows, tokens) == (bucket_of(rows), bucket_of(tokens)) and rows * tokens <= MAX_TOKENS
+
+
 def bucket_shape(rows: int, tokens: int) -> tuple[int, int]:
     """The padded (rows, tokens) shape a step of this size is captured at: both rounded up to
     powers of two, or the shape itself past `MAX_TOKENS`."""
@@ -119,8 +125,7 @@ class GraphedForward:
             self.pool = None
             self.epoch = self.cache.epoch
         g = self.graphs.get(shape)
-        # a bucket, not a shape past them (`bucket` leaves those as they are) or one between
-        capturable = shape == self.bucket(*shape) and shape[0] * shape[1] <= MAX_TOKENS
+        capturable = is_bucket(*shape)
         fresh = g is None and self.enabled and capturable
         if fresh:
             g = self._capture(ids, pos, mask, slots)
@@ -196,7 +201,8 @@ class _Captured:
 class GraphedAcceptance:
     """A verify step's acceptance (`treebatch.step_verdict`: p, the top-k, rules (a) and (b),
     the bonus and the one tensor the host copies back) captured as a CUDA graph per (bucket,
-    sampling parameters) and replayed each step: ~60 kernel launches become one.
+    sampling parameters) and replayed each step: ~70 ops (kernel launches and views) become
+    one replay.
 
     The inputs are static: the forward's logits (a captured forward's own output buffer, so
     nothing is copied) and the bucket's `StepInputs`, which the host fills before the forward
@@ -221,11 +227,9 @@ class GraphedAcceptance:
     def inputs(self, rows: int, tokens: int) -> StepInputs | None:
         """The static inputs of a step padded to (`rows`, `tokens`), a bucket; None where the
         step is no bucket (or these graphs are off): it runs eagerly."""
+        if not self.enabled or not is_bucket(rows, tokens):
+            return None
         shape = (rows, tokens)
-        if not self.enabled or shape != (bucket_of(rows), bucket_of(tokens)):
-            return None
-        if rows * tokens > MAX_TOKENS:
-            return None
         buf = self.buffers.get(shape)
         if buf is None:
             dev = self.device

@@ -165,8 +165,8 @@ class TreeBatch:
 
     @staticmethod
     def views(ints: torch.Tensor, masks: torch.Tensor) -> TreeBatch:
-        """The batch over `tree_arrays`' layout on the device (views, and the real-node flags):
-        a captured acceptance rebuilds it from its static inputs."""
+        """The batch over `tree_arrays`' layout on the device (views only): a captured
+        acceptance rebuilds it from its static inputs."""
         tok, par, depths, at, pos = ints.split(masks.shape[-1], 1)
         anc, before = masks
         return TreeBatch(tok, par, anc, depths, pos, before, at)
