@@ -231,10 +231,11 @@ def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
 
 
 def replay_runner(
-    model, problems: list[LoggedProblem], graph_acceptance: bool = False
+    model, problems: list[LoggedProblem], graph_acceptance: bool | None = None
 ) -> TrajectoryRunner:
     """A live runner over the logged problems, its rows as wide as a problem's best-of-N
-    (`graph_acceptance`: `model.graph_acceptance`, the acceptance captured too)."""
+    (`graph_acceptance`: `model.graph_acceptance`; None, the default: captured beside the
+    forward's graphs)."""
     loaded = LoadedModel(
         model,
         None,
@@ -252,7 +253,7 @@ def timing_replay(
     method: str,
     problems: list[LoggedProblem],
     runner: TrajectoryRunner | None = None,
-    graph_acceptance: bool = False,
+    graph_acceptance: bool | None = None,
 ) -> dict:
     """Best-of-N of every logged problem through the live runner (`TrajectoryRunner`: its cost
     surface, allocator and drafters, continuous batching N rows wide) on the real device, with
@@ -269,6 +270,8 @@ def timing_replay(
     steps_before = runner.planner.steps if runner.planner is not None else 0
     report: list[RunReport] = []
     requests = logged_requests(problems, drafter)
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     seconds = timed(lambda: report.append(runner.run(requests)), model.device)
     summary = report[0].summary()
     spec = summary["speculation"]
@@ -286,7 +289,11 @@ def timing_replay(
         "nodes_per_row": spec["nodes_per_row"],  # [t_s, rows, nodes] as the planner changed it
         "step_ms": per_step,
         "outside_steps_ms": round((seconds - sum(phases.seconds.values())) / phases.steps * 1e3, 3),
-        # CUDA graphs in this run: captures (each two warm-ups and the capture), eager forwards
+        # the device's peak allocation in this run (weights, KV, graphs' private pools)
+        "peak_gib": round(torch.cuda.max_memory_allocated(model.device) / 2**30, 3)
+        if model.device.type == "cuda"
+        else None,
+        # CUDA graphs in this run: captures (each the step eagerly and the capture), eager forwards
         "graphs": None
         if graphs is None
         else {

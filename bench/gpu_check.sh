@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # A GPU session's checks in one command, in priority order, each time-boxed so that a slow
 # step cannot take the others with it: the CUDA tests, the host path on the GPU (bench.host;
-# host-graph: the acceptance captured, model.graph_acceptance, which is opt-in until this
-# measures it; host-cost: with `auto`'s planner), the 7B device report (bench.device), the live runner's
-# timing replay (bench.runner_replay: fresh runners as a first job meets them, then
-# `--served`, one runner per method as a Serve replica keeps it; `device-repeat-kv`, the
-# baseline attention, on request) and measured beside predicted (bench.device --predict).
+# host-graph: the acceptance captured, as model.graph_acceptance does by default beside the
+# forward's graphs; host-cost: with `auto`'s planner), the 7B device report (bench.device), the
+# live runner's timing replay (bench.runner_replay: fresh runners as a first job meets them,
+# then `--served`, one runner per method as a Serve replica keeps it; runner-replay-eager, the
+# acceptance eager, and `device-repeat-kv`, the baseline attention, on request) and measured
+# beside predicted (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
-#   STEPS="cuda-tests host-graph runner-replay-graph" bash bench/gpu_check.sh  # the captured
-#                                               # acceptance against the eager one, alone
+#   STEPS="cuda-tests host host-graph runner-replay runner-replay-eager" bash bench/gpu_check.sh
+#                                       # the captured acceptance against the eager one, alone
 #
 # Needs torch, transformers, scipy, pytest, and this repository's Python dependencies
 # (pydantic, redis) importable; nothing is downloaded.
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host host-graph host-cost device runner-replay runner-replay-graph runner-replay-served predict} "
+steps=" ${STEPS:-cuda-tests host host-graph host-cost device runner-replay runner-replay-served predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -48,7 +49,7 @@ step() {  # step NAME SECONDS COMMAND...
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
     step runner-replay 150 $py -m bench.runner_replay --out "$out"
-    step runner-replay-graph 150 $py -m bench.runner_replay --graph-acceptance --out "$out/graph"
+    step runner-replay-eager 150 $py -m bench.runner_replay --eager-acceptance --out "$out/eager"
     step runner-replay-served 150 $py -m bench.runner_replay --served --out "$out/served"
     step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
 } 2>&1 | tee "$out/gpu_check.log"

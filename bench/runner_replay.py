@@ -4,7 +4,7 @@ planner, lazy CUDA graphs), then `auto` once under cProfile.
 
     python -m bench.runner_replay --out runs/gpu      # about 90 s on one H100, 7B shape
     python -m bench.runner_replay --out runs/gpu --served   # a Serve replica's later jobs
-    python -m bench.runner_replay --out runs/gpu-ga --graph-acceptance  # the acceptance captured
+    python -m bench.runner_replay --out runs/gpu-eager --eager-acceptance  # the acceptance eager
 
 By default every run is a fresh runner, as a first job (or a one-off `tts solve`) meets it:
 cost surface from its prior, every CUDA graph still to capture. `--served` keeps one runner per
@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--served", action="store_true", help="one warm runner per method")
     ap.add_argument(
-        "--graph-acceptance",
+        "--eager-acceptance",
         action="store_true",
-        help="every runner's acceptance captured too (model.graph_acceptance)",
+        help="every runner's acceptance eager (model.graph_acceptance=false; by default it is "
+        "captured beside the forward's graphs)",
     )
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = dv.build_model(args.model_config, None, args.device, dtype)
     problems = dv.read_log(dv.LOG, args.problems, args.max_tokens)
     # the process's first run pays the first captures and kernel loads: not measured
-    ga = args.graph_acceptance
+    ga = False if args.eager_acceptance else None
     print("warm-up", json.dumps(dv.timing_replay(model, "plain", problems, None, ga)), flush=True)
     methods = ("plain", "auto", "stand")
     runners = {m: dv.replay_runner(model, problems, ga) for m in methods} if args.served else {}

@@ -55,7 +55,8 @@ class LoadedModel:
     dtype: torch.dtype
     name: str
     cuda_graphs: bool = True  # capture verify forwards on a CUDA device (engine/graphs.py)
-    graph_acceptance: bool = False  # capture each step's acceptance too (engine/graphs.py)
+    # capture each step's acceptance too (engine/graphs.py); None: beside the forward's graphs
+    graph_acceptance: bool | None = None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -77,13 +77,14 @@ class ModelConfig(StrictConfig):
         description="On a CUDA device, capture the verify forward as CUDA graphs per (rows, "
         "tokens) bucket (engine/graphs.py); a capture that fails falls back to eager.",
     )
-    graph_acceptance: bool = Field(
-        False,
+    graph_acceptance: bool | None = Field(
+        None,
         description="With cuda_graphs, capture each step's acceptance too (p, top-k, rules "
         "(a) and (b), the bonus: one replay instead of ~70 launches; engine/graphs.py "
         "GraphedAcceptance), per bucket and sampling parameters; batches it cannot serve run "
-        "it eagerly. Opt-in until a GPU session has measured it; on a CPU the same path runs "
-        "eagerly.",
+        "it eagerly. null (default): on wherever the forward is captured (a CUDA device with "
+        "cuda_graphs); false: the eager acceptance; true on a CPU runs the captured path "
+        "eagerly, as the tests check it.",
     )
     cost_model: Literal["learned", "measured"] = Field(
         "learned",

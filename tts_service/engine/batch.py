@@ -151,7 +151,7 @@ class BatchDecoder:
     cost more than the step). `graph_acceptance`: capture the step's acceptance too, per bucket
     (`graphs.GraphedAcceptance`, on CUDA with `cuda_graphs`: it reads the captured forward's
     logits in place; on a CPU, `graphs.EagerReplayedAcceptance`: the same path run eagerly, as
-    the tests and the host benchmark check it)."""
+    the tests and the host benchmark check it). None: wherever the forward is captured."""
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class BatchDecoder:
         prompt_cache: bool = True,
         defer_observation: bool = True,
         grouped_attention: bool | None = None,
-        graph_acceptance: bool = False,
+        graph_acceptance: bool | None = None,
     ) -> None:
         self.model = model
         if model.device.type == "cuda" if grouped_attention is None else grouped_attention:
@@ -185,6 +185,8 @@ class BatchDecoder:
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs
         self.accept_graphs: GraphedAcceptance | None = None
+        if graph_acceptance is None:
+            graph_acceptance = graphs
         if graph_acceptance and model.device.type != "cuda":
             self.accept_graphs = EagerReplayedAcceptance(model.device)
         elif graph_acceptance and graphs:  # it reads the captured forward's logits in place
@@ -206,7 +208,7 @@ class BatchDecoder:
     @property
     def last_step_steady(self) -> bool:
         """The last step's forward ran as its shape will keep running (not the step that captured
-        its CUDA graph, warm-ups included): its time may teach the cost surface."""
+        its CUDA graph, its warm-up included): its time may teach the cost surface."""
         return self.graphs is None or self.graphs.last_steady
 
     @property

@@ -97,8 +97,8 @@ class GraphedForward:
         self.pool = None
         self.enabled = True
         # the last forward ran as its shape will keep running: a graph, or eager for good
-        # (too big, graphs off); not the step that captured (its two warm-ups and the capture
-        # are no step's cost)
+        # (too big, graphs off); not the step that captured (its warm-up and the capture are
+        # no step's cost)
         self.last_steady = True
         self.captures = 0  # graphs captured, recaptures after a reallocated cache included
         self.eager_steps = 0  # forwards run eagerly (too big, graphs off)
@@ -130,6 +130,9 @@ class GraphedForward:
         if fresh:
             g = self._capture(ids, pos, mask, slots)
             self.captures += g is not None
+            if g is not None:  # the step's logits are the warm-up's, kept in the graph's buffer
+                self.last_steady = False
+                return g.logits
         # eager for good (graphs off, or a shape past the buckets), or replayed: steady
         self.last_steady = not fresh and (g is not None or not self.enabled or not capturable)
         if g is None:
@@ -146,15 +149,18 @@ class GraphedForward:
         return forward_at(self.model, self.cache, ids, pos, mask, slots)
 
     def _capture(self, ids, pos, mask, slots) -> _Graph | None:
-        """Warm up on a side stream, then capture; the writes land in free slots."""
+        """Run the step once eagerly on a side stream (the warm-up a capture needs, and the
+        step's own forward: its KV writes and logits are the step's), then capture; the
+        capture runs nothing, so the step costs one eager forward and the capture, not two
+        warm-ups, the capture and a replay."""
         static = [t.clone() for t in (ids, pos, mask, slots)]
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._eager(*static)
+                warm = self._eager(*static)
             torch.cuda.current_stream().wait_stream(side)
+            warm.record_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
             self.cache.write_slots = static[3]
             with torch.cuda.graph(graph, pool=self.pool):
@@ -171,6 +177,7 @@ class GraphedForward:
         finally:
             self.cache.write_slots = None
         self.pool = graph.pool()
+        logits.copy_(warm)
         g = _Graph(graph, *static, logits)
         self.graphs[(ids.shape[0], ids.shape[1])] = g
         return g
@@ -269,13 +276,12 @@ class GraphedAcceptance:
     def _capture(
         self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
     ) -> _Captured | None:
-        """Warm up on a side stream, then capture over the inputs as they are (static)."""
+        """Warm up once on a side stream, then capture over the inputs as they are (static)."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn(*inputs)
+                fn(*inputs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

@@ -167,3 +167,24 @@ def test_a_capturing_step_teaches_no_cost_and_a_reallocated_cache_captures_again
     decoder.cache.reserve(2, decoder.cache.length + 640)
     assert [_graphed_step(decoder, 2, 640)[0] for _ in range(2)] == [True, True]
     assert (graphs.captures, graphs.eager_steps) == (3, 2)
+
+
+@torch.inference_mode()
+def test_a_capturing_step_runs_the_model_once_and_returns_its_own_logits():
+    """The step that captures its bucket runs the model once eagerly (its warm-up, whose logits
+    and KV writes are the step's) and once under capture (which runs nothing): not two warm-ups,
+    the capture and a replay. Its logits equal the replay's over the same inputs."""
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder.fill_random(2, 16)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        steady, captured = _graphed_step(decoder, 2, 4)
+        captured = captured.clone()
+        assert (steady, len(calls)) == (False, 2)
+        steady, replayed = _graphed_step(decoder, 2, 4)
+        assert (steady, len(calls)) == (True, 2)
+    finally:
+        hook.remove()
+    torch.testing.assert_close(captured, replayed)
