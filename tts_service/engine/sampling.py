@@ -53,11 +53,13 @@ def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """
     if cfg.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
-    x = logits.to(torch.float64) / cfg.temperature
+    # one [n, V] float64 copy, worked on in place (on a CPU each further copy of a 49k
+    # vocabulary at every tree node cost as much as the arithmetic, in fresh pages)
+    x = logits.to(torch.float64, copy=True).div_(cfg.temperature)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = torch.softmax(x, dim=-1)
+        x.masked_fill_(x < kth, float("-inf"))
+    p = softmax_(x)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(p, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
@@ -71,10 +73,15 @@ def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     return p
 
 
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of a float64 `x`, in place (`x` is returned)."""
+    return x.sub_(x.amax(-1, keepdim=True)).exp_().div_(x.sum(-1, keepdim=True))
+
+
 def store_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """The distribution drafters learn from: `p` when sampling, softmax(logits) under greedy."""
     if cfg.greedy:
-        return torch.softmax(logits.to(torch.float64), dim=-1)
+        return softmax_(logits.to(torch.float64, copy=True))
     return target_probs(logits, cfg)
 
 

@@ -234,23 +234,56 @@ def greedy_choice(batch: TreeBatch, best: torch.Tensor) -> torch.Tensor:
     return batch.firsts & (batch.tokens == batch.at_parent(best))
 
 
+RESIDUAL_ROUNDING = 64 * 2.0**-52
+"""A node's residual mass, relative to p's, below which it is rounding (`residual_mass`): the
+sums of a few dozen children's p in two orders differ by far less."""
+
+
 def match_choice(
     batch: TreeBatch, p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule (b) over deterministic drafts, with `p` `[R, N, V]` float64 and uniforms `u`
-    `[R, N]`: (the chosen children `[R, N]` bool, the residual `[R, N, V]` at every node: p
-    without its children's tokens)."""
+    `[R, N]`: (the chosen children `[R, N]` bool, each draft node's p at its parent `[R, N]`,
+    0 for a duplicate sibling: what `residual_at` takes out of the residual)."""
     before, firsts, at = batch.siblings_before, batch.firsts, batch.parent_at
     flat = p.flatten(0, 1)
     px = torch.where(firsts, flat[at, batch.tokens], 0.0)
-    residual = flat.index_put((at, batch.tokens), -px, accumulate=True).view_as(p)
-    mass = residual.sum(-1)
     later = before.transpose(1, 2)  # (i, j): j is a later sibling of i
-    left = px + (later * px[:, None, :]).sum(-1) + batch.at_parent(mass)
+    left = px + (later * px[:, None, :]).sum(-1) + batch.at_parent(residual_mass(batch, p, px))
     threshold = torch.where(left > _TINY, px / left, 0.0)
     passed = firsts & (u < threshold)
     chosen = passed & ~(before & passed[:, None, :]).any(-1)
-    return chosen, residual
+    return chosen, px
+
+
+def residual_mass(batch: TreeBatch, p: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
+    """`[R, N]`: each node's p less its children's (`px` at their parent), without building the
+    `[R, N, V]` residual (on a 49k vocabulary that copy was a sixth of a step's acceptance).
+    What is left within `RESIDUAL_ROUNDING` of p's mass is rounding, and reads exactly 0: where
+    every token of p's support was drafted as a child (the residual is empty) the children's
+    thresholds then reach exactly 1, and no bonus is drawn from an empty residual. A true
+    residual that small (a relative 1e-14) is taken as empty too, an error far below float64
+    p's own rounding at every entry; elsewhere the mass differs from the residual's own sum in
+    the last bits."""
+    rows, n = batch.shape
+    children = torch.zeros(rows * n, dtype=p.dtype, device=p.device)
+    drafted = children.index_add(0, batch.parent_at.flatten(), px.flatten()).view(rows, n)
+    total = p.sum(-1)
+    left = total - drafted
+    return torch.where(left > RESIDUAL_ROUNDING * total, left, 0.0)
+
+
+def residual_at(
+    batch: TreeBatch, p: torch.Tensor, px: torch.Tensor, last: torch.Tensor
+) -> torch.Tensor:
+    """`[R, V]`: p at each row's node `last` without its children's tokens (`px`, from
+    `match_choice`), the distribution its bonus is drawn from; the same arithmetic as taking
+    each child's p away from the whole row."""
+    rows = torch.arange(batch.shape[0], device=last.device)
+    mine = batch.parents == last[:, None]  # the last node's children (pads: parent -1)
+    take = torch.where(mine, -px, 0.0)
+    at = rows[:, None].expand_as(batch.tokens)
+    return p[rows, last].index_put((at, batch.tokens), take, accumulate=True)
 
 
 def residual_bonus(residual: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -305,11 +338,11 @@ def accept_all(
     if n == 1:
         last, on_path, residual = best.new_zeros(rows), tb.root_path, probs[:, 0]
     else:
-        matched, residual = match_choice(tb, probs, u)
+        matched, px = match_choice(tb, probs, u)
         if greedy is not None:
             matched = greedy_choice(tb, best).where(greedy[:, None], matched)
         last, on_path = accepted_path(tb, matched)
-        residual = residual[torch.arange(rows, device=last.device), last]
+        residual = residual_at(tb, probs, px, last)
     bonus = residual_bonus(residual, v.gather(1, last[:, None])[:, 0])
     if greedy is not None:
         bonus = best.gather(1, last[:, None])[:, 0].where(greedy, bonus)

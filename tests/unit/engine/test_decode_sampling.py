@@ -152,13 +152,10 @@ def test_a_broken_verifier_fails_the_same_test(model, exact, monkeypatch):
     batched sample-and-match over deterministic drafts (PLD) uses."""
     from tts_service.engine import treebatch
 
-    match_choice = treebatch.match_choice
+    def residual_is_p(tb, p: torch.Tensor, px: torch.Tensor, last: torch.Tensor):
+        return p[torch.arange(p.shape[0]), last]
 
-    def residual_is_p(tb, p: torch.Tensor, u: torch.Tensor):
-        chosen, _ = match_choice(tb, p, u)
-        return chosen, p
-
-    monkeypatch.setattr(treebatch, "match_choice", residual_is_p)
+    monkeypatch.setattr(treebatch, "residual_at", residual_is_p)
     samples, _ = _speculative_samples(model, DRAFTER_CONFIGS["pld"])
     assert _chisquare_pvalue(samples, exact) < 1e-3
 

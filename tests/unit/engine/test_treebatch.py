@@ -20,7 +20,9 @@ from tts_service.engine.treebatch import (
     gather_sparse,
     greedy_choice,
     match_choice,
+    residual_at,
     residual_bonus,
+    residual_mass,
     shape_rows,
     walk_sparse_all,
 )
@@ -71,9 +73,9 @@ def batched(trees, p, u, v, greedy: bool):
         last, on_path = accepted_path(tb, greedy_choice(tb, best))
         bonus = best.gather(1, last[:, None])[:, 0]
     else:
-        chosen, residual = match_choice(tb, p, u)
+        chosen, px = match_choice(tb, p, u)
         last, on_path = accepted_path(tb, chosen)
-        bonus = residual_bonus(residual, v).gather(1, last[:, None])[:, 0]
+        bonus = residual_bonus(residual_at(tb, p, px, last), v.gather(1, last[:, None])[:, 0])
     out = []
     for b, tree in enumerate(trees):
         path = tuple(i for i in range(1, tree.size) if on_path[b, i])
@@ -102,6 +104,31 @@ def test_batched_acceptance_equals_the_per_row_walk(seed, greedy):
                 drawn = reference_drawn(tree, p[b, :n], u[b, :n].tolist(), v[b, :n].tolist())
                 ref = accept_match(tree, drawn)
             assert got[b] == (ref.path, ref.bonus), (tree, b)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_residual_without_building_it_equals_the_whole_rows_residual(seed):
+    """`residual_mass` and `residual_at` against the `[R, N, V]` residual they replace (each
+    node's p less its children's): the mass within rounding and exactly 0 where the residual is
+    empty (a residual within rounding of empty reads 0 too), the last node's row bit for bit."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        trees = [random_tree(rng, rng.randint(1, 12)) for _ in range(rng.randint(1, 7))]
+        width = max(t.size for t in trees)
+        tb = TreeBatch.of(trees, width, torch.device("cpu"))
+        p = random_p(gen, len(trees), width)
+        u = torch.rand(len(trees), width, generator=gen, dtype=torch.float64)
+        _, px = match_choice(tb, p, u)
+        flat = p.flatten(0, 1)
+        whole = flat.index_put((tb.parent_at, tb.tokens), -px, accumulate=True).view_as(p)
+        mass = residual_mass(tb, p, px)
+        empty = whole.sum(-1) <= 1e-14
+        assert (mass[empty] == 0).all() and (mass[~empty] > 0).all()
+        assert (mass[(whole == 0).all(-1)] == 0).all()
+        torch.testing.assert_close(mass, whole.sum(-1), rtol=0, atol=1e-12)
+        last = torch.tensor([rng.randrange(t.size) for t in trees])
+        rows = torch.arange(len(trees))
+        assert torch.equal(residual_at(tb, p, px, last), whole[rows, last])
 
 
 def test_a_child_holding_all_the_mass_is_accepted_at_the_largest_uniform():
