@@ -5,8 +5,9 @@
 # forward's graphs; host-cost: with `auto`'s planner), the 7B device report (bench.device), the
 # live runner's timing replay (bench.runner_replay: fresh runners as a first job meets them,
 # then `--served`, one runner per method as a Serve replica keeps it; runner-replay-eager, the
-# acceptance eager, and `device-repeat-kv`, the baseline attention, on request) and measured
-# beside predicted (bench.device --predict).
+# acceptance eager, `device-repeat-kv`, the baseline attention, and `step-kernels`, a verify
+# step's kernels, plain against trees, bench.step_kernels, on request) and measured beside
+# predicted (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
@@ -48,6 +49,8 @@ step() {  # step NAME SECONDS COMMAND...
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
+    step step-kernels 150 $py -m bench.step_kernels --widths 1 4 8 16 \
+        --json "$out/step-kernels.json"
     step runner-replay 150 $py -m bench.runner_replay --out "$out"
     step runner-replay-eager 150 $py -m bench.runner_replay --eager-acceptance --out "$out/eager"
     step runner-replay-served 150 $py -m bench.runner_replay --served --out "$out/served"

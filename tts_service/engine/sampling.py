@@ -73,8 +73,17 @@ def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     return p
 
 
+IN_PLACE_ENTRIES = 2**22
+"""From this many entries (32 MiB of float64) `softmax_` works in place on a CPU."""
+
+
 def softmax_(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dimension of a float64 `x`, in place (`x` is returned)."""
+    """Softmax over the last dimension of a float64 `x`; in place on a CPU from
+    `IN_PLACE_ENTRIES` on (`x` is returned), where a fresh tensor of a vocabulary at every tree
+    node costs as much in new pages as the arithmetic. Smaller ones, and any on a GPU (memory
+    cached, traffic the cost), take the fused kernel, in fewer ops."""
+    if x.device.type != "cpu" or x.numel() < IN_PLACE_ENTRIES:
+        return torch.softmax(x, dim=-1)
     return x.sub_(x.amax(-1, keepdim=True)).exp_().div_(x.sum(-1, keepdim=True))
 
 

@@ -112,3 +112,17 @@ def test_a_batched_row_with_min_p_matches_the_exact_distribution(model, exact):
         rows = [decoder.new_row(PROMPT, d, c) for d, c in zip(drafters, cfgs, strict=True)]
         samples.append(tuple(decode_rows(decoder, rows, 16)[0].token_ids))
     _check(samples, exact)
+
+
+def test_softmax_in_place_is_softmax():
+    """`softmax_` works in `x`'s own memory on a CPU (past `IN_PLACE_ENTRIES`) and agrees with
+    torch's softmax, -inf (a filtered token) included."""
+    from tts_service.engine.sampling import IN_PLACE_ENTRIES, softmax_
+
+    x = torch.randn(2, 4, IN_PLACE_ENTRIES // 8, dtype=torch.float64) * 4
+    x[0, 0, :10] = float("-inf")
+    ref = torch.softmax(x, dim=-1)
+    out = softmax_(x)
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-15)
+    assert (out[0, 0, :10] == 0).all()
