@@ -188,3 +188,17 @@ def test_captures_past_the_cap_run_eagerly(monkeypatch):
     assert torch.equal(acc("a", lambda t: t * 2, (y,)), want)  # copied into x, replayed
     assert torch.equal(x, y)
     assert acc.captures == 1
+
+
+def test_the_acceptance_is_captured_by_default_only_beside_the_forwards_graphs(model):
+    """`graph_acceptance` None (the default, `model.graph_acceptance: null`): on wherever the
+    forward is captured, so off on a CPU; True runs the captured path eagerly there; False is
+    the eager acceptance."""
+    from tts_service.config import ModelConfig
+
+    assert ModelConfig().graph_acceptance is None
+    assert ModelConfig(graph_acceptance=False).graph_acceptance is False
+    assert BatchDecoder(model, eos_ids=[]).accept_graphs is None
+    assert BatchDecoder(model, eos_ids=[], graph_acceptance=False).accept_graphs is None
+    on = BatchDecoder(model, eos_ids=[], graph_acceptance=True).accept_graphs
+    assert isinstance(on, EagerReplayedAcceptance)
