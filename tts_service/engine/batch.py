@@ -392,11 +392,11 @@ class BatchDecoder:
         else:  # the whole bucket, written to its captured acceptance's inputs
             pad = shape[0] - len(trees)
             trees_b, roots_b = trees + [DraftTree.root_only(0)] * pad, roots + [0] * pad
-            tb = TreeBatch.of(trees_b, shape[1], self.device, roots_b, static.trees)
+            uniforms = None
             if not all(r.cfg.greedy for r in batch):  # copied while the device is still free
                 keys, counters = self._verify_streams(batch, pad)
-                block = node_uniform_block(keys, counters, shape[1])
-                static.uvw.copy_(torch.from_numpy(block), non_blocking=True)
+                uniforms = node_uniform_block(keys, counters, shape[1])
+            tb = static.fill(trees_b, roots_b, uniforms)
         ids, pos, mask = self._pack(tb, shape)
         marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]

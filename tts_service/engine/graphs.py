@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from tts_service.engine.kv import StaticKV
-from tts_service.engine.treebatch import TREE_BLOCKS
+from tts_service.engine.tree import DraftTree
+from tts_service.engine.treebatch import TREE_BLOCKS, TreeBatch, tree_arrays
 
 log = logging.getLogger(__name__)
 
@@ -186,16 +188,45 @@ class GraphedForward:
 @dataclass
 class StepInputs:
     """A bucket's static inputs to its captured acceptance, filled on the host's side of each
-    step: the trees (`treebatch.tree_arrays`' layout; `TreeBatch.of`'s `into`) and the
-    uniforms' block (`streams.node_uniform_block`)."""
+    step (`fill`): the trees (`treebatch.tree_arrays`' layout) and the uniforms' block
+    (`streams.node_uniform_block`). The trees' ints and the uniforms share one int64 block, the
+    uniforms as their float64 bits, so a sampled step copies both in one copy."""
 
-    ints: torch.Tensor  # [R, TREE_BLOCKS * N] long
+    block: torch.Tensor  # [R, (TREE_BLOCKS + 3) * N] long: the trees' ints, the uniforms' bits
     masks: torch.Tensor  # [2, R, N, N] bool
-    uvw: torch.Tensor  # [R, 3N] float64
+    ints: torch.Tensor = field(init=False)  # [R, TREE_BLOCKS * N] long, a view of `block`
+    uvw: torch.Tensor = field(init=False)  # [R, 3N] float64, a view of `block`
+
+    def __post_init__(self) -> None:  # the views once: a captured graph reads these tensors
+        cut = TREE_BLOCKS * self.masks.shape[-1]
+        self.ints, self.uvw = self.block[:, :cut], self.block[:, cut:].view(torch.float64)
+
+    @staticmethod
+    def zeros(rows: int, tokens: int, device: torch.device) -> StepInputs:
+        width = (TREE_BLOCKS + 3) * tokens
+        return StepInputs(
+            torch.zeros(rows, width, dtype=torch.long, device=device),
+            torch.zeros(2, rows, tokens, tokens, dtype=torch.bool, device=device),
+        )
 
     @property
     def trees(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ints, self.masks
+
+    def fill(
+        self, trees: Sequence[DraftTree], roots: Sequence[int], uniforms: np.ndarray | None
+    ) -> TreeBatch:
+        """Write a step's trees (one per bucket row, padded to its width) and, for sampled rows,
+        their uniforms `[R, 3N]` float64: two host-to-device copies (`non_blocking`); the tree
+        batch over the buffers."""
+        ints, masks = tree_arrays(trees, self.masks.shape[-1], roots)
+        if uniforms is None:
+            self.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        else:
+            host = np.concatenate([ints, uniforms.view(np.int64)], axis=1)
+            self.block.copy_(torch.from_numpy(host), non_blocking=True)
+        self.masks.copy_(torch.from_numpy(masks), non_blocking=True)
+        return TreeBatch.views(self.ints, self.masks)
 
 
 @dataclass
@@ -213,7 +244,7 @@ class GraphedAcceptance:
 
     The inputs are static: the forward's logits (a captured forward's own output buffer, so
     nothing is copied) and the bucket's `StepInputs`, which the host fills before the forward
-    (`TreeBatch.of` writes the trees there, and `_pack` reads them from there). An input that is
+    (`StepInputs.fill` writes the trees there, and `_pack` reads them from there). An input that is
     not the captured tensor itself is copied into it. A capture that fails turns these graphs
     off with a warning; the acceptance then runs eagerly, as it does for shapes past the
     buckets, batches of several sampling parameters and rows walked on the host (rule (c)), and
@@ -239,13 +270,7 @@ class GraphedAcceptance:
         shape = (rows, tokens)
         buf = self.buffers.get(shape)
         if buf is None:
-            dev = self.device
-            buf = StepInputs(
-                torch.zeros(rows, TREE_BLOCKS * tokens, dtype=torch.long, device=dev),
-                torch.zeros(2, rows, tokens, tokens, dtype=torch.bool, device=dev),
-                torch.zeros(rows, 3 * tokens, dtype=torch.float64, device=dev),
-            )
-            self.buffers[shape] = buf
+            buf = self.buffers[shape] = StepInputs.zeros(rows, tokens, self.device)
         return buf
 
     def __call__(

@@ -140,13 +140,11 @@ class TreeBatch:
         width: int,
         device: torch.device,
         roots: Sequence[int] | None = None,
-        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> TreeBatch:
         """The trees padded to `width` nodes (at least the largest tree's size), their roots at
-        positions `roots` (default 0). `into`: device buffers `[R, TREE_BLOCKS * width]` long
-        and `[2, R, width, width]` bool to copy them to (a captured acceptance's static inputs,
-        `graphs.GraphedAcceptance`); the batch is their views."""
-        if width == 1 and into is None:  # a plain step: every tree is its root
+        positions `roots` (default 0). (A captured acceptance's static inputs are filled by
+        `graphs.StepInputs.fill`, with the same layout.)"""
+        if width == 1:  # a plain step: every tree is its root
             at = [0] * len(trees) if roots is None else roots
             host = [(t.tokens[0], r) for t, r in zip(trees, at, strict=True)]
             tok, pos = torch.tensor(host, dtype=torch.long).to(device).split(1, 1)
@@ -154,13 +152,8 @@ class TreeBatch:
             par, zero = torch.full_like(tok, -1), torch.zeros_like(tok)
             return TreeBatch(tok, par, ones, zero, pos, None, None)
         ints, masks = tree_arrays(trees, width, roots)
-        if into is None:
-            ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
-            masks_t = torch.from_numpy(masks).to(device, non_blocking=True)
-        else:
-            ints_t, masks_t = into
-            ints_t.copy_(torch.from_numpy(ints), non_blocking=True)
-            masks_t.copy_(torch.from_numpy(masks), non_blocking=True)
+        ints_t = torch.from_numpy(ints).to(device, non_blocking=True)
+        masks_t = torch.from_numpy(masks).to(device, non_blocking=True)
         return TreeBatch.views(ints_t, masks_t)
 
     @staticmethod

@@ -15,7 +15,7 @@ from tests.engine_loop import decode_rows, plain_greedy
 from tts_service.config import SamplingConfig
 from tts_service.engine import batch as batch_module
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
+from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance, StepInputs
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import node_uniform_block
 from tts_service.engine.tree import DraftTree
@@ -135,15 +135,15 @@ def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog, monk
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_step_verdict_over_the_static_inputs_equals_the_eager_verdict(n, temperature):
-    """What a capture replays: `step_verdict` over static buffers, refilled step after step with
-    other trees (pad rows among them), equals `verdict` over a tree batch of the step's own
-    (built without the buffers), greedy and sampled, plain steps and trees."""
+    """What a capture replays: `step_verdict` over static buffers (`StepInputs`: the trees' ints
+    and the uniforms in one block), refilled step after step with other trees (pad rows among
+    them), equals `verdict` over a tree batch of the step's own (built without the buffers),
+    greedy and sampled, plain steps and trees."""
     gen = torch.Generator().manual_seed(n)
     cfg = SamplingParams(temperature=temperature, **FILTERS)
     rows, vocab = 4, 16
-    ints = torch.zeros(rows, TREE_BLOCKS * n, dtype=torch.long)
-    masks = torch.zeros(2, rows, n, n, dtype=torch.bool)
-    uvw = torch.zeros(rows, 3 * n, dtype=torch.float64)
+    static = StepInputs.zeros(rows, n, torch.device("cpu"))
+    assert static.ints.shape == (rows, TREE_BLOCKS * n) and static.uvw.shape == (rows, 3 * n)
     answers = []
     for step in range(3):
         shapes = [(-1, 0, 0, 1), (-1, 0, 1, 2)]
@@ -159,15 +159,18 @@ def test_step_verdict_over_the_static_inputs_equals_the_eager_verdict(n, tempera
         roots = [10 * step + b for b in range(rows - 1)] + [0]
         logits = torch.randn(rows, n, vocab, generator=gen) * 3
         keys, counters = [7 * b + 1 for b in range(rows)], [r + 1 for r in roots]
-        uvw.copy_(torch.from_numpy(node_uniform_block(keys, counters, n)))
-        TreeBatch.of(trees, n, torch.device("cpu"), roots, (ints, masks))
+        block = node_uniform_block(keys, counters, n)
+        static.fill(trees, roots, None if cfg.greedy else block)
         host = tree_arrays(trees, n, roots)
-        assert torch.equal(ints, torch.from_numpy(host[0]))
-        assert torch.equal(masks, torch.from_numpy(host[1]))
+        assert torch.equal(static.ints, torch.from_numpy(host[0]))
+        assert torch.equal(static.masks, torch.from_numpy(host[1]))
+        if not cfg.greedy:
+            assert torch.equal(static.uvw, torch.from_numpy(block))
         own = TreeBatch.of(trees, n, torch.device("cpu"), roots)
-        uv = None if cfg.greedy else tuple(uvw.split(n, 1)[:2])
+        uv = None if cfg.greedy else tuple(torch.from_numpy(block).split(n, 1)[:2])
         ref = verdict(own, logits, store_probs(logits, cfg), 5, uv)
-        got = step_verdict(cfg, 5, logits, ints, masks, None if cfg.greedy else uvw)
+        uvw = None if cfg.greedy else static.uvw
+        got = step_verdict(cfg, 5, logits, static.ints, static.masks, uvw)
         assert torch.equal(got, ref)
         answers.append(got)
     assert not torch.equal(answers[0], answers[1])  # the refilled inputs were read
