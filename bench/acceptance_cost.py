@@ -6,6 +6,7 @@ step computes it over 7M float64 entries.
 
     python -m bench.acceptance_cost [--vocab 49152] [--cells 16x1 16x9 16x17 4x9 1x9]
         [--threads 1] [--json PATH]
+    python -m bench.acceptance_cost --device cuda --vocab 152064 --cells 16x1 16x9 16x17 64x5
 
 Each cell: the best of `--repeats` timings after one untimed call, in ms.
 """
@@ -25,6 +26,12 @@ from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import TreeBatch, verdict
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after their launch returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure(rows: int, tokens: int, vocab: int, repeats: int, device: str) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     dev = torch.device(device)
@@ -35,8 +42,10 @@ def measure(rows: int, tokens: int, vocab: int, repeats: int, device: str) -> di
     u, v = (torch.rand(rows, tokens, generator=gen, device=dev, dtype=torch.float64) for _ in "uv")
     best_p = best_v = float("inf")
     for i in range(repeats + 1):
+        sync(dev)
         t0 = time.perf_counter()
         p = store_probs(logits, cfg)
+        sync(dev)
         t1 = time.perf_counter()
         verdict(tb, logits, p, 8, (u, v)).cpu()
         t2 = time.perf_counter()

@@ -5,9 +5,10 @@
 # forward's graphs; host-cost: with `auto`'s planner), the 7B device report (bench.device), the
 # live runner's timing replay (bench.runner_replay: fresh runners as a first job meets them,
 # then `--served`, one runner per method as a Serve replica keeps it; runner-replay-eager, the
-# acceptance eager, `device-repeat-kv`, the baseline attention, and `step-kernels`, a verify
-# step's kernels, plain against trees, bench.step_kernels, on request) and measured beside
-# predicted (bench.device --predict).
+# acceptance eager, `device-repeat-kv`, the baseline attention, `step-kernels`, a verify step's
+# kernels, plain against trees, bench.step_kernels, and `acceptance-cost`, p and the verdict
+# over a 152k vocabulary, bench.acceptance_cost, on request) and measured beside predicted
+# (bench.device --predict).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
@@ -49,6 +50,8 @@ step() {  # step NAME SECONDS COMMAND...
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
+    step acceptance-cost 60 $py -m bench.acceptance_cost --device cuda --vocab 152064 \
+        --cells 16x1 16x9 16x17 64x5 --json "$out/acceptance-cost.json"
     step step-kernels 150 $py -m bench.step_kernels --widths 1 4 8 16 \
         --json "$out/step-kernels.json"
     step runner-replay 150 $py -m bench.runner_replay --out "$out"
