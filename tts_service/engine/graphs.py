@@ -132,11 +132,10 @@ class GraphedForward:
         if fresh:
             g = self._capture(ids, pos, mask, slots)
             self.captures += g is not None
-            if g is not None:  # the step's logits are the warm-up's, kept in the graph's buffer
-                self.last_steady = False
-                return g.logits
         # eager for good (graphs off, or a shape past the buckets), or replayed: steady
         self.last_steady = not fresh and (g is not None or not self.enabled or not capturable)
+        if fresh and g is not None:  # the step's logits are the warm-up's, in the graph's buffer
+            return g.logits
         if g is None:
             self.eager_steps += 1
             return self._eager(ids, pos, mask, slots)

@@ -259,8 +259,8 @@ def residual_mass(batch: TreeBatch, p: torch.Tensor, px: torch.Tensor) -> torch.
     p's own rounding at every entry; elsewhere the mass differs from the residual's own sum in
     the last bits."""
     rows, n = batch.shape
-    children = torch.zeros(rows * n, dtype=p.dtype, device=p.device)
-    drafted = children.index_add(0, batch.parent_at.flatten(), px.flatten()).view(rows, n)
+    drafted = torch.zeros(rows * n, dtype=p.dtype, device=p.device)
+    drafted = drafted.index_add_(0, batch.parent_at.flatten(), px.flatten()).view(rows, n)
     total = p.sum(-1)
     left = total - drafted
     return torch.where(left > RESIDUAL_ROUNDING * total, left, 0.0)
