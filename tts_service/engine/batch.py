@@ -62,6 +62,7 @@ from tts_service.engine.treebatch import (
     gather_sparse,
     outside_support,
     step_verdict,
+    step_verdict_walked,
     verdict,
     walk_sparse_all,
 )
@@ -509,17 +510,28 @@ class BatchDecoder:
         p outside it, which the host walks for all of them at once
         (`treebatch.walk_sparse_all`; on a CPU, row by row from the dense p). With `static`
         (the bucket's captured-acceptance inputs, `tb` and `logits` the whole bucket's), a
-        batch of one set of sampling parameters and no rule (c) replays the captured
-        acceptance. Timing replay overrides it (acceptance that follows a log,
+        batch of one set of sampling parameters replays the captured acceptance (with rule (c)'s
+        gather, where rows are walked). Timing replay overrides it (acceptance that follows a log,
         `tts_service.replay.LoggedBatchDecoder`)."""
         rows, n = len(batch), tb.shape[1]
         k = min(STORE_TOPK, logits.shape[-1])
         greedy = [r.cfg.greedy for r in batch]
         walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
-        main = probs = uvw = None
-        if static is not None and not walk:
-            main = self._replay_acceptance(batch, logits, static, k)
-        if main is None:
+        probs = uvw = None
+        # rule (c)'s trees laid out for the device's gather (a bucket's: at its static width)
+        layout = None
+        if walk and (self.gather_sparse or static is not None):
+            layout = SparseLayout.of([trees[b] for b in walk], n, bucket=static is not None)
+        flat = None
+        if static is not None:
+            flat = self._replay_acceptance(batch, logits, static, k, walk, layout)
+        if flat is not None:  # the whole bucket's, pad rows included: the step's one sync
+            assert static is not None
+            host, bucket = flat.cpu().numpy(), static.ints.shape[0]
+            size = bucket * (2 + n + 2 * n * k)
+            head = host[:size].reshape(bucket, -1)[:rows]
+            sparse = host[size:].reshape(bucket, n, -1)[walk]
+        else:
             if static is not None:  # eagerly, on the bucket's real rows
                 logits, tb = logits[:rows], tb.head(rows)
             probs = self._store_probs(batch, logits)  # sampled rows: p itself
@@ -528,35 +540,30 @@ class BatchDecoder:
             on = torch.tensor(greedy, device=self.device) if mixed else None
             uv = None if uvw is None else (uvw[0], uvw[1])
             main = verdict(tb, logits, probs, k, uv, on)
-        gather = walk and self.gather_sparse
-        layout = SparseLayout.of([trees[b] for b in walk], n) if gather else None
-        if layout is None:  # the step's one synchronisation; the host reads numpy arrays
-            host = main.cpu().numpy()
-        else:
-            assert uvw is not None and probs is not None
-            at = torch.tensor(walk, dtype=torch.long, device=self.device)
-            u, v, w = (x[at] for x in uvw)
-            rule_c = gather_sparse(probs[at], layout, u, v, w)
-            host = torch.cat([main.flatten(), rule_c.flatten()]).cpu().numpy()
-        flat, size = host.reshape(-1), main.numel()
-        # a captured acceptance's pad rows are copied too, and not read
-        head, sparse = flat[:size].reshape(-1, main.shape[1])[:rows], flat[size:]
+            if layout is None:  # the step's one synchronisation; the host reads numpy arrays
+                host = main.cpu().numpy()
+            else:
+                assert uvw is not None
+                at = torch.tensor(walk, dtype=torch.long, device=self.device)
+                u, v, w = (x[at] for x in uvw)
+                rule_c = gather_sparse(probs[at], layout, u, v, w)
+                host = torch.cat([main.flatten(), rule_c.flatten()]).cpu().numpy()
+            head = host[: main.numel()].reshape(main.shape)
+            sparse = host[main.numel() :].reshape(len(walk), n, -1) if layout else host[:0]
         meta = head[:, : 2 + n]
         ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
         top_ids = torch.from_numpy(ids).unbind(0)
         top_probs = torch.from_numpy(head[:, 2 + n + n * k :].reshape(rows, n, k)).unbind(0)
         walked: dict[int, Acceptance] = {}
         if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
-            walks = walk_sparse_all(layout, sparse.reshape(len(walk), n, -1))
-            walked = dict(zip(walk, walks, strict=True))
+            walked = dict(zip(walk, walk_sparse_all(layout, sparse), strict=True))
         elif layout is not None:  # a few rows: each walks the nodes it reaches
-            data = sparse.reshape(len(walk), n, -1)
             for i, b in enumerate(walk):
-                nodes = GatheredNodes(layout, data, i)
+                nodes = GatheredNodes(layout, sparse, i)
                 walked[b] = walk_sparse(trees[b], nodes, nodes.u, nodes.w)
         else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
             for b in walk:
-                assert uvw is not None
+                assert uvw is not None and probs is not None
                 u, v, w = (x[b].tolist() for x in uvw)
                 nodes = [node_support(trees[b], i) for i in range(trees[b].size)]
                 walked[b] = walk_sparse(trees[b], DenseNodes(probs[b], nodes, v), u, w)
@@ -582,11 +589,18 @@ class BatchDecoder:
         return node_uniforms(*self._verify_streams(batch), n, self.device)
 
     def _replay_acceptance(
-        self, batch: list[Row], logits: torch.Tensor, static: StepInputs, k: int
+        self,
+        batch: list[Row],
+        logits: torch.Tensor,
+        static: StepInputs,
+        k: int,
+        walk: list[int],
+        layout: SparseLayout | None,
     ) -> torch.Tensor | None:
-        """`treebatch.step_verdict` of the whole bucket (`logits` and the trees in `static`)
-        through its captured graph (pad rows included), or None where the rows do not
-        share one set of sampling parameters or the capture failed (the caller runs it
+        """The whole bucket's acceptance (`logits` and the trees in `static`, pad rows included)
+        through its captured graph: `treebatch.step_verdict`, or with rows that rule (c) walks
+        (`walk`, laid out in `layout`) `step_verdict_walked`, flattened; None where the rows do
+        not share one set of sampling parameters or the capture failed (the caller runs it
         eagerly)."""
         assert self.accept_graphs is not None
         cfg = batch[0].cfg
@@ -600,7 +614,13 @@ class BatchDecoder:
         inputs: tuple[torch.Tensor, ...] = (logits, *static.trees)
         if not cfg.greedy:  # the uniforms: filled before the forward (`step`)
             inputs = (*inputs, static.uvw)
-        return self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
+        if layout is None:
+            out = self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
+            return None if out is None else out.flatten()
+        supports = self.accept_graphs.supports(layout.supports(walk, shape[0]))
+        key = (shape, params, k, supports.shape[-1])
+        fn = partial(step_verdict_walked, cfg, k)
+        return self.accept_graphs(key, fn, (*inputs, supports))
 
     def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one

@@ -246,8 +246,10 @@ class GraphedAcceptance:
     (`StepInputs.fill` writes the trees there, and `_pack` reads them from there). An input that is
     not the captured tensor itself is copied into it. A capture that fails turns these graphs
     off with a warning; the acceptance then runs eagerly, as it does for shapes past the
-    buckets, batches of several sampling parameters and rows walked on the host (rule (c)), and
-    sets of parameters past `MAX_ACCEPTANCE_GRAPHS`.
+    buckets, batches of several sampling parameters, and sets of parameters past
+    `MAX_ACCEPTANCE_GRAPHS`. Steps with rows walked on the host (rule (c)) are captured per
+    support width (`treebatch.step_verdict_walked`), their supports a static input of their own
+    (`supports`).
 
     Memory: the captures share one private pool, which keeps the acceptance's largest working
     set (p in float64, `[rows, tokens, V]`, and what is computed from it) for as long as they
@@ -256,6 +258,7 @@ class GraphedAcceptance:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: dict[tuple[int, int], StepInputs] = {}
+        self.support_buffers: dict[tuple[int, ...], torch.Tensor] = {}
         self.graphs: dict[Hashable, _Captured] = {}
         self.pool = None
         self.enabled = True
@@ -271,6 +274,15 @@ class GraphedAcceptance:
         if buf is None:
             buf = self.buffers[shape] = StepInputs.zeros(rows, tokens, self.device)
         return buf
+
+    def supports(self, host: np.ndarray) -> torch.Tensor:
+        """`host` (`SparseLayout.supports`: a bucket's rows, tokens and support width) copied
+        into the static tensor of its shape, which a walked step's capture reads."""
+        buf = self.support_buffers.get(host.shape)
+        if buf is None:
+            buf = torch.zeros(host.shape, dtype=torch.long, device=self.device)
+            self.support_buffers[host.shape] = buf
+        return buf.copy_(torch.from_numpy(host), non_blocking=True)
 
     def __call__(
         self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]

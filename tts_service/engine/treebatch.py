@@ -436,8 +436,9 @@ class SparseLayout:
     kid_node: list[int]  # b * N + its node index
 
     @staticmethod
-    def of(trees: Sequence[DraftTree], n: int) -> SparseLayout:
-        """The layout of `trees` padded to `n` nodes."""
+    def of(trees: Sequence[DraftTree], n: int, bucket: bool = False) -> SparseLayout:
+        """The layout of `trees` padded to `n` nodes; with `bucket`, supports padded to a power
+        of two (a captured acceptance's static width)."""
         ranks = max((len(c) for t in trees for c in t.children), default=0)
         flat: list[int] = []  # every non-empty support, concatenated
         at: list[int] = []  # b * N + node of each
@@ -474,6 +475,8 @@ class SparseLayout:
                 at.append(b * n + node)
                 lens.append(len(sup))
         k = max(lens, default=1)
+        if bucket:
+            k = 1 << (k - 1).bit_length()
         sizes = np.asarray(lens, dtype=np.int64)
         ids = np.zeros((len(trees) * n, k), dtype=np.int64)
         ids[at] = _padded(np.asarray(flat, dtype=np.int64), sizes, k)
@@ -501,6 +504,17 @@ class SparseLayout:
             kid_node,
         )
 
+    def supports(self, walked: Sequence[int], rows: int) -> np.ndarray:
+        """`[rows, N, K + 1]` int64: at the batch rows `walked` (the layout's trees, in order)
+        each node's support ids then 1 where it is empty; every other row empty
+        (`step_verdict_walked`'s `supports`)."""
+        k = self.ids.shape[-1]
+        out = np.zeros((rows, self.n, k + 1), dtype=np.int64)
+        out[..., k] = 1
+        out[walked, :, :k] = self.ids
+        out[walked, :, k] = (self.lens == 0).reshape(len(walked), self.n)
+        return out
+
     def support(self, b: int, node: int) -> list[int]:
         return self.ids[b, node, : self.lens[b * self.n + node]].tolist()
 
@@ -508,16 +522,50 @@ class SparseLayout:
 def gather_sparse(
     p: torch.Tensor, layout: SparseLayout, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
-    """What the host walk of rule (c) reads, gathered on the device for the copy back:
-    `[W, N, K + 4]`, per node p on its support (`layout.ids`), p's mass outside it, a token
-    drawn from p outside it at the uniform `v` (`outside_support`), and the node's host
-    uniforms `u` (acceptance) and `w` (bonus). `p` `[W, N, V]` and the uniforms `[W, N]` are
-    the walked rows'."""
+    """`gather_support` of the walked rows (`p` `[W, N, V]` and the uniforms `[W, N]` theirs)
+    on their supports (`layout.ids`)."""
     sup = torch.from_numpy(layout.ids).to(p.device, non_blocking=True)
     empty = torch.from_numpy(layout.lens == 0).view(sup.shape[:2]).to(p.device)
-    on, mass, draw = outside_support(p, sup, empty, v)
+    return gather_support(p, sup, empty, u, v, w)
+
+
+def gather_support(
+    p: torch.Tensor,
+    support: torch.Tensor,
+    empty: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """What the host walk of rule (c) reads, gathered on the device for the copy back:
+    `[R, N, K + 4]`, per node p on its support (`support` `[R, N, K]` ids, `empty` `[R, N]`),
+    p's mass outside it, a token drawn from p outside it at the uniform `v`
+    (`outside_support`), and the node's host uniforms `u` (acceptance) and `w` (bonus)."""
+    on, mass, draw = outside_support(p, support, empty, v)
     parts = [on, mass[..., None], draw[..., None].to(torch.float64), u[..., None], w[..., None]]
     return torch.cat(parts, dim=-1)
+
+
+def step_verdict_walked(
+    cfg: SamplingParams,
+    k: int,
+    logits: torch.Tensor,
+    ints: torch.Tensor,
+    masks: torch.Tensor,
+    uvw: torch.Tensor,
+    supports: torch.Tensor,
+) -> torch.Tensor:
+    """`step_verdict` of a sampled batch with rows that rule (c) walks on the host, and what
+    that walk reads (`gather_support`) at every row's nodes, flattened into one tensor for the
+    one copy back. `supports` `[R, N, K + 1]`: each node's support ids (`SparseLayout.ids`),
+    then 1 where it is empty (every node of a row not walked). What `graphs.GraphedAcceptance`
+    captures for such steps."""
+    tb = TreeBatch.views(ints, masks)
+    u, v, w = uvw.split(tb.shape[1], 1)
+    p = store_probs(logits, cfg)
+    main = verdict(tb, logits, p, k, (u, v))
+    rule_c = gather_support(p, supports[..., :-1], supports[..., -1].bool(), u, v, w)
+    return torch.cat([main.flatten(), rule_c.flatten()])
 
 
 def _padded(flat: np.ndarray, sizes: np.ndarray, k: int, fill: float | None = None) -> np.ndarray:

@@ -75,11 +75,12 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs
 
 
-@pytest.mark.parametrize("name", ["plain", "pld", "stand-dyn"])
+@pytest.mark.parametrize("name", ["plain", "pld", "stand-dyn", "stand"])
 def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
     """The acceptance captured per bucket (`graphs.GraphedAcceptance`) beside the forward's
     graphs: greedy rows commit what plain decoding commits alone, and sampled rows the tokens
-    the eager acceptance commits over the same forwards, rows leaving at different lengths."""
+    the eager acceptance commits over the same forwards, rows leaving at different lengths
+    (`stand`'s drawn children: the capture gathers what rule (c)'s host walk reads)."""
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
     prompts = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4], [11]]
     lengths = (24, 9, 30, 17)
@@ -109,6 +110,7 @@ def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
     assert out == run(sampled, False)[0]
     graphs = decoder.accept_graphs
     assert graphs is not None and graphs.enabled and graphs.captures > 0
+    assert bool(graphs.support_buffers) == (name == "stand")
 
 
 def test_graphed_acceptance_is_captured_again_when_the_cache_grows():

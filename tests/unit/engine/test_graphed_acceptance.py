@@ -98,20 +98,35 @@ def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name, filte
 
 
 @pytest.mark.parametrize(
-    ("temperatures", "fields"),
-    [((0.8, 0.6, 0.8), {}), ((0.8, 0.0, 0.8), {}), ((0.8,) * 3, {"drawn": True})],
-    ids=["two-temperatures", "greedy-beside-sampled", "drawn-children"],
+    "temperatures", [(0.8, 0.6, 0.8), (0.8, 0.0, 0.8)], ids=["two-temperatures", "greedy-beside"]
 )
-def test_batches_the_capture_cannot_serve_run_eagerly(model, temperatures, fields, eager_steps):
-    """Rows of several sampling parameters, and trees with sampled children (the host walks
-    them, rule (c)), fall back to the eager acceptance, on the bucket's real rows, beside steps
-    the capture serves (once the odd row has left, or a step drew nothing): the same tokens."""
+def test_batches_the_capture_cannot_serve_run_eagerly(model, temperatures, eager_steps):
+    """Rows of several sampling parameters fall back to the eager acceptance, on the bucket's
+    real rows, beside steps the capture serves (once the odd row has left): the same tokens."""
     eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
     decoder = replayed(model)
-    out = decode(decoder, "stand-dyn", temperatures, **fields)
+    out = decode(decoder, "stand-dyn", temperatures)
     fell_back = eager_steps[0]
     assert fell_back > 0
-    assert out == decode(eager, "stand-dyn", temperatures, **fields)
+    assert out == decode(eager, "stand-dyn", temperatures)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"), [("stand", {}), ("stand-dyn", {"drawn": True})], ids=["stand", "drawn"]
+)
+def test_rows_walked_on_the_host_replay_the_capture_with_their_supports(
+    model, name, fields, eager_steps
+):
+    """Trees with sampled children (rule (c), walked on the host): every step replays the
+    capture that also gathers p on each node's support (`step_verdict_walked`), at a support
+    width of its own; the rows commit what the eager acceptance, walking the dense p, commits."""
+    eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder = replayed(model)
+    out = decode(decoder, name, (0.8,) * 3, **fields)
+    assert eager_steps[0] == 0
+    graphs = decoder.accept_graphs
+    assert graphs is not None and graphs.support_buffers  # walked steps were captured
+    assert out == decode(eager, name, (0.8,) * 3, **fields)
 
 
 def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog, monkeypatch):

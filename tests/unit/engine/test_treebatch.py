@@ -18,6 +18,7 @@ from tts_service.engine.treebatch import (
     TreeBatch,
     accepted_path,
     gather_sparse,
+    gather_support,
     greedy_choice,
     match_choice,
     residual_at,
@@ -276,3 +277,33 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
             assert got[b] == expected, (seed, b, tree)
             drawn_accepted += sum(tree.sampled[c] for c in expected.path)
     assert drawn_accepted > 20  # drawn children were accepted, not only root bonuses drawn
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed):
+    """A captured step's rule (c) (`step_verdict_walked`): the walked rows' supports at a power-
+    of-two width (`SparseLayout.of(bucket=True)`), placed in the bucket (`supports`, every other
+    row empty) and gathered for every row (`gather_support`): the walked rows read exactly what
+    `gather_sparse` gathers for them alone, and commit what the dense walk commits."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(100 + seed)
+    for _ in range(20):
+        rows = rng.randint(2, 8)
+        sizes = [rng.randint(1, 10) for _ in range(rows)]
+        n = max(sizes)
+        p = random_p(gen, rows, n)
+        walked = sorted(rng.sample(range(rows), rng.randint(1, rows)))
+        trees = [random_drawn_tree(rng, p[b, : sizes[b]]) for b in walked]
+        uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
+        layout = SparseLayout.of(trees, n, bucket=True)
+        k = layout.ids.shape[-1]
+        assert k & (k - 1) == 0 and k >= layout.lens.max()
+        sup = torch.from_numpy(layout.supports(walked, rows))
+        data = gather_support(p, sup[..., :-1], sup[..., -1].bool(), *uvw).numpy()[walked]
+        at = torch.tensor(walked)
+        alone = gather_sparse(p[at], layout, *(x[at] for x in uvw)).numpy()
+        assert np.array_equal(data, alone)
+        got = walk_sparse_all(layout, data)
+        for i, (b, tree) in enumerate(zip(walked, trees, strict=True)):
+            supports = [node_support(tree, j) for j in range(tree.size)]
+            u, v, w = (x[b].tolist() for x in uvw)
+            assert got[i] == walk_sparse(tree, DenseNodes(p[b], supports, v), u, w)
