@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from actors.host import RunnerHost
 from store.base import NgramStore
+from tts_service import startup
 from tts_service.engine.batch import BatchDecoder
 from tts_service.generation import Generator
 from tts_service.schemas import JobConfig
@@ -59,10 +60,11 @@ class GeneratorActor:
         decoder: BatchDecoder | None = None,
     ) -> None:
         self.cfg = cfg
-        generator = generator or Generator.load(cfg.model)
-        self.host = RunnerHost(
-            generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
-        )
+        with startup.held():  # the model's load: no collector passes (the host settles it)
+            generator = generator or Generator.load(cfg.model)
+            self.host = RunnerHost(
+                generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
+            )
         self.name = f"pid{os.getpid()}"
         self.node = _ray_node()
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store

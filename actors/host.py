@@ -17,6 +17,7 @@ from store.base import NgramStore
 from store.config import StoreConfig
 from store.factory import open_global_store, open_problem_store
 from store.memory import InMemoryNgramStore
+from tts_service import startup
 from tts_service.config import SamplingConfig, default_max_rows
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.decode import GenerationOutput
@@ -70,6 +71,7 @@ class RunnerHost:
         self.loop = RunnerLoop(self.runner) if threaded else None
         self.global_store = open_global_store(self.store_cfg, store_url)  # across problems
         self.scratch = InMemoryNgramStore()  # single generations' (`generate`)
+        startup.settle()  # the process is up: what it made so far is frozen out of the collector
 
     # -- stores ---------------------------------------------------------------------------
     def rows_running(self) -> int:

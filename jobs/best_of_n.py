@@ -11,6 +11,11 @@ correct, trajectories, stats), and at the end `results.jsonl` and `summary.json`
 
 from __future__ import annotations
 
+from tts_service import startup
+
+if __name__ == "__main__":  # a process starting here: no collector passes over its imports
+    startup.hold()
+
 import argparse
 import hashlib
 import json
@@ -247,6 +252,7 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path, started: float | Non
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.settle()  # the imports are done (held from the module's first line as a program)
     try:
         run(*parse(argv), started=process_started())
     except (JobInputError, PlacementError) as e:

@@ -29,6 +29,11 @@ graded items and resumes half-done ones from `trajectories.jsonl` in the same di
 
 from __future__ import annotations
 
+from tts_service import startup
+
+if __name__ == "__main__":  # a process starting here: no collector passes over its imports
+    startup.hold()
+
 import argparse
 import json
 import os
@@ -514,6 +519,7 @@ def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.settle()  # the imports are done (held from the module's first line as a program)
     try:
         run(parse(argv), started=process_started())
     except (JobInputError, PlacementError) as e:

@@ -1,3 +1,3 @@
-from tts_service.cli import main
+from tts_service.entry import main
 
 raise SystemExit(main())

@@ -9,6 +9,7 @@ would depend on which token was drafted, and the first two committed tokens woul
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 
@@ -158,6 +159,7 @@ def test_the_actor_samples_exactly(model_dir, exact, skewed_problem_stores, meth
         max_rows=batch,
     )
     actor = GeneratorActor(cfg)
+    assert gc.isenabled()  # the host settled what the actor's start held (`startup`)
     samples = []
     for first in range(0, SAMPLES, batch):
         records = actor.run("job", f"p{first}", QUESTION, list(range(first, first + batch)))

@@ -21,6 +21,7 @@ from actors.host import RunnerHost
 from store.base import NgramStore
 from store.factory import problem_id
 from store.redis_store import StoreUnavailableError
+from tts_service import startup
 from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
@@ -131,34 +132,35 @@ class ServeEngine:
     time forwards the other ranks do not mirror)."""
 
     def __init__(self, cfg: ServeConfig) -> None:
-        self.cfg = cfg
-        self.tp = None
-        if cfg.tensor_parallel > 1:
-            from actors.tp import TensorParallelLeader
+        with startup.held():  # the model's load: no collector passes (the host settles it)
+            self.cfg = cfg
+            self.tp = None
+            if cfg.tensor_parallel > 1:
+                from actors.tp import TensorParallelLeader
 
-            self.tp = TensorParallelLeader(cfg.model, cfg.tensor_parallel, cfg.cpus_per_replica)
-            self.generator = self.tp.generator
-        else:
-            self.generator = Generator.load(cfg.model)
-        self.served_name = cfg.served_model_name or cfg.model.name
-        if cfg.chat_template is not None:  # vLLM's --chat-template, over the tokenizer's
-            self.generator.loaded.tokenizer.chat_template = cfg.chat_template
-        self.sampling_defaults = sampling_defaults(cfg.generation_config, self.generator)
-        # vLLM's --seed: the seeds of requests that give none, in arrival order
-        self.seeds = random.Random(cfg.seed) if cfg.seed is not None else None
-        self.logprob_format = LogprobFormat(self.generator.loaded.tokenizer)
-        self.created = now()
-        # concurrent requests share the batch; a short one joins while a long one decodes
-        self.host = RunnerHost(
-            self.generator,
-            cfg.store,
-            cfg.store.url,
-            cfg.max_rows,
-            admission=fair_admission,
-            tp_decoder=None if self.tp is None else self.tp.decoder,
-            threaded=True,
-            warm=True,
-        )
+                self.tp = TensorParallelLeader(cfg.model, cfg.tensor_parallel, cfg.cpus_per_replica)
+                self.generator = self.tp.generator
+            else:
+                self.generator = Generator.load(cfg.model)
+            self.served_name = cfg.served_model_name or cfg.model.name
+            if cfg.chat_template is not None:  # vLLM's --chat-template, over the tokenizer's
+                self.generator.loaded.tokenizer.chat_template = cfg.chat_template
+            self.sampling_defaults = sampling_defaults(cfg.generation_config, self.generator)
+            # vLLM's --seed: the seeds of requests that give none, in arrival order
+            self.seeds = random.Random(cfg.seed) if cfg.seed is not None else None
+            self.logprob_format = LogprobFormat(self.generator.loaded.tokenizer)
+            self.created = now()
+            # concurrent requests share the batch; a short one joins while a long one decodes
+            self.host = RunnerHost(
+                self.generator,
+                cfg.store,
+                cfg.store.url,
+                cfg.max_rows,
+                admission=fair_admission,
+                tp_decoder=None if self.tp is None else self.tp.decoder,
+                threaded=True,
+                warm=True,
+            )
 
     def model_card(self) -> dict:
         """The served model as OpenAI's `/v1/models` lists it."""
