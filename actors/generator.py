@@ -13,13 +13,15 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from actors.host import RunnerHost
 from store.base import NgramStore
 from tts_service import startup
-from tts_service.engine.batch import BatchDecoder
-from tts_service.generation import Generator
 from tts_service.schemas import JobConfig
+
+if TYPE_CHECKING:  # the engine (torch, transformers) loads in the actor, not in the driver
+    from tts_service.engine.batch import BatchDecoder
+    from tts_service.generation import Generator
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class GeneratorActor:
         generator: Generator | None = None,
         decoder: BatchDecoder | None = None,
     ) -> None:
+        from actors.host import RunnerHost
+        from tts_service.generation import Generator
+
         self.cfg = cfg
         with startup.held():  # the model's load: no collector passes (the host settles it)
             generator = generator or Generator.load(cfg.model)

@@ -28,7 +28,6 @@ from actors.generator import GeneratorActor
 from actors.tp import TensorParallelReplica
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
 from tts_service.config import default_max_rows
-from tts_service.generation import InputTooLongError
 from tts_service.schemas import JobConfig, Problem
 
 log = logging.getLogger(__name__)
@@ -213,6 +212,8 @@ def _leader(actor):
 def _rank_failed(err: RayError) -> bool:
     """Did a tensor-parallel call fail with its replica (a rank died, a collective broke), not
     with its own request (too long a prompt)?"""
+    from tts_service.generation import InputTooLongError  # the engine, on a failure only
+
     return not (isinstance(err, RayTaskError) and isinstance(err.cause, InputTooLongError))
 
 

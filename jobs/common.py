@@ -31,7 +31,7 @@ from tts_service.drafters.registry import (
     method_drafter,
     resolve_method,
 )
-from tts_service.engine.metrics import ForwardStats, GenerationStats
+from tts_service.engine.metrics import ForwardStats, GenerationStats, summarize
 from tts_service.schemas import JobConfig, Problem
 from tts_service.timing import phase
 
@@ -364,13 +364,10 @@ def generation_stats(stats: dict) -> GenerationStats:
 class Progress:
     """Progress of a job's trajectories: a tqdm bar when stderr is a terminal, else one
     `[job] trajectories 12/48 problems 2/12 35.2 tok/s` line per trajectory. tok/s is
-    `runner.summarize()`'s: all new tokens over the seconds from `begin` to the latest
+    `metrics.summarize()`'s: all new tokens over the seconds from `begin` to the latest
     trajectory (grading after it is not decoding), the figure the job's summary records."""
 
     def __init__(self, num_trajectories: int, num_problems: int) -> None:
-        from tts_service.runner import summarize  # torch: imported once a job runs, not per line
-
-        self.summarize = summarize
         self.start = self.latest = time.perf_counter()
         self.totals = (num_trajectories, num_problems)
         self.rows: list[GenerationStats] = []
@@ -394,7 +391,7 @@ class Progress:
         self.start = self.latest = time.perf_counter()
 
     def summary(self) -> dict:
-        return self.summarize(self.rows, ForwardStats(), self.latest - self.start)
+        return summarize(self.rows, ForwardStats(), self.latest - self.start)
 
     def trajectory(self, rec: dict) -> None:
         self.rows.append(generation_stats(rec["stats"]))

@@ -42,7 +42,7 @@ from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
 from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
-from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
+from tts_service.engine.metrics import ForwardStats, summarize
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
@@ -254,37 +254,6 @@ class RunReport:
             "explored_steps": self.explored_steps,
             "nodes_per_row": [list(p) for p in changes],
         }
-
-
-def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: float) -> dict:
-    """The one report of a run that every edge prints (CLI, job summary, Serve, evaluation).
-
-    `target_forwards` counts forwards of the device (a 4-row step is one); `acceptance_length`
-    is committed tokens per row-forward (plain decoding: 1.0); `tokens_per_s` is all new
-    tokens over the real elapsed time."""
-    new_tokens = sum(r.new_tokens for r in rows)
-    row_forwards = sum(r.target_forwards for r in rows)
-    depth: list[int] = []
-    for r in rows:
-        for d, c in enumerate(r.accepted_at_depth):
-            depth += [0] * (d + 1 - len(depth))
-            depth[d] += c
-    return {
-        "num_trajectories": len(rows),
-        "new_tokens": new_tokens,
-        "target_forwards": forwards.forwards,
-        "row_forwards": row_forwards,
-        "wall_s": round(wall_s, 4),
-        "tokens_per_s": round(new_tokens / wall_s, 3) if wall_s > 0 else 0.0,
-        "mean_rows_per_forward": round(forwards.mean_rows_per_forward, 3),
-        "acceptance_length": round(acceptance_length(new_tokens, row_forwards), 4),
-        "tree_nodes": sum(r.tree_nodes for r in rows),
-        "accepted_at_depth": depth,
-        "draft_s": round(forwards.draft_s, 4),
-        "forward_s": round(forwards.forward_s, 4),
-        "observe_s": round(forwards.observe_s, 4),
-        "prefill_s": round(forwards.prefill_s, 4),
-    }
 
 
 class Submission:

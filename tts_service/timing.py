@@ -33,7 +33,7 @@ def process_started() -> float:
 
 
 def with_setup(stats: dict, started: float) -> dict:
-    """`stats` as the user saw them: `runner.summarize`'s dict, whose `wall_s` is the decoding's
+    """`stats` as the user saw them: `metrics.summarize`'s dict, whose `wall_s` is the decoding's
     alone, with `wall_s` from `started` (a `time.perf_counter` value) to now, `decode_s` the
     decoding's, `setup_s` the rest, and tokens/s over each."""
     tokens, decode = stats["new_tokens"], stats["wall_s"]

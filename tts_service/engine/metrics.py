@@ -1,5 +1,6 @@
 """Counters of one trajectory (`GenerationStats`) and of a batch's forwards (`ForwardStats`);
-rates are derived only at report time (`tts_service.runner.summarize`).
+rates are derived only at report time (`summarize`, the one report every edge prints; it lives
+here, beside the counters, so that an edge that only reports, a job's driver, imports no model).
 
 Acceptance length = committed tokens per target forward, the bonus token included (so plain
 decoding has exactly 1.0). A row's `wall_s` is its own latency (join to finish); rows of one
@@ -10,6 +11,7 @@ rows' walls.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TRACE_LEN = 4096
@@ -135,3 +137,34 @@ class StepPhases:
         self.steps += 1
         for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
             self.seconds[name] += b - a
+
+
+def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: float) -> dict:
+    """The one report of a run that every edge prints (CLI, job summary, Serve, evaluation).
+
+    `target_forwards` counts forwards of the device (a 4-row step is one); `acceptance_length`
+    is committed tokens per row-forward (plain decoding: 1.0); `tokens_per_s` is all new
+    tokens over the real elapsed time."""
+    new_tokens = sum(r.new_tokens for r in rows)
+    row_forwards = sum(r.target_forwards for r in rows)
+    depth: list[int] = []
+    for r in rows:
+        for d, c in enumerate(r.accepted_at_depth):
+            depth += [0] * (d + 1 - len(depth))
+            depth[d] += c
+    return {
+        "num_trajectories": len(rows),
+        "new_tokens": new_tokens,
+        "target_forwards": forwards.forwards,
+        "row_forwards": row_forwards,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(new_tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        "mean_rows_per_forward": round(forwards.mean_rows_per_forward, 3),
+        "acceptance_length": round(acceptance_length(new_tokens, row_forwards), 4),
+        "tree_nodes": sum(r.tree_nodes for r in rows),
+        "accepted_at_depth": depth,
+        "draft_s": round(forwards.draft_s, 4),
+        "forward_s": round(forwards.forward_s, 4),
+        "observe_s": round(forwards.observe_s, 4),
+        "prefill_s": round(forwards.prefill_s, 4),
+    }

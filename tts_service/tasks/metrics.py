@@ -12,7 +12,7 @@ Definitions (each item has N trajectories, in index order):
   (finish_reason `length`). A score of 0 with either near 1 says the budget or the prompt is
   wrong, not the model.
 
-Speed (tokens/s) is not a per-item metric: it is the run's `runner.summarize()` figure, all new
+Speed (tokens/s) is not a per-item metric: it is the run's `metrics.summarize()` figure, all new
 tokens over the real elapsed time, recorded per invocation by the job (`report.py`).
 
 Intervals are percentile bootstraps over items (`scipy.stats.bootstrap`, seeded), so they reflect

@@ -35,7 +35,7 @@ DEFINITIONS = {
     "user waited for, from the process's start (its first session) or the previous session's "
     "end, setup (model loads, Ray) and grading included",
     "decode_tokens_per_s": "all new tokens over the decoding alone: from the models' readiness "
-    "to the last trajectory of each session (runner.summarize), the progress lines' figure",
+    "to the last trajectory of each session (metrics.summarize), the progress lines' figure",
     "wall_s / setup_s / decode_s": "the sessions' whole seconds, the part before and beside "
     "decoding (wall_s - decode_s), and the decoding's",
     "speed_vs_plain": "decode tokens/s over plain's on the same task, only when both were "

@@ -1,20 +1,22 @@
-"""What the job entrypoints share: progress lines speak `runner.summarize()`'s tokens/s, and
+"""What the job entrypoints share: progress lines speak `metrics.summarize()`'s tokens/s, and
 `load_config` sets the drafter from the method over the preset (`auto` resolves for the device
 the job runs on; a --set still wins)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from jobs.common import JobInputError, Progress, generation_stats, load_config
-from tts_service.engine.metrics import ForwardStats, GenerationStats
-from tts_service.runner import summarize
+from tts_service.engine.metrics import ForwardStats, GenerationStats, summarize
 
-PRESET = str(Path(__file__).resolve().parents[3] / "configs" / "best_of_16.yaml")
+ROOT = Path(__file__).resolve().parents[3]
+PRESET = str(ROOT / "configs" / "best_of_16.yaml")
 
 
 def _record(tokens: int, forwards: int) -> dict:
@@ -73,3 +75,17 @@ def test_auto_resolves_for_the_device_a_set_asks_and_a_set_still_wins():
 def test_an_unknown_method_names_the_flag():
     with pytest.raises(JobInputError, match="--method: unknown 'medusa'"):
         load_config(PRESET, [], method="medusa")
+
+
+def test_a_jobs_driver_imports_no_model_library():
+    """A job's driver validates, starts actors and reports: the engine (transformers) loads in
+    its actors only, so that ~2-3 s of imports stay off the path to starting Ray."""
+    code = (
+        "import sys, jobs.best_of_n, jobs.evaluate, actors.pool; from jobs.common import Progress; "
+        "Progress(4, 1).summary(); print(sorted(m for m in sys.modules if m.split('.')[0] == "
+        "'transformers'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
