@@ -4,11 +4,13 @@ then one collection, the survivors frozen, and collection again."""
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
 
-from tts_service import startup
+from tts_service import entry, startup
+from tts_service.cli import replay, solve
 
 
 class Node:
@@ -60,3 +62,31 @@ def test_a_process_that_turned_the_collector_off_keeps_it_off(collector):
     with startup.held():
         startup.settle()
     assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "held"),
+    [
+        (["replay", "--method", "pld", "--trajectories", "x.jsonl"], replay, False),
+        (["solve", "What is 7 * 6?"], solve, True),
+    ],
+    ids=["replay", "solve"],
+)
+def test_the_tts_entry_holds_the_collector_until_the_command_has_started(
+    collector, monkeypatch, argv, command, held
+):
+    """`tts` holds the collector from its first import; a command that builds no runner host
+    runs with it settled (a replay runs long), one that does (`solve`) starts still held, for
+    its host to settle; the collector is on when the command returns."""
+    seen = []
+
+    def run(args) -> int:
+        seen.append(gc.isenabled())
+        return 0
+
+    run.__module__ = command.__name__
+    monkeypatch.setattr(command, "run", run)
+    monkeypatch.setattr(sys, "argv", ["tts", *argv])
+    assert entry.main() == 0
+    assert seen == [not held]
+    assert gc.isenabled()

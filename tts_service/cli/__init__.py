@@ -11,10 +11,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tts_service import startup
 from tts_service.cli import calibrate, generate, job, replay, serve, solve, store
 from tts_service.cli.common import Parser, UsageError
 
 COMMANDS = (generate, solve, calibrate, replay, store, job, serve)  # the order --help lists
+HOSTS = frozenset(m.__name__ for m in (generate, solve))
+"""Commands that build a runner host, whose start ends the process's start-up
+(`startup.settle`, once the model is loaded); every other command's ends once its arguments are
+read (a replay, a calibration or a log that follows a job runs long, the collector on)."""
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -28,6 +33,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = make_parser().parse_args(argv)
+        if args.func.__module__ not in HOSTS:
+            startup.settle()
         return args.func(args)
     except UsageError as e:
         print(f"tts: error: {e}", file=sys.stderr)
