@@ -24,21 +24,26 @@ _frozen = False
 @contextmanager
 def held() -> Iterator[None]:
     """`hold` for the block; at its end (an error included) the collector runs again if nothing
-    settled it (a runner host built inside it settles: `actors.host.RunnerHost`)."""
-    hold()
+    settled it (a runner host built inside it settles: `actors.host.RunnerHost`). Inside an
+    outer hold it changes nothing: the outer one ends it."""
+    mine = hold()
     try:
         yield
     finally:
-        release()
+        if mine:
+            release()
 
 
-def hold() -> None:
-    """Stop the collector until `settle` (or `release`); nothing if it is already off (the
-    process's own choice, which `settle` then leaves as it is)."""
+def hold() -> bool:
+    """Stop the collector until `settle` (or `release`); whether this call stopped it (not if
+    it is already off: held already, or the process's own choice, which `settle` then leaves
+    as it is)."""
     global _held
-    if gc.isenabled():
-        gc.disable()
-        _held = True
+    if not gc.isenabled():
+        return False
+    gc.disable()
+    _held = True
+    return True
 
 
 def settle() -> None:

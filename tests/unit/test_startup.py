@@ -57,6 +57,14 @@ def test_a_block_that_fails_while_held_turns_the_collector_back_on(collector):
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_block_held_inside_an_outer_hold_leaves_it_to_the_outer_one(collector):
+    with startup.held():
+        with startup.held():  # e.g. an actor built while the process still starts
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # still the outer hold's
+    assert gc.isenabled()
+
+
 def test_a_process_that_turned_the_collector_off_keeps_it_off(collector):
     gc.disable()
     with startup.held():
