@@ -13,13 +13,20 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 class RedisServerError(RuntimeError):
     """redis-server is missing or did not start."""
+
+
+class _ExitedEarly(Exception):
+    """redis-server exited while starting (most often: its port was taken meanwhile)."""
 
 
 def free_port() -> int:
@@ -28,13 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_cluster_port() -> int:
-    """A free port p whose cluster bus port p + 10000 is free too (both below 65536)."""
+def free_cluster_port(taken: frozenset[int] = frozenset()) -> int:
+    """A free port p whose cluster bus port p + 10000 is free too (both below 65536), neither of
+    them one of the `taken` ports (the other nodes' ports and bus ports)."""
     for _ in range(200):
         with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", 0))
             port = a.getsockname()[1]
-            if port + 10000 > 65535:
+            if port + 10000 > 65535 or {port, port + 10000} & taken:
                 continue
             try:
                 b.bind(("127.0.0.1", port + 10000))
@@ -45,12 +53,19 @@ def free_cluster_port() -> int:
 
 
 class LocalRedisServer:
+    """One redis-server. Without a `port` it takes a free one from `pick_port` and, should the
+    port be taken between that choice and the server's bind (another process on this shared
+    machine), starts again on a fresh one; its log is `redis.log` in its data directory."""
+
+    START_TRIES = 5
+
     def __init__(
         self,
         data_dir: Path | None = None,
         port: int | None = None,
         appendonly: bool = False,
         extra_args: tuple[str, ...] = (),
+        pick_port: Callable[[], int] = free_port,
     ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
@@ -60,7 +75,8 @@ class LocalRedisServer:
             )
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tts-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
-        self.port = port or free_port()
+        self.pick_port = None if port else pick_port
+        self.port = port or pick_port()
         self.appendonly = appendonly
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
@@ -71,6 +87,22 @@ class LocalRedisServer:
 
     def start(self, timeout_s: float = 10.0) -> LocalRedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        tries = 1
+        while True:
+            try:
+                self._start_once(timeout_s)
+                self.pick_port = None  # a restart keeps the port its peers and clients know
+                return self
+            except _ExitedEarly as exc:
+                if self.pick_port is None or tries == self.START_TRIES:
+                    raise RedisServerError(str(exc)) from None
+                self.port, tries = self.pick_port(), tries + 1
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _start_once(self, timeout_s: float) -> None:
         cmd = [
             self.binary,
             "--bind",
@@ -85,21 +117,36 @@ class LocalRedisServer:
             "yes" if self.appendonly else "no",
             "--daemonize",
             "no",
+            "--logfile",
+            str(self.log_path),
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        once = Retry(NoBackoff(), 0)  # each ping asks once: the loop re-checks the process
+        client = redis.Redis(
+            port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5, retry=once
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisServerError(f"redis-server exited with code {self.proc.returncode}")
+                raise _ExitedEarly(
+                    f"redis-server on port {self.port} exited with code {self.proc.returncode}: "
+                    + self._log_tail()
+                )
             try:
                 client.ping()
-                return self
-            except redis.ConnectionError:
+                return
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or not redis
                 time.sleep(0.05)
         self.stop()
         raise RedisServerError(f"redis-server did not answer on port {self.port}")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return "(no log)"
+        return " | ".join(tail) or "(empty log)"
 
     def send_signal(self, sig: signal.Signals) -> None:
         """Signal this server only (tests: SIGSTOP and SIGCONT make a hung server)."""
@@ -139,9 +186,10 @@ class LocalRedisCluster:
         if shutil.which("redis-cli") is None:
             raise RedisServerError("redis-cli not found: apt-get install -y redis-tools")
         self.masters, self.replicas = masters, replicas
-        self.nodes = [
-            LocalRedisServer(
-                port=free_cluster_port(),
+        self.nodes: list[LocalRedisServer] = []
+        for _ in range(masters * (1 + replicas)):
+            node = LocalRedisServer(
+                pick_port=self._free_node_port,
                 extra_args=(
                     "--cluster-enabled",
                     "yes",
@@ -151,8 +199,11 @@ class LocalRedisCluster:
                     str(node_timeout_ms),
                 ),
             )  # fmt: skip
-            for _ in range(masters * (1 + replicas))
-        ]
+            self.nodes.append(node)
+
+    def _free_node_port(self) -> int:
+        taken = frozenset(p for n in self.nodes for p in (n.port, n.port + 10000))
+        return free_cluster_port(taken)
 
     @property
     def url(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import socket
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import redis
 from store.base import NgramRow
 from store.config import StoreConfig
 from store.factory import open_store
-from store.local_server import LocalRedisServer
+from store.local_server import LocalRedisServer, RedisServerError, free_port
 from store.memory import InMemoryNgramStore, TieredStore
 from store.redis_store import (
     FLUSH_ROWS,
@@ -207,3 +208,21 @@ def test_persistence_lets_a_restarted_server_start_warm(tmp_path):
         assert _read_through(_store(server.url, "warm"), [7, 8]).ids == (9,)
     finally:
         server.stop()
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_a_fresh_one(tmp_path):
+    """Another process may bind the port between its choice and redis-server's start (CI saw it
+    on a cluster node); the server then moves to a fresh port, and a fixed port says why not."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter([taken, free_port()])
+    try:
+        with LocalRedisServer(pick_port=lambda: next(picks)) as server:
+            assert server.port != taken
+            assert redis.Redis(port=server.port).ping()
+        with pytest.raises(RedisServerError, match=f"port {taken} exited.*(in use|bind)"):
+            LocalRedisServer(data_dir=tmp_path / "d", port=taken).start()
+    finally:
+        squatter.close()
