@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-import torch
+import numpy as np
 
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
@@ -250,13 +250,13 @@ class LoggedOracle:
         acc = Acceptance(tuple(path), tuple(tree.tokens[v] for v in path), bonus)
         nodes = [0, *path][: len(committed)]
         k = len(problem.top_ids[r][0]) if problem.top_ids and resp else 1
-        ids = torch.zeros(tree.size, k, dtype=torch.long)
-        probs = torch.zeros(tree.size, k, dtype=torch.float64)
+        ids = np.zeros((tree.size, k), np.int64)
+        probs = np.zeros((tree.size, k), np.float64)
         known: tuple[int, ...] = ()
         if problem.top_ids is not None:
             for j, v in enumerate(nodes):
-                ids[v] = torch.tensor(problem.top_ids[r][position + j])
-                probs[v] = torch.tensor(problem.top_probs[r][position + j], dtype=torch.float64)
+                ids[v] = problem.top_ids[r][position + j]
+                probs[v] = problem.top_probs[r][position + j]
             known = tuple(nodes)
         return acc, NodeTopK(ids, probs, known)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-import torch
+import numpy as np
 
 from tts_service.config import StrictConfig
 from tts_service.drafters.spec import DrafterSpec, Method
@@ -68,10 +68,13 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class NodeTopK:
-    """Top-k of the target's distribution at every tree node (after temperature and filters)."""
+    """Top-k of the target's distribution at every tree node (after temperature and filters).
 
-    ids: torch.Tensor  # [n, k] long
-    probs: torch.Tensor  # [n, k] float64
+    Host arrays (numpy views of the step's one copy back): the drafters read them on the host,
+    and tensors would add dispatched ops per step for nothing (issue 27)."""
+
+    ids: np.ndarray  # [n, k] int64
+    probs: np.ndarray  # [n, k] float64
     known: tuple[int, ...] | None = None  # nodes whose rows are real (None: all); replay
 
     def has(self, node: int) -> bool:

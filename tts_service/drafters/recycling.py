@@ -75,12 +75,13 @@ class TokenRecyclingDrafter:
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
         if topk.has(0):
             k = min(self.cfg.k, topk.ids.shape[1])
-            self.table[tokens[-1], :k] = topk.ids[0, :k]
+            self.table[tokens[-1], :k] = torch.from_numpy(topk.ids[0, :k])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         k = min(self.cfg.k, topk.ids.shape[1])
         rows = list(range(tree.size)) if topk.known is None else list(topk.known)
-        self.table[torch.tensor([tree.tokens[v] for v in rows]), :k] = topk.ids[rows, :k]
+        at = torch.tensor([tree.tokens[v] for v in rows])
+        self.table[at, :k] = torch.from_numpy(topk.ids[rows, :k])
 
 
 SUCCESSORS: Shared[RecyclingDrafterConfig, torch.Tensor] = Shared(

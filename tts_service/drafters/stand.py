@@ -18,7 +18,7 @@ from collections.abc import Container, Sequence
 from types import MappingProxyType
 from typing import Literal
 
-import torch
+import numpy as np
 from pydantic import Field
 
 from store.base import NgramRow, NgramStore
@@ -26,7 +26,7 @@ from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK, ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DrafterSpec, Method
-from tts_service.engine.streams import Stream, stream_generator
+from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
 
@@ -49,20 +49,21 @@ class GumbelNoise:
     """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short.
 
     It reads the draft stream of trajectory `seed`, never the verifier's (`engine.streams`).
+    The noise is host data (Python floats for `gumbel_top_k`), so it is drawn with numpy: a torch
+    refill dispatched six ops on tiny tensors, one refill per row every few hundred nodes, which
+    made the host's op count grow with the rows (issue 27).
     """
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
-        self.gen = stream_generator(seed, Stream.DRAFT)
+        self.rng = np.random.Generator(np.random.PCG64(stream_seed(seed, Stream.DRAFT)))
         self.values: list[float] = []
         self.pos = 0
         self.refills = 0
 
     def take(self, n: int) -> list[float]:
         if self.pos + n > len(self.values):  # the tail is discarded, never wrapped around
-            u = torch.rand(max(self.size, n), generator=self.gen, dtype=torch.float64)
-            u = u.clamp_(min=1e-300)
-            self.values = (-torch.log(-torch.log(u))).tolist()
+            self.values = self.rng.gumbel(size=max(self.size, n)).tolist()
             self.pos = 0
             self.refills += 1
         out = self.values[self.pos : self.pos + n]

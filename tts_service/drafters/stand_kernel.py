@@ -25,7 +25,6 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from numba import njit
 
 from store.base import NgramRow, NgramStore
@@ -646,9 +645,7 @@ class CompiledStandDyn:
         def later() -> None:
             feed_root(store, tail, topk)
             if topk.has(0):
-                succ.update(
-                    np.array(tail[-1:], np.int64), topk.ids[:1].numpy(), topk.probs[:1].numpy()
-                )
+                succ.update(np.array(tail[-1:], np.int64), topk.ids[:1], topk.probs[:1])
 
         return later
 
@@ -687,7 +684,7 @@ class CompiledStandDyn:
             p = tree.parents[v]
             ctx[v, :-1], ctx[v, -1], clen[v] = ctx[p, 1:], tree.tokens[v], min(order, clen[p] + 1)
         nodes = learned_nodes(tree, acc, topk, self.harvest_rejected)
-        ids, probs = topk.ids.numpy(), topk.probs.numpy()
+        ids, probs = topk.ids, topk.probs
         if nodes:
             rows = np.array(nodes, np.int64)
             width = np.full(len(rows), ids.shape[1], np.int64)
@@ -706,10 +703,7 @@ def warm() -> int:
     drafter = CompiledStandDyn(8, True, index, group)  # type: ignore[arg-type]
     drafter.start([1, 2])
     tree = drafter.draft(DraftContext([1, 2, 3, 4, 1, 2, 3], 2, 8))
-    topk = NodeTopK(
-        torch.zeros(tree.size, 2, dtype=torch.long),
-        torch.full((tree.size, 2), 0.5, dtype=torch.float64),
-    )
+    topk = NodeTopK(np.zeros((tree.size, 2), np.int64), np.full((tree.size, 2), 0.5))
     later = drafter.observe(tree, Acceptance((), (), 0), topk)
     later()
     return tree.size

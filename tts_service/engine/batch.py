@@ -49,7 +49,14 @@ from tts_service.engine.graphs import (
     bucket_shape,
     forward_at,
 )
-from tts_service.engine.kv import LayerKV, PrefilledRows, PromptCache, StaticKV, padded_rows
+from tts_service.engine.kv import (
+    LayerKV,
+    PrefilledRows,
+    PromptCache,
+    StaticKV,
+    fill_holes,
+    padded_rows,
+)
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import Stream, node_uniform_block, node_uniforms, stream_seed
@@ -281,8 +288,9 @@ class BatchDecoder:
             self.active = []
             self.cache.clear()
             return
-        self.cache.select_rows(torch.tensor(keep, dtype=torch.long, device=self.model.device))
-        self.active = [self.active[b] for b in keep]
+        order = fill_holes(keep)
+        self.cache.select_rows(order)
+        self.active = [self.active[b] for b in order]
 
     def _cached_prefill(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
         """The prompts' prefilled KV: those the prompt cache lacks are prefilled together
@@ -527,7 +535,8 @@ class BatchDecoder:
             flat = self._replay_acceptance(batch, logits, static, k, walk, layout)
         if flat is not None:  # the whole bucket's, pad rows included: the step's one sync
             assert static is not None
-            host, bucket = flat.cpu().numpy(), static.ints.shape[0]
+            assert self.accept_graphs is not None
+            host, bucket = self.accept_graphs.to_host(flat), static.ints.shape[0]
             size = bucket * (2 + n + 2 * n * k)
             head = host[:size].reshape(bucket, -1)[:rows]
             sparse = host[size:].reshape(bucket, n, -1)[walk]
@@ -552,8 +561,9 @@ class BatchDecoder:
             sparse = host[main.numel() :].reshape(len(walk), n, -1) if layout else host[:0]
         meta = head[:, : 2 + n]
         ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
-        top_ids = torch.from_numpy(ids).unbind(0)
-        top_probs = torch.from_numpy(head[:, 2 + n + n * k :].reshape(rows, n, k)).unbind(0)
+        top_ids = ids
+        # a copy: the drafters keep it past the step, and `host` may be a reused buffer
+        top_probs = head[:, 2 + n + n * k :].reshape(rows, n, k).copy()
         walked: dict[int, Acceptance] = {}
         if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
             walked = dict(zip(walk, walk_sparse_all(layout, sparse), strict=True))
@@ -599,7 +609,7 @@ class BatchDecoder:
     ) -> torch.Tensor | None:
         """The whole bucket's acceptance (`logits` and the trees in `static`, pad rows included)
         through its captured graph: `treebatch.step_verdict`, or with rows that rule (c) walks
-        (`walk`, laid out in `layout`) `step_verdict_walked`, flattened; None where the rows do
+        (`walk`, laid out in `layout`) `step_verdict_walked` (flat); None where the rows do
         not share one set of sampling parameters or the capture failed (the caller runs it
         eagerly)."""
         assert self.accept_graphs is not None
@@ -615,8 +625,7 @@ class BatchDecoder:
         if not cfg.greedy:  # the uniforms: filled before the forward (`step`)
             inputs = (*inputs, static.uvw)
         if layout is None:
-            out = self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
-            return None if out is None else out.flatten()
+            return self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
         supports = self.accept_graphs.supports(layout.supports(walk, shape[0]))
         key = (shape, params, k, supports.shape[-1])
         fn = partial(step_verdict_walked, cfg, k)

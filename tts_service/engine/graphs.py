@@ -259,6 +259,7 @@ class GraphedAcceptance:
         self.device = device
         self.buffers: dict[tuple[int, int], StepInputs] = {}
         self.support_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self.host_buffers: dict[tuple, tuple[torch.Tensor, np.ndarray]] = {}
         self.graphs: dict[Hashable, _Captured] = {}
         self.pool = None
         self.enabled = True
@@ -283,6 +284,19 @@ class GraphedAcceptance:
             buf = torch.zeros(host.shape, dtype=torch.long, device=self.device)
             self.support_buffers[host.shape] = buf
         return buf.copy_(torch.from_numpy(host), non_blocking=True)
+
+    def to_host(self, out: torch.Tensor) -> np.ndarray:
+        """A replay's output copied into the host buffer of its shape (pinned on a GPU), flat:
+        the step's one synchronisation, and one dispatched op where `.cpu().numpy()` is five.
+        The array is that buffer: the next replay of the same shape overwrites it, so whatever
+        outlives the step is copied out of it."""
+        key = (tuple(out.shape), out.dtype)
+        entry = self.host_buffers.get(key)
+        if entry is None:
+            buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+            entry = self.host_buffers[key] = (buf, buf.numpy().reshape(-1))
+        entry[0].copy_(out)
+        return entry[1]
 
     def __call__(
         self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]

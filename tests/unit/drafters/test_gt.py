@@ -8,8 +8,8 @@ test_batch, test_verify); these tests pin down what the method drafts.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
@@ -28,8 +28,8 @@ STEEP = VerifyCost((1, 2, 128), (0.05, 0.06, 1.32), 256)  # 10 ms per extra toke
 
 
 def _topk(n: int, vocab: int = 16) -> NodeTopK:
-    ids = torch.arange(10).repeat(n, 1) % vocab
-    return NodeTopK(ids, torch.full((n, 10), 0.1, dtype=torch.float64))
+    ids = np.tile(np.arange(10), (n, 1)) % vocab
+    return NodeTopK(ids, np.full((n, 10), 0.1))
 
 
 def _stand_store() -> InMemoryNgramStore:

@@ -7,7 +7,7 @@ test_batch, test_verify); these tests pin down what the method drafts.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.ptd import ProgressiveTree, PtdDrafter, PtdDrafterConfig, merge_trie
@@ -41,7 +41,7 @@ def test_ptd_drafts_pool_candidates_for_the_root_token_and_the_perturbation_tree
     tree = drafter.draft(ctx)
     assert tree.size == 1 + len(drafter.tree.order())  # empty pool: perturbation only
     # the target predicts "after token t comes t+1" everywhere
-    topk = NodeTopK((torch.tensor(tree.tokens)[:, None] + 1) % 64, torch.ones(tree.size, 1))
+    topk = NodeTopK((np.array(tree.tokens)[:, None] + 1) % 64, np.ones((tree.size, 1)))
     drafter.observe(tree, Acceptance((), (), 6), topk)
     assert all(drafter.pool[t] for t in set(tree.tokens[1:]))  # every node's subtree was filed
     root = tree.tokens[1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from tests.unit.drafters.test_pld import _ctx
 from tts_service.drafters.base import NodeTopK
@@ -12,8 +12,8 @@ from tts_service.engine.verify import Acceptance
 
 
 def _observe(d: TokenRecyclingDrafter, tree: DraftTree, rows: list[list[int]]) -> None:
-    ids = torch.tensor(rows)
-    d.observe(tree, Acceptance((), (), 0), NodeTopK(ids, torch.ones_like(ids, dtype=torch.float64)))
+    ids = np.array(rows, np.int64)
+    d.observe(tree, Acceptance((), (), 0), NodeTopK(ids, np.ones(ids.shape)))
 
 
 def test_recycling_fills_a_tree_from_the_table_and_prunes_unknown_tokens():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -96,8 +97,8 @@ def test_observe_stores_root_and_accepted_positions_and_optionally_rejected(tmp_
         tree = d.draft(DraftContext([0, 1], 2, 2))  # root 1 -> children 2, 3
         assert [tree.tokens[c] for c in tree.children[0]] == [2, 3]
         before = store.stats()["entries_by_order"]["2"]
-        ids = torch.tensor([[2, 3], [4, 5], [6, 7]])
-        d.observe(tree, Acceptance((1,), (2,), 4), NodeTopK(ids, torch.full((3, 2), 0.5)))()
+        ids = np.array([[2, 3], [4, 5], [6, 7]])
+        d.observe(tree, Acceptance((1,), (2,), 4), NodeTopK(ids, np.full((3, 2), 0.5)))()
         # root context (0, 1) and accepted (1, 2); harvesting adds the rejected (1, 3)
         assert store.stats()["entries_by_order"]["2"] - before == expect_entries
         assert store.lookup([1, 2]).ids == (4, 5)

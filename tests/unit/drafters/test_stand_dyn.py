@@ -5,7 +5,7 @@ test_decode, test_decode_sampling, test_batch) and the replay tests."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
@@ -134,8 +134,8 @@ def test_an_unknown_context_falls_back_to_the_successor_table():
     d = _drafter(InMemoryNgramStore(), successors=successors)
     assert d.draft(_ctx([1, 3])).size == 1  # nothing known: the root alone
     tree = d.draft(_ctx([1, 3]))
-    ids = torch.tensor([[11, 12] + [0] * 8, [13, 14] + [0] * 8])
-    probs = torch.tensor([[0.7, 0.3] + [0.0] * 8, [0.5, 0.5] + [0.0] * 8], dtype=torch.float64)
+    ids = np.array([[11, 12] + [0] * 8, [13, 14] + [0] * 8])
+    probs = np.array([[0.7, 0.3] + [0.0] * 8, [0.5, 0.5] + [0.0] * 8])
     d.observe(tree, Acceptance((), (), 11), NodeTopK(ids[:1], probs[:1]))()  # deferred part too
     # the store now knows (3,) too; a fresh problem's store does not, the successor table does
     fresh = _drafter(InMemoryNgramStore(), successors=successors)
@@ -160,7 +160,7 @@ def test_observe_records_only_nodes_whose_parent_was_reached():
     d = _drafter(store)
     tree = d.draft(_ctx([1, 3], max_nodes=3))
     assert tree.tokens == (3, 4, 5, 6)  # 6 hangs under 5, which was not reached
-    top = NodeTopK(torch.zeros(4, 10, dtype=torch.long), torch.zeros(4, 10, dtype=torch.float64))
+    top = NodeTopK(np.zeros((4, 10), np.int64), np.zeros((4, 10)))
     d.observe(tree, Acceptance((1,), (4,), 7), top)()  # deferred part too
     drawn = d.calibration.drawn
     assert sum(drawn.values()) == 2  # 4 (accepted) and 5 (tried, rejected); not 6

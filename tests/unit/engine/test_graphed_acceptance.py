@@ -129,6 +129,28 @@ def test_rows_walked_on_the_host_replay_the_capture_with_their_supports(
     assert out == decode(eager, name, (0.8,) * 3, **fields)
 
 
+def test_the_top_k_a_drafter_observes_outlives_the_reused_host_buffer(model, monkeypatch):
+    """A replay's output comes back into one host buffer per shape (`to_host`), overwritten by
+    the next step; the top-k every drafter observed (and keeps for its deferred observation)
+    still reads, after the run, what it read at its own step."""
+    seen: list[tuple[object, object, object]] = []
+    from tts_service.drafters.stand_dyn import StandDynDrafter
+
+    observe = StandDynDrafter.observe
+
+    def kept(self, tree, acc, topk):
+        seen.append((topk, topk.ids.copy(), topk.probs.copy()))
+        return observe(self, tree, acc, topk)
+
+    monkeypatch.setattr(StandDynDrafter, "observe", kept)
+    decoder = replayed(model)
+    decode(decoder, "stand-dyn", (0.8,) * 3, drawn=True)
+    graphs = decoder.accept_graphs
+    assert graphs is not None and graphs.host_buffers and len(seen) > 10
+    for topk, ids, probs in seen:
+        assert (topk.ids == ids).all() and (topk.probs == probs).all()
+
+
 def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog, monkeypatch):
     """A CUDA capture that fails (here: no stream can be made): the acceptance turns its graphs
     off with a warning and the rows commit what the eager acceptance commits."""

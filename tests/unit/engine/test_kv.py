@@ -9,10 +9,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from tests.conftest import tiny_llama
-from tts_service.engine.kv import StaticKV
+from tts_service.engine.kv import StaticKV, fill_holes
 from tts_service.engine.tree import DraftTree, pack
 
 
@@ -80,7 +81,7 @@ def test_rows_join_leave_and_compact_in_place():
         torch.testing.assert_close(_entries(kv, 1), long[0].layers[0].keys[0])
         kv.append_rows(*short)  # narrower: right-aligned under the others
         assert kv.valid[2, :5].tolist() == [False, False, True, True, True]
-        kv.select_rows(torch.tensor([1, 2]))  # row 0 leaves
+        kv.select_rows([1, 2])  # row 0 leaves
         assert kv.rows == 2 and not kv.valid[2].any()
         torch.testing.assert_close(_entries(kv, 0), long[0].layers[0].keys[0])
         torch.testing.assert_close(_entries(kv, 1), short[0].layers[0].keys[0])
@@ -127,3 +128,43 @@ def test_every_layer_is_a_view_of_one_tensor_across_growth():
         keys, values = before[i]
         assert torch.equal(layer.keys[:2, :, :3], keys[:2, :, :3])
         assert torch.equal(layer.values[:2, :, :3], values[:2, :, :3])
+
+
+def test_fill_holes_moves_no_more_rows_than_left():
+    assert fill_holes([1, 2, 3]) == [3, 1, 2]  # row 0 left: the last row takes its place
+    assert fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert fill_holes([0, 1]) == [0, 1] and fill_holes([4]) == [4] and fill_holes([]) == []
+    for keep in ([0, 3, 4, 7, 9], [5, 6, 7], [1, 2, 3, 4]):
+        order = fill_holes(keep)
+        assert sorted(order) == sorted(keep)
+        moved = [i for i, b in enumerate(order) if b != i]
+        assert len(moved) <= 10 - len(keep)  # of 10 rows
+
+
+def test_select_rows_copies_only_the_rows_that_move():
+    """One copy for every layer, of the rows that move only (a leave used to copy every
+    surviving row's cache); a moved row's entries and flags arrive whole, the others stay."""
+    model = tiny_llama(vocab_size=64, seed=1, dtype=torch.float32)
+    copies: list[torch.Size] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.index_put_.default:
+                copies.append(args[2].shape)  # the values written
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        kv = StaticKV(model, rows=1, capacity=2)
+        for p in [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]:
+            kv.append_rows(*_prefilled(model, [p]))
+        before = [_entries(kv, b).clone() for b in range(4)]
+        flags = kv.valid[:4].clone()
+        with Copies():
+            kv.select_rows(fill_holes([0, 2, 3]))  # row 1 leaves: row 3 takes its place
+        assert kv.rows == 3
+        layers = kv.kv.shape[1]
+        assert copies[0][:3] == (2, layers, 1)  # the cache: one row, every layer at once
+        for new, old in enumerate([0, 3, 2]):
+            torch.testing.assert_close(_entries(kv, new), before[old])
+            assert kv.valid[new].tolist() == flags[old].tolist()
+        assert not kv.valid[3].any()

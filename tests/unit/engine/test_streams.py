@@ -67,10 +67,18 @@ def test_production_seeding_keeps_the_root_token_exact():
 
 @pytest.mark.statistical
 def test_a_shared_stream_fails_the_same_test(monkeypatch):
-    """Test of the test: the draft stream made equal to the verifier's (the breach)."""
+    """Test of the test: the Gumbel noise drawn from the verifier's own uniforms (the breach:
+    the uniform that accepts the root's first child is the one that keyed it)."""
     import tts_service.drafters.stand as stand
 
-    monkeypatch.setattr(
-        stand, "stream_generator", lambda seed, _: stream_generator(seed, Stream.VERIFY)
-    )
+    class SharedNoise(stand.GumbelNoise):
+        def __init__(self, size: int, seed: int) -> None:
+            super().__init__(size, seed)
+            self.gen = stream_generator(seed, Stream.VERIFY)
+
+        def take(self, n: int) -> list[float]:
+            u = torch.rand(max(self.size, n), generator=self.gen, dtype=torch.float64)
+            return (-torch.log(-torch.log(u.clamp_(min=1e-300))))[:n].tolist()
+
+    monkeypatch.setattr(stand, "GumbelNoise", SharedNoise)
     assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) < 1e-6
