@@ -95,6 +95,7 @@ class LocalRedisServer:
                 return self
             except _ExitedEarly as exc:
                 if self.pick_port is None or tries == self.START_TRIES:
+                    self.stop()
                     raise RedisServerError(str(exc)) from None
                 self.port, tries = self.pick_port(), tries + 1
 
@@ -118,7 +119,7 @@ class LocalRedisServer:
             "--daemonize",
             "no",
             "--logfile",
-            str(self.log_path),
+            str(self.log_path.resolve()),  # redis-server reads it after moving into --dir
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -134,8 +135,9 @@ class LocalRedisServer:
                     + self._log_tail()
                 )
             try:
-                client.ping()
-                return
+                if client.info("server")["process_id"] == self.proc.pid:
+                    return
+                time.sleep(0.05)  # another server holds the port: ours exits at its bind
             except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or not redis
                 time.sleep(0.05)
         self.stop()

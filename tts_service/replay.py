@@ -44,6 +44,7 @@ from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
+from tts_service.engine.kv import fill_holes
 from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface
@@ -295,7 +296,8 @@ class LoggedDecoder:
         if rows:
             self.deferred.run()
         gone = {id(r) for r in rows}
-        self.active = [r for r in self.active if id(r) not in gone]
+        keep = [b for b, r in enumerate(self.active) if id(r) not in gone]
+        self.active = [self.active[b] for b in fill_holes(keep)]  # the engine's order
 
     def step(
         self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False

@@ -226,3 +226,11 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_a_fresh_one(tmp_path)
             LocalRedisServer(data_dir=tmp_path / "d", port=taken).start()
     finally:
         squatter.close()
+    # the port's holder is another redis-server, which answers pings: not taken for ours
+    with LocalRedisServer() as other:
+        picks = iter([other.port, free_port()])
+        with LocalRedisServer(pick_port=lambda: next(picks)) as server:
+            assert server.port != other.port and server.proc is not None
+            assert server.proc.poll() is None
+            pid = redis.Redis(port=server.port).info("server")["process_id"]
+            assert pid == server.proc.pid

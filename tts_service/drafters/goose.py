@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
-import torch
+import numpy as np
 from pydantic import Field, field_validator
 
 from tts_service.config import StrictConfig
@@ -72,7 +72,7 @@ class AdjacencyTable:
         self.unigram: dict[int, tuple[list[int], list[float]]] = {}
         self.bigram: OrderedDict[tuple[int, int], tuple[list[int], list[float]]] = OrderedDict()
 
-    def update(self, prev: list[int], tokens: list[int], ids: torch.Tensor, probs: torch.Tensor):
+    def update(self, prev: list[int], tokens: list[int], ids: np.ndarray, probs: np.ndarray):
         """Row i: the target's top-k after `tokens[i]`, preceded by `prev[i]` (-1: none)."""
         k = min(self.k, ids.shape[1])
         rows = zip(prev, tokens, ids[:, :k].tolist(), probs[:, :k].tolist(), strict=True)

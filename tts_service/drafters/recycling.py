@@ -80,7 +80,7 @@ class TokenRecyclingDrafter:
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
         k = min(self.cfg.k, topk.ids.shape[1])
         rows = list(range(tree.size)) if topk.known is None else list(topk.known)
-        at = torch.tensor([tree.tokens[v] for v in rows])
+        at = torch.tensor([tree.tokens[v] for v in rows], dtype=torch.long)
         self.table[at, :k] = torch.from_numpy(topk.ids[rows, :k])
 
 

@@ -175,9 +175,10 @@ class StaticKV(Cache):
         """Every layer's keys and values are views of one tensor, so that keeping a step's
         accepted slots (every tree step) is one gather for the whole model instead of two per
         layer (on a GPU, ~110 kernel launches a tree step for a 28-layer model, ~1 ms). The
-        rare rewrites whose copy is as large as the cache (compaction, rows leaving, rows
-        joining) go a layer at a time, one op for its keys and values, so that they never hold
-        a second copy of the whole cache; growing does (the old and the new tensor)."""
+        rare rewrites whose copy is as large as the cache (compaction, rows joining) go a layer
+        at a time, one op for its keys and values, and rows leaving copy the moved rows in
+        chunks of layers no larger (`select_rows`), so that they never hold a second copy of
+        the whole cache; growing does (the old and the new tensor)."""
         shape = (2, len(self.layers), rows, self.kv_heads, capacity, self.head_dim)
         kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if hasattr(self, "kv"):
@@ -250,17 +251,21 @@ class StaticKV(Cache):
     @torch.inference_mode()
     def select_rows(self, keep: Sequence[int]) -> None:
         """Keep only rows `keep` (host indices, distinct), in that order at the top (rows leave
-        the batch). Only the rows whose place changes are copied, every layer at once: with
-        `fill_holes`' order, as many rows' caches as left the batch, where moving every
-        surviving row up copied the whole batch's cache (a 7B's 64 rows at 4k: ~15 GB of
-        reads and writes per leave)."""
+        the batch). Only the rows whose place changes are copied: with `fill_holes`' order, as
+        many rows' caches as left the batch, where moving every surviving row up copied the
+        whole batch's cache (a 7B's 64 rows at 4k: ~15 GB of reads and writes per leave). The
+        copy takes as many layers at once as keep its temporary within k rows of one layer
+        (what moving every row a layer at a time held): one op when a few rows leave."""
         k = len(keep)
         moved = [i for i, b in enumerate(keep) if b != i]
         if moved:
             at = torch.tensor([moved, [keep[i] for i in moved]], device=self.kv.device)
             dst, src = at.unbind(0)
-            used = slice(0, self.length)
-            self.kv[:, :, dst, :, used] = self.kv[:, :, src, :, used]
+            used, layers = slice(0, self.length), self.kv.shape[1]
+            chunk = max(1, k // len(moved))
+            for a in range(0, layers, chunk):
+                ls = slice(a, a + chunk)
+                self.kv[:, ls, dst, :, used] = self.kv[:, ls, src, :, used]
             self.valid[dst] = self.valid[src]
         self.valid[k:] = False
         self.rows = k
