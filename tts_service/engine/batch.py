@@ -560,9 +560,9 @@ class BatchDecoder:
             head = host[: main.numel()].reshape(main.shape)
             sparse = host[main.numel() :].reshape(len(walk), n, -1) if layout else host[:0]
         meta = head[:, : 2 + n]
-        ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
-        top_ids = ids
-        # a copy: the drafters keep it past the step, and `host` may be a reused buffer
+        # copies (`astype`, `copy`): the drafters keep them past the step, and `host` may be a
+        # reused buffer
+        top_ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
         top_probs = head[:, 2 + n + n * k :].reshape(rows, n, k).copy()
         walked: dict[int, Acceptance] = {}
         if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
