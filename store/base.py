@@ -112,6 +112,8 @@ class IndexedStore(Protocol):
     """A store that can keep its entries as arrays for compiled drafting (`InMemoryNgramStore`;
     a Redis store cannot: other writers change it behind any local copy)."""
 
+    topk: int  # ids kept per entry: the most candidates one lookup gives
+
     def compiled(self) -> StoreIndex | None:
         """Its `store.index.StoreIndex` (made on the first call, its entries' home from then
         on), or None where it cannot keep one."""

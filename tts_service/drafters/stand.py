@@ -13,6 +13,7 @@ last one is the bonus position), and optionally at rejected nodes, are merged in
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Container, Sequence
 from types import MappingProxyType
@@ -21,11 +22,18 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from store.base import NgramRow, NgramStore
+from store.base import IndexedStore, NgramRow, NgramStore
 from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
-from tts_service.drafters.base import Deferred, DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.base import (
+    Deferred,
+    DraftContext,
+    Drafter,
+    NodeTopK,
+    ShapedTree,
+    shape_prefix,
+)
 from tts_service.drafters.gt import GT_STATS, gt_sized
-from tts_service.drafters.spec import DrafterSpec, Method
+from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
@@ -43,32 +51,64 @@ class StandDrafterConfig(StrictConfig):
     )
     noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
     sizing: Sizing = "fixed"
+    compiled: bool = Field(
+        True,
+        description="Draft with the compiled kernel (`stand_compiled`, numba) where it applies: "
+        "the same trees, a fraction of the host time.",
+    )
 
 
 class GumbelNoise:
     """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short.
 
     It reads the draft stream of trajectory `seed`, never the verifier's (`engine.streams`).
-    The noise is host data (Python floats for `gumbel_top_k`), so it is drawn with numpy: a torch
-    refill dispatched six ops on tiny tensors, one refill per row every few hundred nodes, which
-    made the host's op count grow with the rows (issue 27).
+    The noise is host data, so it is drawn with numpy: a torch refill dispatched six ops on
+    tiny tensors, one refill per row every few hundred nodes, which made the host's op count
+    grow with the rows (issue 27). The Python drafter takes floats (`take`); the compiled one
+    reads a window of the buffer and of the next one (`window`, `advance`), drawn early from
+    the same stream, so both see the same values in the same order.
     """
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
         self.rng = np.random.Generator(np.random.PCG64(stream_seed(seed, Stream.DRAFT)))
-        self.values: list[float] = []
+        self.array = np.zeros(0)  # the current buffer
+        self.values: list[float] = []  # the same, as floats (for `take`)
+        self.ahead: np.ndarray | None = None  # the next buffer, once a window asked for it
         self.pos = 0
         self.refills = 0
 
+    def _refill(self, n: int) -> None:
+        ahead, self.ahead = self.ahead, None
+        self.array = ahead if ahead is not None and len(ahead) >= n else self._draw(n)
+        self.values = self.array.tolist()
+        self.pos = 0
+        self.refills += 1
+
+    def _draw(self, n: int) -> np.ndarray:
+        return self.rng.gumbel(size=max(self.size, n))
+
     def take(self, n: int) -> list[float]:
-        if self.pos + n > len(self.values):  # the tail is discarded, never wrapped around
-            self.values = self.rng.gumbel(size=max(self.size, n)).tolist()
-            self.pos = 0
-            self.refills += 1
+        if self.pos + n > len(self.array):  # the tail is discarded, never wrapped around
+            self._refill(n)
         out = self.values[self.pos : self.pos + n]
         self.pos += n
         return out
+
+    def window(self, need: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """What a compiled draft reading at most `need` values (≤ `size`) sees: the buffer's
+        next values, how many it has left, and the next buffer's first."""
+        if self.ahead is None:
+            self.ahead = self._draw(need)
+        rest = self.array[self.pos : self.pos + need]
+        return rest, len(self.array) - self.pos, self.ahead[:need]
+
+    def advance(self, refilled: bool, pos: int) -> None:
+        """After a compiled draft: it moved to the next buffer (then read `pos` of it), or read
+        `pos` more of this one."""
+        if refilled:
+            self._refill(0)
+        self.pos += pos
 
 
 def gumbel_top_k(ids: list[int], probs: list[float], k: int, noise: list[float]) -> list[int]:
@@ -200,9 +240,45 @@ def feed_store(
     )
 
 
+def compiled_applies(cfg: StandDrafterConfig, store: NgramStore) -> bool:
+    """Whether `stand_compiled` may draft for `cfg` over `store`: asked for, an in-process
+    store (one that can index itself), a noise buffer that holds what a step can read (every
+    node opened, every stored id a candidate), and numba importable."""
+    if not cfg.compiled or not isinstance(store, IndexedStore):
+        return False
+    nodes = min(cfg.num_nodes, load_tree_shape(resolve_tree_path(cfg.tree)).num_nodes) + 1
+    if cfg.noise_buffer < nodes * store.topk:
+        return False
+    return importlib.util.find_spec("numba") is not None
+
+
+def _compiled_group(cfg: StandDrafterConfig, vocab: int):
+    from tts_service.drafters.stand_compiled import new_group
+
+    return new_group(cfg)
+
+
+COMPILED_GROUP: Shared[StandDrafterConfig, object] = Shared(
+    "stand.compiled_group", "problem", _compiled_group, key=lambda cfg: cfg.tree
+)
+"""One problem's compiled STAND rows over one tree shape: one kernel call a step."""
+
+
+def _build(cfg: StandDrafterConfig, env: DraftEnv) -> Drafter:
+    store = env.need_store(cfg.kind)
+    index = store.compiled() if compiled_applies(cfg, store) else None  # type: ignore[attr-defined]
+    if index is None:
+        return gt_sized(StandDrafter(cfg, store, env.seed), cfg, env)
+    from tts_service.drafters.stand_compiled import CompiledStand
+
+    group = env.shared(COMPILED_GROUP, cfg)
+    group.bind(index)
+    return gt_sized(CompiledStand(cfg, store, group, env.seed), cfg, env)
+
+
 SPEC = DrafterSpec(
     StandDrafterConfig,
-    lambda cfg, env: gt_sized(StandDrafter(cfg, env.need_store(cfg.kind), env.seed), cfg, env),
+    _build,
     methods=(
         Method("stand", "STAND: stochastic trees from the shared logit n-gram store"),
         Method(
@@ -214,5 +290,5 @@ SPEC = DrafterSpec(
     size_field="num_nodes",
     needs_cost=True,
     uses_store=True,
-    shared=(GT_STATS,),
+    shared=(GT_STATS, COMPILED_GROUP),
 )

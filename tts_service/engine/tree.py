@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -31,6 +32,19 @@ class SparseDist:
 
 
 @dataclass(frozen=True)
+class DrawnArrays:
+    """A tree whose children were all drawn from their parent's `q` by a compiled drafter, in
+    the arrays it drafted them in (views of its step's batch, `[n]` or `[n, K]`): what
+    `treebatch.SparseLayout.of` lays out in array operations instead of a loop over nodes."""
+
+    parents: np.ndarray  # int64, the tree's parents
+    slot: np.ndarray  # int64: each node's place among its parent's q ids (the root's: -1)
+    q_len: np.ndarray  # int64: how many ids the node's q has (-1: no q)
+    q_ids: np.ndarray  # int64: its q's ids, then zeros
+    q_probs: np.ndarray  # float64: its q's probabilities, then zeros
+
+
+@dataclass(frozen=True)
 class DraftTree:
     """A draft token tree. All lists are `[n]`, node 0 is the root."""
 
@@ -38,6 +52,8 @@ class DraftTree:
     parents: tuple[int, ...]  # parents[0] == -1
     sampled: tuple[bool, ...]  # node i was drawn from q[parents[i]] (else deterministic)
     q: tuple[SparseDist | None, ...]  # per node: what its sampled children were drawn from
+    # the same, as a compiled drafter's arrays (None: laid out from the fields above)
+    arrays: DrawnArrays | None = field(default=None, compare=False, repr=False)
     depths: tuple[int, ...] = field(init=False)
     children: tuple[tuple[int, ...], ...] = field(init=False)
 

@@ -439,6 +439,8 @@ class SparseLayout:
     def of(trees: Sequence[DraftTree], n: int, bucket: bool = False) -> SparseLayout:
         """The layout of `trees` padded to `n` nodes; with `bucket`, supports padded to a power
         of two (a captured acceptance's static width)."""
+        if trees and all(t.arrays is not None for t in trees):
+            return SparseLayout._of_arrays(trees, n, bucket)
         ranks = max((len(c) for t in trees for c in t.children), default=0)
         flat: list[int] = []  # every non-empty support, concatenated
         at: list[int] = []  # b * N + node of each
@@ -502,6 +504,67 @@ class SparseLayout:
             kids,
             kid_at,
             kid_node,
+        )
+
+    @staticmethod
+    def _of_arrays(trees: Sequence[DraftTree], n: int, bucket: bool) -> SparseLayout:
+        """`of` for trees that carry their compiled drafter's arrays (`tree.DrawnArrays`): every
+        child is one of its parent's q ids, so a node's support is its q's ids; the same
+        layout in array operations, one copy per tree and field."""
+        w = len(trees)
+        width = max(t.arrays.q_ids.shape[1] for t in trees)  # type: ignore[union-attr]
+        parent = np.full((w, n), -1, np.int64)
+        slot = np.zeros((w, n), np.int64)
+        q_len = np.full((w, n), -1, np.int64)
+        q_ids = np.zeros((w, n, width), np.int64)
+        q_probs = np.zeros((w, n, width))
+        for b, t in enumerate(trees):
+            a, m, kw = t.arrays, t.size, t.arrays.q_ids.shape[1]  # type: ignore[union-attr]
+            parent[b, :m], slot[b, :m], q_len[b, :m] = a.parents, a.slot, a.q_len  # type: ignore[union-attr]
+            q_ids[b, :m, :kw], q_probs[b, :m, :kw] = a.q_ids, a.q_probs  # type: ignore[union-attr]
+        # the children, by (row, parent, child) as `of` lists them, and their sibling ranks
+        kid_b, kid_c = np.nonzero(parent >= 0)
+        kid_p = parent[kid_b, kid_c]
+        order = np.lexsort((kid_c, kid_p, kid_b))
+        kid_b, kid_c, kid_p = kid_b[order], kid_c[order], kid_p[order]
+        group = kid_b * n + kid_p
+        first = np.r_[0, np.flatnonzero(np.diff(group)) + 1]
+        rank = np.arange(len(group)) - np.repeat(first, np.diff(np.r_[first, len(group)]))
+        parents = group[first] if len(group) else np.zeros(0, np.int64)
+        ranks = int(rank.max()) + 1 if len(rank) else 0
+        m_of = np.zeros(w * n, np.int64)
+        m_of[parents] = np.arange(len(parents))
+        kid_at = m_of[group] * ranks + rank
+        lens = np.maximum(q_len.ravel(), 0)
+        k = max(int(lens.max(initial=0)), 1)
+        if bucket:
+            k = 1 << (k - 1).bit_length()
+        cols = np.minimum(np.arange(k), np.maximum(lens - 1, 0)[:, None])  # pads: the last id
+        ids = np.where(
+            lens[:, None] > 0,
+            np.take_along_axis(q_ids.reshape(w * n, width), np.minimum(cols, width - 1), 1),
+            0,
+        )
+        q = np.zeros((len(parents), k))
+        c = min(k, width)
+        q[:, :c] = q_probs.reshape(w * n, width)[parents, :c]
+
+        def grid(vals: np.ndarray, dtype: type) -> np.ndarray:
+            out = np.zeros(len(parents) * ranks, dtype=dtype)
+            out[kid_at] = vals
+            return out.reshape(len(parents), ranks)
+
+        real = grid(np.ones(len(kid_at), bool), bool)
+        kids = _Children(grid(slot[kid_b, kid_c], np.int64), real.copy(), real, q)
+        return SparseLayout(
+            trees,
+            n,
+            ids.reshape(w, n, k),
+            lens,
+            parents.astype(np.int64),
+            kids,
+            kid_at.tolist(),
+            (kid_b * n + kid_c).tolist(),
         )
 
     def supports(self, walked: Sequence[int], rows: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -70,15 +71,18 @@ def test_a_shared_stream_fails_the_same_test(monkeypatch):
     """Test of the test: the Gumbel noise drawn from the verifier's own uniforms (the breach:
     the uniform that accepts the root's first child is the one that keyed it)."""
     import tts_service.drafters.stand as stand
+    import tts_service.drafters.stand_compiled as stand_compiled
 
     class SharedNoise(stand.GumbelNoise):
         def __init__(self, size: int, seed: int) -> None:
             super().__init__(size, seed)
             self.gen = stream_generator(seed, Stream.VERIFY)
 
-        def take(self, n: int) -> list[float]:
+        def _draw(self, n: int) -> np.ndarray:
             u = torch.rand(max(self.size, n), generator=self.gen, dtype=torch.float64)
-            return (-torch.log(-torch.log(u.clamp_(min=1e-300))))[:n].tolist()
+            return (-torch.log(-torch.log(u.clamp_(min=1e-300)))).numpy()
 
+    # both drafters' noise (the compiled one drafts here: an in-process store)
     monkeypatch.setattr(stand, "GumbelNoise", SharedNoise)
+    monkeypatch.setattr(stand_compiled, "GumbelNoise", SharedNoise)
     assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) < 1e-6

@@ -1,0 +1,151 @@
+"""`stand` drafted by the compiled kernel (`stand_compiled`): the Python drafter's trees, node
+for node and snapshot for snapshot, through the runner and on random stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from store.base import NgramRow
+from store.memory import InMemoryNgramStore, TieredStore
+from tests.unit.test_runner import _prompts, make_generator
+from tts_service.config import SamplingConfig
+from tts_service.drafters.base import DraftContext
+from tts_service.drafters.stand import StandDrafter, StandDrafterConfig, compiled_applies
+from tts_service.drafters.stand_compiled import CompiledStand, StandGroup, new_group, warm
+from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.treebatch import SparseLayout
+from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+
+
+def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str, grouped=True):
+    """Every step's trees (their `q` snapshots too) and every trajectory's tokens: 3 problems x
+    3 trajectories of different lengths on 4 rows, so rows join and leave."""
+    drafted: list[list] = []
+    draft = BatchDecoder._draft
+
+    def record(self, batch, max_nodes, fill):
+        trees = draft(self, batch, max_nodes, fill)
+        drafted.append(trees)
+        return trees
+
+    monkeypatch.setattr(BatchDecoder, "_draft", record)
+    calls = []
+    group_draft = StandGroup.draft
+    monkeypatch.setattr(
+        StandGroup, "draft", lambda self, *a: calls.append(1) or group_draft(self, *a)
+    )
+    if not grouped:
+        monkeypatch.setattr(CompiledStand, "grouped", None)
+    cfg = StandDrafterConfig(tree="stand-625", num_nodes=16, sizing=sizing, compiled=compiled)
+    requests, stores = [], []
+    for p, prompt in enumerate(_prompts()[:3]):
+        stores.append(InMemoryNgramStore())
+        for i in range(3):
+            sampling = SamplingConfig(
+                temperature=temperature, max_new_tokens=10 + 6 * ((p + i) % 3), seed=i
+            )
+            requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
+    report = TrajectoryRunner(make_generator(tiny_model), 4).run(requests)
+    assert bool(calls) == compiled
+    tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
+    return drafted, tokens, [s.stats() for s in stores]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "sizing", "grouped"),
+    [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],
+)
+def test_compiled_trees_equal_the_python_drafters(
+    tiny_model, monkeypatch, temperature, sizing, grouped
+):
+    python = _trees(tiny_model, monkeypatch, False, temperature, sizing)
+    monkeypatch.undo()
+    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing, grouped)
+    assert len(compiled[0]) == len(python[0]) > 10
+    assert compiled[0] == python[0]  # every step's trees: tokens, parents, drawn flags, q
+    assert compiled[1] == python[1]
+    assert compiled[2] == python[2]  # the stores' entries and lookup counts
+    drafted = [t for step in compiled[0] for t in step if t.size > 1]
+    assert len(drafted) > 10
+    assert any(t.sampled[1] for t in drafted) == (temperature > 0)  # drawn under sampling
+
+
+def test_random_stores_give_the_python_trees_through_noise_refills():
+    """Random stores and contexts, greedy rows among sampled ones, a small noise buffer (a
+    refill every few steps, the tail discarded), whole trees and GT-chosen subtrees."""
+    rng = random.Random(3)
+    refills = 0
+    for trial in range(12):
+        plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
+        for _ in range(150):
+            ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
+            ids = tuple(rng.sample(range(8), rng.randrange(1, 6)))
+            row = NgramRow(ctx, ids, tuple(rng.random() for _ in ids))
+            plain.add([row])
+            indexed.add([row])
+        cfg = StandDrafterConfig(tree="stand-625", num_nodes=24, noise_buffer=250)
+        python = StandDrafter(cfg, plain, seed=trial)
+        group = new_group(cfg)
+        group.bind(indexed.compiled())
+        compiled = CompiledStand(cfg, indexed, group, seed=trial)
+        for _ in range(25):
+            tokens = [rng.randrange(8) for _ in range(rng.randrange(1, 9))]
+            ctx = DraftContext(tokens, 1, rng.choice([2, 8, 24]), greedy=rng.random() < 0.2)
+            assert compiled.draft(ctx) == python.draft(ctx)
+            keep = frozenset(range(1, 1 + rng.randrange(1, 12)))  # closed: a prefix of the shape
+            assert compiled.draft_subtree(ctx, keep) == python.draft_subtree(ctx, keep)
+        assert compiled.noise.refills == python.noise.refills
+        refills += compiled.noise.refills
+        assert plain.stats() == indexed.stats()  # the same lookups, counted alike
+    assert refills > 20
+
+
+def test_the_compiled_drafter_applies_where_its_trees_are_the_python_ones():
+    store = InMemoryNgramStore()
+    assert compiled_applies(StandDrafterConfig(), store)
+    assert not compiled_applies(StandDrafterConfig(compiled=False), store)
+    assert not compiled_applies(StandDrafterConfig(), TieredStore(store, InMemoryNgramStore()))
+    # a step may read (nodes + 1) x topk noise values: a smaller buffer keeps the Python drafter
+    assert compiled_applies(StandDrafterConfig(num_nodes=15, noise_buffer=160), store)
+    assert not compiled_applies(StandDrafterConfig(num_nodes=16, noise_buffer=160), store)
+
+
+def test_warm_compiles_and_runs_every_kernel():
+    assert warm() > 1
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
+    """`SparseLayout.of` from the trees' `DrawnArrays` equals the loop over their nodes, field
+    for field: random stores (some ids stored at probability 0, skipped as candidates but kept
+    in q), random budgets, trees of different sizes in one step."""
+    rng = random.Random(11)
+    for trial in range(20):
+        store = InMemoryNgramStore()
+        for _ in range(150):
+            ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
+            ids = tuple(rng.sample(range(8), rng.randrange(1, 7)))
+            store.add([NgramRow(ctx, ids, tuple(rng.choice([0.0, rng.random()]) for _ in ids))])
+        cfg = StandDrafterConfig(tree="stand-625", num_nodes=24)
+        group = new_group(cfg)
+        group.bind(store.compiled())
+        rows = [CompiledStand(cfg, store, group, seed=trial * 10 + i) for i in range(6)]
+        ctxs = [
+            DraftContext([rng.randrange(8) for _ in range(5)], 1, rng.choice([1, 4, 24]))
+            for _ in rows
+        ]
+        trees = [t for t in group.draft_all(rows, ctxs) if t.arrays is not None]
+        assert len(trees) == len(rows)  # sampled rows carry their arrays
+        n = max(t.size for t in trees) + rng.randrange(0, 3)
+        fast = SparseLayout.of(trees, n, bucket)
+        slow = SparseLayout.of([dataclasses.replace(t, arrays=None) for t in trees], n, bucket)
+        assert fast.n == slow.n and fast.kid_at == slow.kid_at and fast.kid_node == slow.kid_node
+        for name in ("ids", "lens", "parents"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+        for name in ("slot", "drawn", "real", "q"):
+            got, want = getattr(fast.kids, name), getattr(slow.kids, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
