@@ -33,6 +33,7 @@ from tts_service.drafters.stand import (
 from tts_service.engine.tree import (
     DraftTree,
     DrawnArrays,
+    DrawnBatch,
     SparseDist,
     TreeShape,
     load_tree_shape,
@@ -205,7 +206,8 @@ class StandGroup:
         clen = np.zeros((rows, nodes), np.int64)
         clen[:, 0] = [min(order, len(c.tokens)) for c in ctxs]
         used = np.zeros((rows, 2), np.int64)
-        token, parent, shape_ids, slot_of = (np.zeros((rows, nodes), np.int64) for _ in range(4))
+        token, shape_ids, slot_of = (np.zeros((rows, nodes), np.int64) for _ in range(3))
+        parent = np.full((rows, nodes), -1, np.int64)  # past a tree's nodes: none
         qn = np.full((rows, nodes), -1, np.int64)
         sampled = np.zeros((rows, nodes), np.bool_)
         qids, qp = np.zeros((rows, nodes, width), np.int64), np.zeros((rows, nodes, width))
@@ -225,6 +227,7 @@ class StandGroup:
                 *(x.tolist() for x in at), qn[at].tolist(), q_ids, q_p, strict=True
             ):
                 snapshots[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
+        drawn_batch = DrawnBatch(parent, slot_of, qn, qids, qp)
         out = []
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             if stochastic[r]:
@@ -234,9 +237,7 @@ class StandGroup:
                 tuple(parents[r][:n]),
                 tuple(drawn[r][:n]),
                 tuple(snapshots[r]),
-                DrawnArrays(parent[r, :n], slot_of[r, :n], qn[r, :n], qids[r, :n], qp[r, :n])
-                if stochastic[r]
-                else None,
+                DrawnArrays(drawn_batch, r) if stochastic[r] else None,
             )
             m.contexts = (ctx[r, :n], clen[r, :n])
             out.append(ShapedTree(tree, tuple(shapes[r][:n])))

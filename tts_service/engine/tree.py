@@ -32,16 +32,25 @@ class SparseDist:
 
 
 @dataclass(frozen=True)
-class DrawnArrays:
-    """A tree whose children were all drawn from their parent's `q` by a compiled drafter, in
-    the arrays it drafted them in (views of its step's batch, `[n]` or `[n, K]`): what
-    `treebatch.SparseLayout.of` lays out in array operations instead of a loop over nodes."""
+class DrawnBatch:
+    """The arrays a compiled drafter drew one step's trees in, `[R, M]` or `[R, M, K]` for its
+    R rows and M node slots (past a tree's nodes: parent -1, no q)."""
 
-    parents: np.ndarray  # int64, the tree's parents
+    parents: np.ndarray  # int64
     slot: np.ndarray  # int64: each node's place among its parent's q ids (the root's: -1)
     q_len: np.ndarray  # int64: how many ids the node's q has (-1: no q)
     q_ids: np.ndarray  # int64: its q's ids, then zeros
     q_probs: np.ndarray  # float64: its q's probabilities, then zeros
+
+
+@dataclass(frozen=True)
+class DrawnArrays:
+    """A tree whose children were all drawn from their parent's `q` by a compiled drafter: row
+    `row` of the batch it was drafted in. What `treebatch.SparseLayout.of` lays out in a few
+    array operations per batch instead of a loop over every tree's nodes."""
+
+    batch: DrawnBatch
+    row: int
 
 
 @dataclass(frozen=True)

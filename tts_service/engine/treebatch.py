@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from tts_service.engine.sampling import SamplingParams, store_probs
-from tts_service.engine.tree import DraftTree
+from tts_service.engine.tree import DraftTree, DrawnBatch
 from tts_service.engine.verify import Acceptance, SparseNode
 
 _TINY = 1e-300
@@ -510,41 +510,52 @@ class SparseLayout:
     def _of_arrays(trees: Sequence[DraftTree], n: int, bucket: bool) -> SparseLayout:
         """`of` for trees that carry their compiled drafter's arrays (`tree.DrawnArrays`): every
         child is one of its parent's q ids, so a node's support is its q's ids; the same
-        layout in array operations, one copy per tree and field."""
+        layout in array operations, a few per batch the trees were drafted in."""
         w = len(trees)
-        width = max(t.arrays.q_ids.shape[1] for t in trees)  # type: ignore[union-attr]
+        batches: dict[int, tuple[DrawnBatch, list[int], list[int]]] = {}  # id -> (., b, row)
+        for b, a in enumerate([t.arrays for t in trees]):
+            assert a is not None
+            found = batches.get(id(a.batch))
+            if found is None:
+                found = batches[id(a.batch)] = (a.batch, [], [])
+            found[1].append(b)
+            found[2].append(a.row)
+        width = max(batch.q_ids.shape[2] for batch, _, _ in batches.values())
         parent = np.full((w, n), -1, np.int64)
         slot = np.zeros((w, n), np.int64)
         q_len = np.full((w, n), -1, np.int64)
-        q_ids = np.zeros((w, n, width), np.int64)
+        q_ids = np.zeros((w, n, width), np.int64)  # a node without q: zeros (its ids read 0)
         q_probs = np.zeros((w, n, width))
-        for b, t in enumerate(trees):
-            a, m, kw = t.arrays, t.size, t.arrays.q_ids.shape[1]  # type: ignore[union-attr]
-            parent[b, :m], slot[b, :m], q_len[b, :m] = a.parents, a.slot, a.q_len  # type: ignore[union-attr]
-            q_ids[b, :m, :kw], q_probs[b, :m, :kw] = a.q_ids, a.q_probs  # type: ignore[union-attr]
+        for batch, at, rows in batches.values():  # a tree's nodes all lie within n
+            m, kw = min(n, batch.parents.shape[1]), batch.q_ids.shape[2]
+            parent[at, :m], slot[at, :m] = batch.parents[rows, :m], batch.slot[rows, :m]
+            q_len[at, :m] = batch.q_len[rows, :m]
+            q_ids[at, :m, :kw], q_probs[at, :m, :kw] = (
+                batch.q_ids[rows, :m],
+                batch.q_probs[rows, :m],
+            )
         # the children, by (row, parent, child) as `of` lists them, and their sibling ranks
         kid_b, kid_c = np.nonzero(parent >= 0)
         kid_p = parent[kid_b, kid_c]
         order = np.lexsort((kid_c, kid_p, kid_b))
         kid_b, kid_c, kid_p = kid_b[order], kid_c[order], kid_p[order]
         group = kid_b * n + kid_p
-        first = np.r_[0, np.flatnonzero(np.diff(group)) + 1]
-        rank = np.arange(len(group)) - np.repeat(first, np.diff(np.r_[first, len(group)]))
-        parents = group[first] if len(group) else np.zeros(0, np.int64)
+        first = np.ones(len(group), bool)  # the first child of its parent
+        first[1:] = group[1:] != group[:-1]
+        at = np.arange(len(group))
+        rank = at - np.maximum.accumulate(np.where(first, at, 0))
+        parents = group[first]
         ranks = int(rank.max()) + 1 if len(rank) else 0
         m_of = np.zeros(w * n, np.int64)
         m_of[parents] = np.arange(len(parents))
         kid_at = m_of[group] * ranks + rank
         lens = np.maximum(q_len.ravel(), 0)
-        k = max(int(lens.max(initial=0)), 1)
+        k = max(int(lens.max()), 1)
         if bucket:
             k = 1 << (k - 1).bit_length()
-        cols = np.minimum(np.arange(k), np.maximum(lens - 1, 0)[:, None])  # pads: the last id
-        ids = np.where(
-            lens[:, None] > 0,
-            np.take_along_axis(q_ids.reshape(w * n, width), np.minimum(cols, width - 1), 1),
-            0,
-        )
+        # each support's ids, pads repeating its last; k may exceed the drafter's width
+        cols = np.minimum(np.minimum(np.arange(k), width - 1), np.maximum(lens - 1, 0)[:, None])
+        ids = q_ids.reshape(w * n, width)[np.arange(w * n)[:, None], cols]
         q = np.zeros((len(parents), k))
         c = min(k, width)
         q[:, :c] = q_probs.reshape(w * n, width)[parents, :c]

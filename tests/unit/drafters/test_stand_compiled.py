@@ -122,7 +122,7 @@ def test_warm_compiles_and_runs_every_kernel():
 def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
     """`SparseLayout.of` from the trees' `DrawnArrays` equals the loop over their nodes, field
     for field: random stores (some ids stored at probability 0, skipped as candidates but kept
-    in q), random budgets, trees of different sizes in one step."""
+    in q), random budgets, trees of different sizes from two batches in one step."""
     rng = random.Random(11)
     for trial in range(20):
         store = InMemoryNgramStore()
@@ -138,8 +138,10 @@ def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
             DraftContext([rng.randrange(8) for _ in range(5)], 1, rng.choice([1, 4, 24]))
             for _ in rows
         ]
-        trees = [t for t in group.draft_all(rows, ctxs) if t.arrays is not None]
-        assert len(trees) == len(rows)  # sampled rows carry their arrays
+        # two calls (two problems' batches in one step), their trees interleaved
+        trees = group.draft_all(rows[:4], ctxs[:4]) + group.draft_all(rows[4:], ctxs[4:])
+        trees = [trees[i] for i in (4, 0, 1, 5, 2, 3)]
+        assert all(t.arrays is not None for t in trees)  # sampled rows carry their arrays
         n = max(t.size for t in trees) + rng.randrange(0, 3)
         fast = SparseLayout.of(trees, n, bucket)
         slow = SparseLayout.of([dataclasses.replace(t, arrays=None) for t in trees], n, bucket)
