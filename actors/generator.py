@@ -66,7 +66,7 @@ class GeneratorActor:
 
         self.cfg = cfg
         with startup.held():  # the model's load: no collector passes (the host settles it)
-            generator = generator or Generator.load(cfg.model)
+            generator = generator or Generator.load(cfg.model, drafter=cfg.drafter)
             self.host = RunnerHost(
                 generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
             )

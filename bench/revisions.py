@@ -3,7 +3,7 @@ leave the user's speed where it was? (Issue #28: a refactor must leave the runne
 `auto` rows unchanged within noise.)
 
     python bench/revisions.py --base c7ff196 [--rounds 2] [--methods plain auto]
-        [--max-new-tokens 64] [--out runs/revisions.jsonl]
+        [--max-new-tokens 64] [--cells 1,1,1,0.0 4,4,3,0.6] [--out runs/revisions.jsonl]
     python bench/revisions.py --table-from runs/revisions.jsonl
 
 The base revision is checked out into a temporary `git worktree`; both run with this
@@ -92,7 +92,7 @@ def measure(args) -> list[dict]:
             capture_output=True,
         )
         try:
-            cells = itertools.product(range(args.rounds), CELLS)
+            cells = itertools.product(range(args.rounds), args.cells)
             for turn, (rnd, cell) in enumerate(cells, start=1):
                 problems = Path(tmp) / f"problems-{cell[2]}.jsonl"
                 problems.write_text("\n".join(prompts[: cell[2]]) + "\n")
@@ -141,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=["plain", "auto"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--cells",
+        nargs="+",
+        type=lambda v: (*map(int, v.split(",")[:3]), float(v.split(",")[3])),
+        default=list(CELLS),
+        help="rows,n,problems,T each (default: the four cells)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/revisions.jsonl"))
     ap.add_argument("--table-from", type=Path, help="print the table of an earlier --out")
     args = ap.parse_args(argv)

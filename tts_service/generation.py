@@ -12,8 +12,8 @@ from pathlib import Path
 from store.base import NgramStore
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.base import Drafter
+from tts_service.drafters.kernels import STAND_DYN, kernels_of, preload
 from tts_service.drafters.registry import DrafterConfig, RowDrafters
-from tts_service.drafters.stand_dyn import preload_compiled
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
@@ -55,11 +55,17 @@ class Generator:
         self._slots: dict[str, SlotStats] = {}  # per drafter config: α̂ by tree slot
 
     @classmethod
-    def load(cls, cfg: ModelConfig, cache_dir: Path | None = None) -> Generator:
-        """The configured model, loaded. On a CUDA device, where `auto` drafts with the
-        compiled kernels, they load meanwhile (`stand_dyn.preload_compiled`)."""
-        if resolve_device(cfg.device).type == "cuda":
-            preload_compiled()
+    def load(
+        cls, cfg: ModelConfig, cache_dir: Path | None = None, drafter: DrafterConfig | None = None
+    ) -> Generator:
+        """The configured model, loaded. The kernels of a compiled drafter load meanwhile
+        (`drafters.kernels`): `drafter`'s, or with none named on a CUDA device `auto`'s."""
+        if drafter is not None:
+            module = kernels_of(drafter)
+        else:
+            module = STAND_DYN if resolve_device(cfg.device).type == "cuda" else None
+        if module is not None:
+            preload(module)
         return cls(
             load_model(cfg, cache_dir),
             max_model_len=cfg.max_model_len,

@@ -205,6 +205,6 @@ def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
     except ValueError as e:
         raise UsageError(f"--device: {e}") from e
     try:
-        return Generator.load(req.model)
+        return Generator.load(req.model, drafter=getattr(req, "drafter", None))
     except ModelNotFoundError as e:
         raise UsageError(f"--model: {e}") from e

@@ -188,7 +188,7 @@ class StandGroup:
                 keep[r, kept.start : kept.stop] = True
             else:
                 keep[r, list(kept)] = True
-        nodes = int(keep.sum(axis=1).max()) + 1
+        nodes = max(len(kept) for kept in keeps) + 1  # shape nodes, the root excluded
         need = nodes * width  # the most noise a step can read: every node opened, all stored
         cur, nxt = np.zeros((rows, need)), np.zeros((rows, need))
         rem = np.zeros(rows, np.int64)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 import importlib.util
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -405,24 +404,6 @@ def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
     if not cfg.compiled or cfg.drawn or not isinstance(store, IndexedStore):
         return False
     return importlib.util.find_spec("numba") is not None
-
-
-def preload_compiled() -> threading.Thread | None:
-    """Import numba and load the compiled kernels (`stand_kernel.warm`, ~0.75 s a process) in
-    a daemon thread, so that a process loading a model meanwhile does not wait for them at its
-    first draft; None without numba. A first draft that comes sooner waits on the import lock
-    and numba's compile lock, not a second load."""
-    if importlib.util.find_spec("numba") is None:
-        return None
-
-    def load() -> None:
-        from tts_service.drafters.stand_kernel import warm
-
-        warm()
-
-    thread = threading.Thread(target=load, name="stand-kernel-preload", daemon=True)
-    thread.start()
-    return thread
 
 
 def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:

@@ -16,12 +16,12 @@ from tests.conftest import save_tiny_model
 from tests.unit.test_runner import _prompts, make_generator
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import DraftContext
+from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
     SUFFIX_ORDERS,
     StandDynDrafterConfig,
     compiled_applies,
-    preload_compiled,
 )
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.batch import BatchDecoder
@@ -161,12 +161,24 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
 
 
 def test_the_kernels_preload_in_a_daemon_thread():
-    """`preload_compiled` loads the kernels beside the caller and ends (`Generator.load` starts
-    it on a CUDA device, before the model loads)."""
-    thread = preload_compiled()
-    assert thread is not None and thread.daemon
-    thread.join(timeout=300)
-    assert not thread.is_alive()
+    """`kernels.preload` loads a compiled drafter's kernels beside the caller and ends
+    (`Generator.load` starts it before the model loads)."""
+    for module in (STAND, STAND_DYN):
+        thread = preload(module)
+        assert thread is not None and thread.daemon
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+
+
+def test_the_kernels_a_drafter_config_drafts_with():
+    from tts_service.drafters.stand import StandDrafterConfig
+    from tts_service.drafters.stand_spine import StandSpineDrafterConfig
+
+    assert kernels_of(StandDrafterConfig()) == STAND
+    assert kernels_of(StandDrafterConfig(compiled=False)) is None
+    assert kernels_of(StandDynDrafterConfig()) == STAND_DYN
+    assert kernels_of(StandDynDrafterConfig(drawn=True)) is None  # `auto` on a CPU: Python
+    assert kernels_of(StandSpineDrafterConfig()) is None
 
 
 def test_a_cpu_model_load_never_imports_numba(tmp_path):

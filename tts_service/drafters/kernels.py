@@ -1,0 +1,48 @@
+"""The compiled drafters' kernels (numba), loaded beside the model's load.
+
+A process loads a compiled drafter's kernels (numba's import and the cached code, 0.3–0.75 s
+on this CPU) at its first draft unless they were loaded before: `Generator.load` starts
+`preload` in a daemon thread before it loads the weights, so the two overlap. Which kernels a
+drafter config drafts with is `kernels_of`; on a CUDA device with no drafter named, `auto`'s
+(`stand-dyn`, compiled there). Nothing else imports numba: on a CPU `auto` drafts in Python
+and loads nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+
+from tts_service.drafters.registry import DrafterConfig
+from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+
+STAND = "tts_service.drafters.stand_compiled"
+STAND_DYN = "tts_service.drafters.stand_kernel"
+
+
+def kernels_of(cfg: DrafterConfig) -> str | None:
+    """The module whose `warm()` loads the kernels `cfg` drafts with; None: a Python drafter
+    (whether the compiled one applies also depends on the store: a Redis store keeps Python,
+    and then the load was for nothing but time beside the model's)."""
+    if isinstance(cfg, StandDrafterConfig) and cfg.kind == "stand" and cfg.compiled:
+        return STAND  # not `stand_spine` (its config's subclass), which drafts in Python
+    if isinstance(cfg, StandDynDrafterConfig) and cfg.compiled and not cfg.drawn:
+        return STAND_DYN
+    return None
+
+
+def preload(module: str) -> threading.Thread | None:
+    """Load `module`'s kernels (its `warm()`) in a daemon thread; None without numba. A first
+    draft that comes sooner waits on the import lock and numba's compile lock, not a second
+    load."""
+    if importlib.util.find_spec("numba") is None:
+        return None
+
+    def load() -> None:
+        importlib.import_module(module).warm()
+
+    thread = threading.Thread(target=load, name="kernel-preload", daemon=True)
+    thread.start()
+    return thread
