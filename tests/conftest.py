@@ -56,8 +56,8 @@ DRAFTER_CONFIGS = {
     "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
     # `stand-dyn` drafts compiled (stand_kernel); the Python drafter stays in every harness
     "stand-dyn-python": StandDynDrafterConfig(num_nodes=48, compiled=False),
-    # so does `stand` (stand_compiled), and its Python drafter too
-    "stand-python": StandDrafterConfig(num_nodes=16, tree="stand-625", compiled=False),
+    # `stand` drafts in Python on a CPU (the registry's preset); its compiled drafter too
+    "stand-compiled": StandDrafterConfig(num_nodes=16, tree="stand-625", compiled=True),
 }
 
 # a verify cost where tree tokens are nearly free (a GPU's headroom): GT keeps big trees, so the

@@ -58,14 +58,15 @@ class Generator:
     def load(
         cls, cfg: ModelConfig, cache_dir: Path | None = None, drafter: DrafterConfig | None = None
     ) -> Generator:
-        """The configured model, loaded. The kernels of a compiled drafter load meanwhile
-        (`drafters.kernels`): `drafter`'s, or with none named on a CUDA device `auto`'s."""
-        if drafter is not None:
-            module = kernels_of(drafter)
-        else:
-            module = STAND_DYN if resolve_device(cfg.device).type == "cuda" else None
-        if module is not None:
-            preload(module)
+        """The configured model, loaded. On a CUDA device the kernels of a compiled drafter load
+        meanwhile (`drafters.kernels`): `drafter`'s, or with none named `auto`'s. On a CPU they
+        load at the first compiled draft: a preload there, beside the model's load, made
+        `tts solve --method stand` 1.2 s slower, where loading at the first draft cost 0.7
+        (docs/benchmarks.md §14)."""
+        if resolve_device(cfg.device).type == "cuda":
+            module = kernels_of(drafter) if drafter is not None else STAND_DYN
+            if module is not None:
+                preload(module)
         return cls(
             load_model(cfg, cache_dir),
             max_model_len=cfg.max_model_len,

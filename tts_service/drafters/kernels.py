@@ -1,11 +1,11 @@
 """The compiled drafters' kernels (numba), loaded beside the model's load.
 
 A process loads a compiled drafter's kernels (numba's import and the cached code, 0.3–0.75 s
-on this CPU) at its first draft unless they were loaded before: `Generator.load` starts
-`preload` in a daemon thread before it loads the weights, so the two overlap. Which kernels a
-drafter config drafts with is `kernels_of`; on a CUDA device with no drafter named, `auto`'s
-(`stand-dyn`, compiled there). Nothing else imports numba: on a CPU `auto` drafts in Python
-and loads nothing.
+on this CPU) at its first draft unless they were loaded before: on a CUDA device
+`Generator.load` starts `preload` in a daemon thread before it loads the weights, so the two
+overlap. Which kernels a drafter config drafts with is `kernels_of`; with no drafter named,
+`auto`'s (`stand-dyn`, compiled there). On a CPU nothing preloads (`auto` drafts in Python
+there and imports no numba).
 """
 
 from __future__ import annotations

@@ -132,6 +132,10 @@ AUTO_FIELDS: dict[str, dict[str, Any]] = {"cpu": {"drawn": True}, "cuda": {}}
 on a CPU, children drawn from the stored distribution under sampling (more tokens per forward
 at T = 1.0, the same speed at T = 0.6, nothing under greedy); on a GPU the host walk of drawn
 rows costs more verify time than they gain there (§14), so not yet."""
+DEVICE_FIELDS: dict[str, dict[str, dict[str, Any]]] = {"stand": {"cpu": {"compiled": False}}}
+"""A drafter kind's fields per device type, beneath the user's preset: on a CPU `stand` drafts
+in Python, where its compiled drafter saves ~1% of a step (a forward costs 30-100 ms) and its
+kernels' load cost `tts solve --method stand` 0.7 s (docs/benchmarks.md §14)."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
 DEFAULT_METHOD = "auto"
 """What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""
@@ -164,8 +168,8 @@ def device_type(device: str) -> str:
 
 
 def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") -> dict:
-    """The raw drafter fields of a method: `auto`'s for the device (`AUTO_FIELDS`), the preset
-    of its kind over them, then the method's own.
+    """The raw drafter fields of a method: its kind's for the device (`DEVICE_FIELDS`) and
+    `auto`'s (`AUTO_FIELDS`), the preset of its kind over them, then the method's own.
 
     Raises:
         ValueError: unknown method.
@@ -173,8 +177,11 @@ def method_drafter(method: str, presets: dict[str, dict], device: str = "auto") 
     if method not in METHOD_NAMES:
         raise ValueError(f"unknown method {method!r} (choose {', '.join(METHOD_NAMES)})")
     entry = METHODS[resolve_method(method, device)]
-    chosen = AUTO_FIELDS[device_type(device)] if method == "auto" else {}
-    return {"kind": entry.kind, **chosen, **presets.get(entry.kind, {}), **entry.fields}
+    kind, where = entry.kind, device_type(device)
+    chosen = {**DEVICE_FIELDS.get(kind, {}).get(where, {})}
+    if method == "auto":
+        chosen |= AUTO_FIELDS[where]
+    return {"kind": kind, **chosen, **presets.get(kind, {}), **entry.fields}
 
 
 def size_field(kind: str) -> str | None:

@@ -28,12 +28,19 @@ def test_the_edges_offer_exactly_the_registered_names():
 
 
 def test_method_names_build_their_drafter_fields_and_auto_follows_the_device():
-    assert method_drafter("stand-gt", {"stand": {"num_nodes": 16, "tree": "stand-80"}}) == {
+    preset = {"stand": {"num_nodes": 16, "tree": "stand-80"}}
+    assert method_drafter("stand-gt", preset, "cuda") == {
         "kind": "stand",
         "num_nodes": 80,  # GT decides the size; the whole tree is the cap
         "tree": "stand-80",
         "sizing": "gt",
     }
+    # a kind's device default (`stand` in Python on a CPU), beneath the user's preset
+    assert method_drafter("stand-gt", preset, "cpu") == {
+        **method_drafter("stand-gt", preset, "cuda"),
+        "compiled": False,
+    }
+    assert method_drafter("stand", {"stand": {"compiled": True}}, "cpu")["compiled"]
     assert method_drafter("stand+spine", {})["kind"] == "stand_spine"
     cpu, gpu = method_drafter("auto", {}, "cpu"), method_drafter("auto", {}, "cuda:1")
     assert cpu == {**method_drafter(AUTO_METHOD["cpu"], {}), **AUTO_FIELDS["cpu"]}
