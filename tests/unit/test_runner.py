@@ -37,6 +37,23 @@ def _prompts() -> list[list[int]]:
     return [base[0] * 4, base[1] + base[2], base[3] * 3, [7], base[4] * 2]
 
 
+def run_three_problems(model, cfg, temperature: float) -> tuple[dict, list[dict]]:
+    """3 problems x 3 trajectories of different lengths on 4 rows (rows join and leave), each
+    problem over its own in-process store: every trajectory's tokens and the stores' stats (the
+    compiled drafters' tests run it compiled and not)."""
+    requests, stores = [], []
+    for p, prompt in enumerate(_prompts()[:3]):
+        stores.append(InMemoryNgramStore())
+        for i in range(3):
+            sampling = SamplingConfig(
+                temperature=temperature, max_new_tokens=10 + 6 * ((p + i) % 3), seed=i
+            )
+            requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
+    report = TrajectoryRunner(make_generator(model), 4).run(requests)
+    tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
+    return tokens, [s.stats() for s in stores]
+
+
 @pytest.mark.parametrize("max_rows", [1, 3])
 def test_a_continuously_batched_run_is_token_identical_to_plain(
     tiny_model, drafter_config, max_rows

@@ -11,14 +11,12 @@ import pytest
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
-from tests.unit.test_runner import _prompts, make_generator
-from tts_service.config import SamplingConfig
+from tests.unit.test_runner import run_three_problems
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.stand import StandDrafter, StandDrafterConfig, compiled_applies
 from tts_service.drafters.stand_compiled import CompiledStand, StandGroup, new_group, warm
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.treebatch import SparseLayout
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner
 
 
 def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str, grouped=True):
@@ -41,18 +39,9 @@ def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: 
     if not grouped:
         monkeypatch.setattr(CompiledStand, "grouped", None)
     cfg = StandDrafterConfig(tree="stand-625", num_nodes=16, sizing=sizing, compiled=compiled)
-    requests, stores = [], []
-    for p, prompt in enumerate(_prompts()[:3]):
-        stores.append(InMemoryNgramStore())
-        for i in range(3):
-            sampling = SamplingConfig(
-                temperature=temperature, max_new_tokens=10 + 6 * ((p + i) % 3), seed=i
-            )
-            requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
-    report = TrajectoryRunner(make_generator(tiny_model), 4).run(requests)
+    tokens, stats = run_three_problems(tiny_model, cfg, temperature)
     assert bool(calls) == compiled
-    tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
-    return drafted, tokens, [s.stats() for s in stores]
+    return drafted, tokens, stats
 
 
 @pytest.mark.parametrize(

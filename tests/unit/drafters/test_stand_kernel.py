@@ -13,8 +13,7 @@ import pytest
 
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
-from tests.unit.test_runner import _prompts, make_generator
-from tts_service.config import SamplingConfig
+from tests.unit.test_runner import run_three_problems
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
@@ -25,7 +24,6 @@ from tts_service.drafters.stand_dyn import (
 )
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.batch import BatchDecoder
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner
 
 
 @pytest.mark.parametrize("max_tokens", [1 << 17, 300])
@@ -68,18 +66,9 @@ def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: 
     if not grouped:
         monkeypatch.setattr(CompiledStandDyn, "grouped", None)
     cfg = StandDynDrafterConfig(num_nodes=12, sizing=sizing, compiled=compiled)
-    requests, stores = [], []
-    for p, prompt in enumerate(_prompts()[:3]):
-        stores.append(InMemoryNgramStore())
-        for i in range(3):
-            sampling = SamplingConfig(
-                temperature=temperature, max_new_tokens=10 + 6 * ((p + i) % 3), seed=i
-            )
-            requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
-    report = TrajectoryRunner(make_generator(tiny_model), 4).run(requests)
+    tokens, stats = run_three_problems(tiny_model, cfg, temperature)
     assert bool(calls) == compiled  # the kernel drafted, one call a step for all rows
-    tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
-    return drafted, tokens, [s.stats() for s in stores]
+    return drafted, tokens, stats
 
 
 @pytest.mark.parametrize(
