@@ -220,7 +220,8 @@ def requests(
 ) -> list[TrajectoryRequest]:
     """Every logged response as a request, problem by problem (each problem its own store);
     `overrides`: FIELD=VALUE drafter fields (`bench.methods.with_fields`)."""
-    fields = sized_fields(method_drafter(method, {}, "cpu"), max(nodes, 1))
+    # the drafter as a GPU runs it (compiled where it is there): the host a GPU waits for
+    fields = sized_fields(method_drafter(method, {}, "cuda"), max(nodes, 1))
     fields = with_fields(fields, list(overrides))
     cfg = TypeAdapter(DrafterConfig).validate_python(fields)
     out = []

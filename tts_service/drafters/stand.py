@@ -73,15 +73,16 @@ class GumbelNoise:
         self.size = size
         self.rng = np.random.Generator(np.random.PCG64(stream_seed(seed, Stream.DRAFT)))
         self.array = np.zeros(0)  # the current buffer
-        self.values: list[float] = []  # the same, as floats (for `take`)
+        self.values: list[float] | None = []  # the same as floats, made at `take`'s need
         self.ahead: np.ndarray | None = None  # the next buffer, once a window asked for it
         self.pos = 0
         self.refills = 0
 
     def _refill(self, n: int) -> None:
         ahead, self.ahead = self.ahead, None
-        self.array = ahead if ahead is not None and len(ahead) >= n else self._draw(n)
-        self.values = self.array.tolist()
+        assert ahead is None or len(ahead) >= n, "a window's next buffer holds what it read"
+        self.array = ahead if ahead is not None else self._draw(n)
+        self.values = None
         self.pos = 0
         self.refills += 1
 
@@ -91,6 +92,8 @@ class GumbelNoise:
     def take(self, n: int) -> list[float]:
         if self.pos + n > len(self.array):  # the tail is discarded, never wrapped around
             self._refill(n)
+        if self.values is None:
+            self.values = self.array.tolist()
         out = self.values[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -98,6 +101,7 @@ class GumbelNoise:
     def window(self, need: int) -> tuple[np.ndarray, int, np.ndarray]:
         """What a compiled draft reading at most `need` values (≤ `size`) sees: the buffer's
         next values, how many it has left, and the next buffer's first."""
+        assert need <= self.size, "a step may read no more than a buffer holds"
         if self.ahead is None:
             self.ahead = self._draw(need)
         rest = self.array[self.pos : self.pos + need]

@@ -188,9 +188,11 @@ class StandGroup:
                 keep[r, kept.start : kept.stop] = True
             else:
                 keep[r, list(kept)] = True
-        nodes = max(len(kept) for kept in keeps) + 1  # shape nodes, the root excluded
-        need = nodes * width  # the most noise a step can read: every node opened, all stored
-        cur, nxt = np.zeros((rows, need)), np.zeros((rows, need))
+        most = [len(kept) + 1 for kept in keeps]  # the most nodes each tree can have
+        nodes = max(most)
+        # the most noise a row's step can read (every node opened, every stored id drawable):
+        # its own, which its buffer holds (`stand.compiled_applies`)
+        cur, nxt = np.zeros((rows, nodes * width)), np.zeros((rows, nodes * width))
         rem = np.zeros(rows, np.int64)
         stochastic = np.zeros(rows, np.bool_)
         tails = []
@@ -199,8 +201,8 @@ class StandGroup:
             tails.append([-1] * (order - len(tail)) + tail)
             if m.stochastic and not c.greedy:
                 stochastic[r] = True
-                window, rem[r], ahead = m.noise.window(need)
-                cur[r, : len(window)], nxt[r] = window, ahead
+                window, rem[r], ahead = m.noise.window(most[r] * width)
+                cur[r, : len(window)], nxt[r, : len(ahead)] = window, ahead
         ctx = np.full((rows, nodes, order), -1, np.int64)
         ctx[:, 0] = tails
         clen = np.zeros((rows, nodes), np.int64)

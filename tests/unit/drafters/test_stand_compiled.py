@@ -140,3 +140,29 @@ def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
         for name in ("slot", "drawn", "real", "q"):
             got, want = getattr(fast.kids, name), getattr(slow.kids, name)
             assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+def test_rows_of_one_group_read_as_much_noise_as_their_own_trees_can():
+    """Two configs over one tree shape share a group (one kernel call): a small tree with a
+    small noise buffer beside a big one reads windows its own size, so its noise is the Python
+    drafter's, refills included."""
+    rng = random.Random(5)
+    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
+    for _ in range(150):
+        ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
+        ids = tuple(rng.sample(range(8), rng.randrange(1, 6)))
+        row = NgramRow(ctx, ids, tuple(rng.random() for _ in ids))
+        plain.add([row])
+        indexed.add([row])
+    big = StandDrafterConfig(tree="stand-625", num_nodes=24, noise_buffer=4096)
+    small = StandDrafterConfig(tree="stand-625", num_nodes=2, noise_buffer=30)
+    assert compiled_applies(small, indexed)
+    group = new_group(big)
+    group.bind(indexed.compiled())
+    rows = [CompiledStand(cfg, indexed, group, seed=s) for s, cfg in ((1, big), (2, small))]
+    python = [StandDrafter(cfg, plain, seed=s) for s, cfg in ((1, big), (2, small))]
+    for _ in range(40):
+        ctxs = [DraftContext([rng.randrange(8) for _ in range(6)], 1, 24) for _ in rows]
+        want = [d.draft(c) for d, c in zip(python, ctxs, strict=True)]
+        assert group.draft_all(rows, ctxs) == want
+    assert rows[1].noise.refills == python[1].noise.refills > 3
