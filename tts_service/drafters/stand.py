@@ -17,7 +17,7 @@ import importlib.util
 import math
 from collections.abc import Container, Sequence
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from pydantic import Field
@@ -37,6 +37,9 @@ from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
+
+if TYPE_CHECKING:
+    from store.index import StoreIndex
 
 
 class StandDrafterConfig(StrictConfig):
@@ -128,10 +131,6 @@ class StandDrafter:
         self.store = store
         self.shape = load_tree_shape(resolve_tree_path(cfg.tree))
         self.num_nodes = cfg.num_nodes
-        kids: list[list[int]] = [[] for _ in self.shape.parents]
-        for i, p in enumerate(self.shape.parents[1:], start=1):
-            kids[p].append(i)
-        self._shape_children = kids
         self.noise = GumbelNoise(cfg.noise_buffer, seed)
         self._shape_ids: list[int] = [0]  # the tree being built: tree node -> shape node
         self._tails: list[tuple[int, ...]] = []  # last tree: context tail ending at each node
@@ -175,7 +174,7 @@ class StandDrafter:
             node = placed.get(s)
             if node is None:
                 continue
-            kids = [c for c in self._shape_children[s] if c in keep]
+            kids = [c for c in self.shape.children[s] if c in keep]
             if not kids:
                 continue
             entry = self.store.lookup(self._tails[node])
@@ -213,6 +212,22 @@ def feed_root(store: NgramStore, tokens: Sequence[int], topk: NodeTopK) -> None:
     if topk.has(0):
         tail = tuple(tokens[-store.max_order :])
         store.add([NgramRow(tail, tuple(topk.ids[0].tolist()), tuple(topk.probs[0].tolist()))])
+
+
+def feed_index(
+    index: StoreIndex,
+    contexts: tuple[np.ndarray, np.ndarray],
+    nodes: list[int],
+    topk: NodeTopK,
+) -> None:
+    """`feed_store` on a store's arrays (the compiled drafters'): the target's distributions at
+    `nodes` (`learned_nodes`), under each node's context (`contexts`: right-aligned, -1
+    padded, and their lengths, per tree node)."""
+    if nodes:
+        rows = np.array(nodes, np.int64)
+        ctx, clen = contexts
+        width = np.full(len(rows), topk.ids.shape[1], np.int64)
+        index.add_arrays(ctx[rows], clen[rows], topk.ids[rows], topk.probs[rows], width)
 
 
 def learned_nodes(

@@ -27,6 +27,7 @@ from tts_service.drafters.base import Deferred, DraftContext, NodeTopK, ShapedTr
 from tts_service.drafters.stand import (
     GumbelNoise,
     StandDrafterConfig,
+    feed_index,
     feed_root,
     learned_nodes,
 )
@@ -141,11 +142,8 @@ def stand_rows(
 
 def shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray]:
     """The shape's children as CSR: those of node s are `kid_list[kid_at[s]:kid_at[s + 1]]`."""
-    kids: list[list[int]] = [[] for _ in shape.parents]
-    for i, p in enumerate(shape.parents[1:], start=1):
-        kids[p].append(i)
-    kid_at = np.cumsum([0] + [len(k) for k in kids]).astype(np.int64)
-    return kid_at, np.array([c for k in kids for c in k], np.int64)
+    kid_at = np.cumsum([0] + [len(k) for k in shape.children]).astype(np.int64)
+    return kid_at, np.array([c for k in shape.children for c in k], np.int64)
 
 
 class StandGroup:
@@ -292,14 +290,8 @@ class CompiledStand:
     ) -> None:
         """`stand.feed_store` on the store's arrays: the target's distributions at the
         learned nodes, under each node's context."""
-        nodes = learned_nodes(tree, acc, topk, harvest)
-        if nodes:
-            index = self.group.index
-            assert index is not None
-            rows = np.array(nodes, np.int64)
-            ctx, clen = contexts
-            width = np.full(len(rows), topk.ids.shape[1], np.int64)
-            index.add_arrays(ctx[rows], clen[rows], topk.ids[rows], topk.probs[rows], width)
+        assert self.group.index is not None
+        feed_index(self.group.index, contexts, learned_nodes(tree, acc, topk, harvest), topk)
 
 
 def new_group(cfg: StandDrafterConfig) -> StandGroup:

@@ -31,7 +31,7 @@ from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
-from tts_service.drafters.stand import feed_root, learned_nodes
+from tts_service.drafters.stand import feed_index, feed_root, learned_nodes
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -683,15 +683,11 @@ class CompiledStandDyn:
         for v in range(1, n):
             p = tree.parents[v]
             ctx[v, :-1], ctx[v, -1], clen[v] = ctx[p, 1:], tree.tokens[v], min(order, clen[p] + 1)
-        nodes = learned_nodes(tree, acc, topk, self.harvest_rejected)
-        ids, probs = topk.ids, topk.probs
-        if nodes:
-            rows = np.array(nodes, np.int64)
-            width = np.full(len(rows), ids.shape[1], np.int64)
-            index.add_arrays(ctx[rows], clen[rows], ids[rows], probs[rows], width)
+        feed_index(index, (ctx, clen), learned_nodes(tree, acc, topk, self.harvest_rejected), topk)
         known = [v for v in range(n) if topk.has(v)]
         if known:
-            succ.update(np.array(tree.tokens, np.int64)[known], ids[known], probs[known])
+            tokens = np.array(tree.tokens, np.int64)[known]
+            succ.update(tokens, topk.ids[known], topk.probs[known])
 
 
 def warm() -> int:

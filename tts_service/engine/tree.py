@@ -173,18 +173,20 @@ class TreeShape:
 
     parents: tuple[int, ...]
     ranks: tuple[int, ...] = field(init=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False)  # per node, in id order
 
     def __post_init__(self) -> None:
         if not self.parents or self.parents[0] != -1:
             raise ValueError("a tree shape starts with the root, whose parent is -1")
         if any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
             raise ValueError("tree shape parents must precede their children")
-        counts: dict[int, int] = {}
+        kids: list[list[int]] = [[] for _ in self.parents]
         ranks = [0]
-        for p in self.parents[1:]:
-            ranks.append(counts.get(p, 0))
-            counts[p] = ranks[-1] + 1
+        for i, p in enumerate(self.parents[1:], start=1):
+            ranks.append(len(kids[p]))
+            kids[p].append(i)
         object.__setattr__(self, "ranks", tuple(ranks))
+        object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
 
     @property
     def num_nodes(self) -> int:
@@ -212,9 +214,7 @@ def select_subtree(shape: TreeShape, counts: Sequence[float], k: int) -> list[in
 
     Returns shape node ids in selection order (root first); ties go to the lower id.
     """
-    children: list[list[int]] = [[] for _ in shape.parents]
-    for i, p in enumerate(shape.parents[1:], start=1):
-        children[p].append(i)
+    children = shape.children
     chosen = [0]
     frontier: list[tuple[float, int]] = []  # (-count, node): each parent's next untaken child
     if children[0]:
