@@ -37,10 +37,29 @@ def _prompts() -> list[list[int]]:
     return [base[0] * 4, base[1] + base[2], base[3] * 3, [7], base[4] * 2]
 
 
-def run_three_problems(model, cfg, temperature: float) -> tuple[dict, list[dict]]:
+def run_three_problems(
+    model, monkeypatch, cfg, temperature: float, kernel: tuple[type, str], member: type | None
+) -> tuple[list[list], dict, list[dict], int]:
     """3 problems x 3 trajectories of different lengths on 4 rows (rows join and leave), each
-    problem over its own in-process store: every trajectory's tokens and the stores' stats (the
-    compiled drafters' tests run it compiled and not)."""
+    problem over its own in-process store, as the compiled drafters' tests run them compiled
+    and not: every step's trees, every trajectory's tokens, the stores' stats, and how often
+    the group's drafting method `kernel` (class, name) was called. `member`: a compiled row's
+    class whose group is hidden (each row drafts alone, as under a wrapper), or None."""
+    drafted: list[list] = []
+    draft = BatchDecoder._draft
+
+    def record(self, batch, max_nodes, fill):
+        trees = draft(self, batch, max_nodes, fill)
+        drafted.append(trees)
+        return trees
+
+    monkeypatch.setattr(BatchDecoder, "_draft", record)
+    calls = []
+    group, name = kernel
+    group_draft = getattr(group, name)
+    monkeypatch.setattr(group, name, lambda self, *a: calls.append(1) or group_draft(self, *a))
+    if member is not None:
+        monkeypatch.setattr(member, "grouped", None)
     requests, stores = [], []
     for p, prompt in enumerate(_prompts()[:3]):
         stores.append(InMemoryNgramStore())
@@ -51,7 +70,69 @@ def run_three_problems(model, cfg, temperature: float) -> tuple[dict, list[dict]
             requests.append(TrajectoryRequest(f"p{p}", i, prompt, sampling, cfg, stores[-1]))
     report = TrajectoryRunner(make_generator(model), 4).run(requests)
     tokens = {(r.request.problem_id, r.request.index): r.output.token_ids for r in report.results}
-    return tokens, [s.stats() for s in stores]
+    return drafted, tokens, [s.stats() for s in stores], len(calls)
+
+
+def _compiled_cases() -> dict[str, tuple]:
+    """Each compiled drafter: (its config at `compiled`, `sizing`; its group's drafting method;
+    its row class; whether its children are drawn under sampling)."""
+    from tts_service.drafters.stand import StandDrafterConfig
+    from tts_service.drafters.stand_compiled import CompiledStand, StandGroup
+    from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+    from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup
+
+    return {
+        "stand": (
+            lambda compiled, sizing: StandDrafterConfig(
+                tree="stand-625", num_nodes=16, sizing=sizing, compiled=compiled
+            ),
+            (StandGroup, "draft"),
+            CompiledStand,
+            True,
+        ),
+        "stand-dyn": (
+            lambda compiled, sizing: StandDynDrafterConfig(
+                num_nodes=12, sizing=sizing, compiled=compiled
+            ),
+            (StandDynGroup, "draft_all"),
+            CompiledStandDyn,
+            False,
+        ),
+    }
+
+
+@pytest.mark.parametrize("method", ["stand", "stand-dyn"])
+@pytest.mark.parametrize(
+    ("temperature", "sizing", "grouped"),
+    [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],
+)
+def test_compiled_trees_equal_the_python_drafters(
+    tiny_model, monkeypatch, method, temperature, sizing, grouped
+):
+    """A compiled drafter (one kernel call a step for a problem's rows) drafts the Python
+    drafter's trees through the runner, rows joining and leaving; `grouped=False`: each
+    compiled row drafts alone (as under a wrapper that hides its group), one call per row."""
+    config, kernel, member, draws = _compiled_cases()[method]
+    python = run_three_problems(
+        tiny_model, monkeypatch, config(False, sizing), temperature, kernel, None
+    )
+    monkeypatch.undo()
+    compiled = run_three_problems(
+        tiny_model,
+        monkeypatch,
+        config(True, sizing),
+        temperature,
+        kernel,
+        None if grouped else member,
+    )
+    assert python[3] == 0 and compiled[3] > 0  # the kernel drafted, one call a step for all rows
+    assert len(compiled[0]) == len(python[0]) > 10
+    assert compiled[0] == python[0]  # every step's trees: tokens, parents, drawn flags, q
+    assert compiled[1] == python[1]
+    assert compiled[2] == python[2]  # the stores' entries and lookup counts
+    drafted = [t for step in compiled[0] for t in step if t.size > 1]
+    assert len(drafted) > 10  # trees were drafted
+    assert any(t.sampled[1] for t in drafted) == (draws and temperature > 0)
 
 
 @pytest.mark.parametrize("max_rows", [1, 3])

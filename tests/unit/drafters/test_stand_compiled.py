@@ -11,56 +11,23 @@ import pytest
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
-from tests.unit.test_runner import run_three_problems
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.stand import StandDrafter, StandDrafterConfig, compiled_applies
-from tts_service.drafters.stand_compiled import CompiledStand, StandGroup, new_group, warm
-from tts_service.engine.batch import BatchDecoder
+from tts_service.drafters.stand_compiled import CompiledStand, new_group, warm
 from tts_service.engine.treebatch import SparseLayout
 
 
-def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str, grouped=True):
-    """Every step's trees (their `q` snapshots too) and every trajectory's tokens: 3 problems x
-    3 trajectories of different lengths on 4 rows, so rows join and leave."""
-    drafted: list[list] = []
-    draft = BatchDecoder._draft
-
-    def record(self, batch, max_nodes, fill):
-        trees = draft(self, batch, max_nodes, fill)
-        drafted.append(trees)
-        return trees
-
-    monkeypatch.setattr(BatchDecoder, "_draft", record)
-    calls = []
-    group_draft = StandGroup.draft
-    monkeypatch.setattr(
-        StandGroup, "draft", lambda self, *a: calls.append(1) or group_draft(self, *a)
-    )
-    if not grouped:
-        monkeypatch.setattr(CompiledStand, "grouped", None)
-    cfg = StandDrafterConfig(tree="stand-625", num_nodes=16, sizing=sizing, compiled=compiled)
-    tokens, stats = run_three_problems(tiny_model, cfg, temperature)
-    assert bool(calls) == compiled
-    return drafted, tokens, stats
-
-
-@pytest.mark.parametrize(
-    ("temperature", "sizing", "grouped"),
-    [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],
-)
-def test_compiled_trees_equal_the_python_drafters(
-    tiny_model, monkeypatch, temperature, sizing, grouped
-):
-    python = _trees(tiny_model, monkeypatch, False, temperature, sizing)
-    monkeypatch.undo()
-    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing, grouped)
-    assert len(compiled[0]) == len(python[0]) > 10
-    assert compiled[0] == python[0]  # every step's trees: tokens, parents, drawn flags, q
-    assert compiled[1] == python[1]
-    assert compiled[2] == python[2]  # the stores' entries and lookup counts
-    drafted = [t for step in compiled[0] for t in step if t.size > 1]
-    assert len(drafted) > 10
-    assert any(t.sampled[1] for t in drafted) == (temperature > 0)  # drawn under sampling
+def _twin_stores(rng: random.Random, zeros: bool = False) -> tuple[InMemoryNgramStore, ...]:
+    """Two in-process stores holding the same 150 random rows over 8 tokens (the second to be
+    indexed); `zeros`: some ids stored at probability 0."""
+    stores = InMemoryNgramStore(), InMemoryNgramStore()
+    for _ in range(150):
+        ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
+        ids = tuple(rng.sample(range(8), rng.randrange(1, 7 if zeros else 6)))
+        probs = tuple(rng.choice([0.0, rng.random()]) if zeros else rng.random() for _ in ids)
+        for store in stores:
+            store.add([NgramRow(ctx, ids, probs)])
+    return stores
 
 
 def test_random_stores_give_the_python_trees_through_noise_refills():
@@ -69,13 +36,7 @@ def test_random_stores_give_the_python_trees_through_noise_refills():
     rng = random.Random(3)
     refills = 0
     for trial in range(12):
-        plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
-        for _ in range(150):
-            ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
-            ids = tuple(rng.sample(range(8), rng.randrange(1, 6)))
-            row = NgramRow(ctx, ids, tuple(rng.random() for _ in ids))
-            plain.add([row])
-            indexed.add([row])
+        plain, indexed = _twin_stores(rng)
         cfg = StandDrafterConfig(tree="stand-625", num_nodes=24, noise_buffer=250)
         python = StandDrafter(cfg, plain, seed=trial)
         group = new_group(cfg)
@@ -114,11 +75,7 @@ def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
     in q), random budgets, trees of different sizes from two batches in one step."""
     rng = random.Random(11)
     for trial in range(20):
-        store = InMemoryNgramStore()
-        for _ in range(150):
-            ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
-            ids = tuple(rng.sample(range(8), rng.randrange(1, 7)))
-            store.add([NgramRow(ctx, ids, tuple(rng.choice([0.0, rng.random()]) for _ in ids))])
+        store = _twin_stores(rng, zeros=True)[1]
         cfg = StandDrafterConfig(tree="stand-625", num_nodes=24)
         group = new_group(cfg)
         group.bind(store.compiled())
@@ -147,13 +104,7 @@ def test_rows_of_one_group_read_as_much_noise_as_their_own_trees_can():
     small noise buffer beside a big one reads windows its own size, so its noise is the Python
     drafter's, refills included."""
     rng = random.Random(5)
-    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
-    for _ in range(150):
-        ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
-        ids = tuple(rng.sample(range(8), rng.randrange(1, 6)))
-        row = NgramRow(ctx, ids, tuple(rng.random() for _ in ids))
-        plain.add([row])
-        indexed.add([row])
+    plain, indexed = _twin_stores(rng)
     big = StandDrafterConfig(tree="stand-625", num_nodes=24, noise_buffer=4096)
     small = StandDrafterConfig(tree="stand-625", num_nodes=2, noise_buffer=30)
     assert compiled_applies(small, indexed)

@@ -13,7 +13,6 @@ import pytest
 
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
-from tests.unit.test_runner import run_three_problems
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
@@ -23,7 +22,6 @@ from tts_service.drafters.stand_dyn import (
     compiled_applies,
 )
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
-from tts_service.engine.batch import BatchDecoder
 
 
 @pytest.mark.parametrize("max_tokens", [1 << 17, 300])
@@ -43,49 +41,6 @@ def test_the_suffix_index_counts_as_suffix_counts(max_tokens):
         tail = docs[d][max(0, ends[d] - rng.randrange(1, 14)) : ends[d]]
         assert index.lookup(tail) == ref.lookup(tail)
     assert index.size == ref.size
-
-
-def _trees(tiny_model, monkeypatch, compiled: bool, temperature: float, sizing: str, grouped=True):
-    """Every step's trees and every trajectory's tokens: 3 problems x 3 trajectories of
-    different lengths on 4 rows, so rows join and leave. `grouped=False`: each compiled row
-    drafts alone (as under a wrapper that hides its group), one call per row."""
-    drafted: list[list[tuple]] = []
-    draft = BatchDecoder._draft
-
-    def record(self, batch, max_nodes, fill):
-        trees = draft(self, batch, max_nodes, fill)
-        drafted.append([(t.tokens, t.parents) for t in trees])
-        return trees
-
-    monkeypatch.setattr(BatchDecoder, "_draft", record)
-    calls = []
-    group_draft = StandDynGroup.draft_all
-    monkeypatch.setattr(
-        StandDynGroup, "draft_all", lambda self, m, c: calls.append(1) or group_draft(self, m, c)
-    )
-    if not grouped:
-        monkeypatch.setattr(CompiledStandDyn, "grouped", None)
-    cfg = StandDynDrafterConfig(num_nodes=12, sizing=sizing, compiled=compiled)
-    tokens, stats = run_three_problems(tiny_model, cfg, temperature)
-    assert bool(calls) == compiled  # the kernel drafted, one call a step for all rows
-    return drafted, tokens, stats
-
-
-@pytest.mark.parametrize(
-    ("temperature", "sizing", "grouped"),
-    [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],
-)
-def test_compiled_trees_equal_the_python_drafters(
-    tiny_model, monkeypatch, temperature, sizing, grouped
-):
-    python = _trees(tiny_model, monkeypatch, False, temperature, sizing)
-    monkeypatch.undo()
-    compiled = _trees(tiny_model, monkeypatch, True, temperature, sizing, grouped)
-    assert len(compiled[0]) == len(python[0]) > 10
-    assert compiled[0] == python[0]  # every step's trees, node for node
-    assert compiled[1] == python[1]
-    assert compiled[2] == python[2]  # the stores' entries and lookup counts
-    assert sum(len(t[0]) > 1 for step in compiled[0] for t in step) > 10  # trees were drafted
 
 
 def test_the_compiled_drafter_applies_where_its_trees_are_the_python_ones():
