@@ -60,6 +60,7 @@ from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine.allocate import SpeculationPlanner
+from tts_service.engine import collector
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
 from tts_service.engine.metrics import PHASES
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     # count happens to trigger one) otherwise land in some cells' measured steps
     gc.collect()
     gc.freeze()
+    collector.widen()  # as a runner host does once it is up (`startup.settle`)
     records = []
     load = os.getloadavg()[0]
     for method in args.method:

@@ -38,6 +38,7 @@ from tts_service.drafters.base import (
     draft_all,
 )
 from tts_service.engine.attention import use_grouped_attention
+from tts_service.engine.collector import collect_in_shadow
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import (
@@ -410,8 +411,10 @@ class BatchDecoder:
         marks.append(clock())
         logits = self._forward(ids, pos, mask, start)  # [R, N, V]
         marks.append(clock())
-        # the last step's deferred observation, while the device runs this forward
+        # the last step's deferred observation and the collector's pass, while the device runs
+        # this forward
         self.flush_observations()
+        collect_in_shadow()
         marks.append(clock())
         # 4-5. verify (on the device, one copy back) and accept
         if static is None:
