@@ -59,8 +59,8 @@ from bench.methods import with_fields
 from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DrafterConfig, method_drafter
-from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine import collector
+from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
 from tts_service.engine.metrics import PHASES

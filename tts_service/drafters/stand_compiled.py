@@ -31,6 +31,7 @@ from tts_service.drafters.stand import (
     feed_root,
     learned_nodes,
 )
+from tts_service.engine import walk_compiled
 from tts_service.engine.tree import (
     DraftTree,
     DrawnArrays,
@@ -309,6 +310,7 @@ def warm() -> int:
     tree = drafter.draft(DraftContext([1, 2, 3], 2, 8))
     topk = NodeTopK(np.zeros((tree.size, 2), np.int64), np.full((tree.size, 2), 0.5))
     drafter.observe(tree, Acceptance((), (), 0), topk)()
+    walk_compiled.warm()  # what verifies its drawn children on a GPU (`walk_sparse_all`)
     return tree.size
 
 

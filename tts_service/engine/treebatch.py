@@ -27,6 +27,7 @@ every row.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -386,11 +387,14 @@ def step_verdict(
     return verdict(tb, logits, store_probs(logits, cfg), k, uv)
 
 
-WALK_ALL_FROM = 8
+WALK_COMPILED = importlib.util.find_spec("numba") is not None
+"""`walk_sparse_all` runs compiled (`engine.walk_compiled`); else in array operations."""
+
+WALK_ALL_FROM = 4 if WALK_COMPILED else 8
 """Rows of rule (c) from which `walk_sparse_all` beats walking them one by one
-(`GatheredNodes`): its array operations cost a fixed ~0.5 ms per step, a row's own walk (the
-nodes it reaches only) ~0.15 ms (`bench.host`, stand at 8 nodes: 1 and 4 rows slower, 16 and
-64 faster)."""
+(`GatheredNodes`, ~0.15 ms a row: the nodes it reaches only). `bench.host`, stand at 8 nodes:
+compiled, ~0.1 ms slower at 1 row (the call's fixed cost), ~0.1 ms faster at 4; in array
+operations (a fixed ~0.5 ms a step) slower at 1 and 4 rows, faster at 16 and 64."""
 
 
 class GatheredNodes:
@@ -655,17 +659,47 @@ def _padded(flat: np.ndarray, sizes: np.ndarray, k: int, fill: float | None = No
 
 def walk_sparse_all(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
     """`verify.walk_sparse` for many trees at once (rules (b)-(d), sampled children included):
-    the host half of rule (c) on a GPU, from the step's one copy, in a fixed number of array
-    operations per sibling rank whatever the row count (numpy: on arrays this small an
-    operation costs a microsecond, a torch op several).
+    the host half of rule (c) on a GPU, from the step's one copy. `data` `[W, N, K + 4]` (on
+    the host) holds per node p on its support (`layout.ids`), p's mass outside it, a token
+    drawn from p outside it, and the node's uniforms u (accepting it as a child) and w (its
+    bonus), as `gather_sparse` gathers them.
 
-    `data` `[W, N, K + 4]` (on the host) holds per node p on its support (`layout.ids`), p's
-    mass outside it, a token drawn from p outside it, and the node's uniforms u (accepting it
-    as a child) and w (its bonus), as `gather_sparse` gathers them. A node's residual
-    after each of its children is rejected is known before the walk (the children are tried in
-    order, each rejection's residual a function of the last), so every node with children
-    steps through them at once, rank by rank; a row's walk then follows the first child each
-    node accepts and reads the bonus of the node it stops at."""
+    Compiled (`engine.walk_compiled`, the reference's arithmetic in one call for every row)
+    where numba is importable; else in array operations (`walk_sparse_arrays`)."""
+    if not WALK_COMPILED:
+        return walk_sparse_arrays(layout, data)
+    from tts_service.engine.walk_compiled import walk_rows
+
+    rows, n, _ = data.shape
+    kids, m = layout.kids, len(layout.parents)
+    m_of = np.full(rows * n, -1, np.int64)
+    m_of[layout.parents] = np.arange(m)
+    kid_node = np.full(kids.slot.size, -1, np.int64)
+    kid_node[layout.kid_at] = np.asarray(layout.kid_node, np.int64) % n
+    path = np.zeros((rows, n), np.int64)
+    plen, bonus = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    c = np.ascontiguousarray  # the layouts the kernel was compiled for (`walk_compiled.warm`)
+    walk_rows(
+        c(data, np.float64), c(layout.lens, np.int64), c(layout.ids, np.int64), m_of,
+        kid_node.reshape(kids.slot.shape), c(kids.slot, np.int64), c(kids.drawn, np.bool_),
+        c(kids.q, np.float64), path, plen, bonus,
+    )  # fmt: skip
+    out = []
+    steps_of, bonuses = plen.tolist(), bonus.tolist()
+    for b, (tree, steps, x) in enumerate(zip(layout.trees, steps_of, bonuses, strict=True)):
+        nodes = tuple(path[b, :steps].tolist())
+        out.append(Acceptance(nodes, tuple(tree.tokens[v] for v in nodes), x))
+    return out
+
+
+def walk_sparse_arrays(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
+    """`walk_sparse_all` without numba, in a fixed number of array operations per sibling
+    rank whatever the row count (numpy: on arrays this small an operation costs a microsecond,
+    a torch op several). A node's residual after each of its children is rejected is known
+    before the walk (the children are tried in order, each rejection's residual a function of
+    the last), so every node with children steps through them at once, rank by rank; a row's
+    walk then follows the first child each node accepts and reads the bonus of the node it
+    stops at."""
     rows, n, width = data.shape
     k = width - 4
     flat = data.reshape(rows * n, width)

@@ -26,6 +26,7 @@ from tts_service.engine.treebatch import (
     residual_mass,
     shape_rows,
     walk_sparse_all,
+    walk_sparse_arrays,
 )
 from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
 
@@ -250,11 +251,18 @@ def random_drawn_tree(rng: random.Random, p: torch.Tensor) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(q))
 
 
+WALKS = pytest.mark.parametrize(
+    "walk_all", [walk_sparse_all, walk_sparse_arrays], ids=["compiled", "arrays"]
+)
+
+
+@WALKS
 @pytest.mark.parametrize("seed", range(6))
-def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
-    """Rules (b)-(d) for every row at once (`walk_sparse_all`) commit exactly what
-    `verify.walk_sparse` commits row by row from the same p and uniforms, from the dense p
-    (the CPU path) or from the gathered copy (`GatheredNodes`, a GPU step with few rows)."""
+def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed, walk_all):
+    """Rules (b)-(d) for every row at once (`walk_sparse_all`: compiled, or in array operations
+    without numba) commit exactly what `verify.walk_sparse` commits row by row from the same p
+    and uniforms, from the dense p (the CPU path) or from the gathered copy (`GatheredNodes`, a
+    GPU step with few rows)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     drawn_accepted = 0
     for _ in range(30):
@@ -266,7 +274,7 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
         uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
         layout = SparseLayout.of(trees, n)
         data = gather_sparse(p, layout, *uvw)
-        got = walk_sparse_all(layout, data.numpy())
+        got = walk_all(layout, data.numpy())
         for b, tree in enumerate(trees):
             nodes = GatheredNodes(layout, data.numpy(), b)  # the few-rows path: row by row
             assert walk_sparse(tree, nodes, nodes.u, nodes.w) == got[b]
@@ -279,8 +287,9 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
     assert drawn_accepted > 20  # drawn children were accepted, not only root bonuses drawn
 
 
+@WALKS
 @pytest.mark.parametrize("seed", range(4))
-def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed):
+def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed, walk_all):
     """A captured step's rule (c) (`step_verdict_walked`): the walked rows' supports at a power-
     of-two width (`SparseLayout.of(bucket=True)`), placed in the bucket (`supports`, every other
     row empty) and gathered for every row (`gather_support`): the walked rows read exactly what
@@ -302,7 +311,7 @@ def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed):
         at = torch.tensor(walked)
         alone = gather_sparse(p[at], layout, *(x[at] for x in uvw)).numpy()
         assert np.array_equal(data, alone)
-        got = walk_sparse_all(layout, data)
+        got = walk_all(layout, data)
         for i, (b, tree) in enumerate(zip(walked, trees, strict=True)):
             supports = [node_support(tree, j) for j in range(tree.size)]
             u, v, w = (x[b].tolist() for x in uvw)
