@@ -35,7 +35,10 @@ the next (joins excluded: a prefill is a forward), split by the decoder's phases
 runner's own work between steps: with `--speculation cost`, `auto`'s planner deciding each
 step over a 7B's roofline on one H100, at most `--nodes` per row, at this host's measured
 drafting cost, its surface untaught (`measure`)); and `ops_per_step`, the torch ops
-dispatched per step outside the forward (torch.profiler, top-level aten ops).
+dispatched per step outside the forward (torch.profiler, top-level aten ops); and
+`collector_passes_per_step`, the cyclic collector's passes in the measured steps (the young
+budget widened as a runner host widens it, `engine.collector`: its passes then run in the
+forward's shadow, counted in `overlap_ms_per_step`).
 """
 
 from __future__ import annotations
@@ -316,9 +319,14 @@ def measure(
     replay0 = replay_seconds(dec)
     drafted0, rows0 = dec.forwards.draft_nodes, dec.forwards.row_forwards
     tokens0 = dec.forwards.new_tokens
+    passes = []  # the collector's, in the measured steps (`engine.collector`)
+    gc.callbacks.append(on_pass := lambda phase, info: passes.append(phase == "start"))
     t0 = time.perf_counter()
-    for _ in range(steps):
-        runner.tick()
+    try:
+        for _ in range(steps):
+            runner.tick()
+    finally:
+        gc.callbacks.remove(on_pass)
     wall = time.perf_counter() - t0 - (dec.join_s - join0)
     done = dec.phases.steps - steps0
     split = {k: (dec.phases.seconds[k] - phases0[k]) * 1e3 / done for k in PHASES}
@@ -355,6 +363,7 @@ def measure(
         "graph_ms": round(graph_ms, 3),
         "captures": dec.accept_graphs.captures if dec.accept_graphs is not None else 0,
         "ops_per_step": round(ops, 1),
+        "collector_passes_per_step": round(sum(passes) / done, 3),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
     }
 

@@ -390,11 +390,11 @@ def step_verdict(
 WALK_COMPILED = importlib.util.find_spec("numba") is not None
 """`walk_sparse_all` runs compiled (`engine.walk_compiled`); else in array operations."""
 
-WALK_ALL_FROM = 4 if WALK_COMPILED else 8
+WALK_ALL_FROM = 1 if WALK_COMPILED else 8
 """Rows of rule (c) from which `walk_sparse_all` beats walking them one by one
-(`GatheredNodes`, ~0.15 ms a row: the nodes it reaches only). `bench.host`, stand at 8 nodes:
-compiled, ~0.1 ms slower at 1 row (the call's fixed cost), ~0.1 ms faster at 4; in array
-operations (a fixed ~0.5 ms a step) slower at 1 and 4 rows, faster at 16 and 64."""
+(`GatheredNodes`: the nodes each walk reaches only). `bench.host`, stand at 8 nodes: compiled
+(0.03 ms at 4 walked rows, `bench.walk`), the same verify time at 1 row and less at 4; in array
+operations (a fixed ~0.25–0.5 ms a step) slower at 1 and 4 rows, faster at 16 and 64."""
 
 
 class GatheredNodes:
