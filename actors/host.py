@@ -20,6 +20,7 @@ from store.memory import InMemoryNgramStore
 from tts_service import startup
 from tts_service.config import SamplingConfig, default_max_rows
 from tts_service.drafters.registry import DrafterConfig
+from tts_service.engine import collector
 from tts_service.engine.decode import GenerationOutput
 from tts_service.engine.scoring import TokenLogprobs, score_tokens
 from tts_service.runner import (
@@ -72,6 +73,7 @@ class RunnerHost:
         self.global_store = open_global_store(self.store_cfg, store_url)  # across problems
         self.scratch = InMemoryNgramStore()  # single generations' (`generate`)
         startup.settle()  # the process is up: what it made so far is frozen out of the collector
+        collector.widen()  # and its passes run in the forwards' shadow (`engine.collector`)
 
     # -- stores ---------------------------------------------------------------------------
     def rows_running(self) -> int:

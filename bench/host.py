@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     # count happens to trigger one) otherwise land in some cells' measured steps
     gc.collect()
     gc.freeze()
-    collector.widen()  # as a runner host does once it is up (`startup.settle`)
+    collector.widen()  # as a runner host does once it is up (`actors.host.RunnerHost`)
     records = []
     load = os.getloadavg()[0]
     for method in args.method:

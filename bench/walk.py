@@ -5,8 +5,10 @@
 Runs `bench.host`'s `stand` cells (sampled trees at 8 nodes, the acceptance captured) and keeps
 every step's walked layout and copy (`treebatch.walk_sparse_all`'s inputs); then times the
 compiled walk (`engine.walk_compiled`) and the array version (`treebatch.walk_sparse_arrays`)
-on them, alternately, each result checked equal to the other's. Writes one record per row
-count: {rows, walked, steps, arrays_ms, compiled_ms} (medians over the steps and 5 rounds).
+on them, alternately, and counts the steps whose walks differ (the compiled walk is the
+reference's arithmetic exactly; the array version sums in numpy's order, equal but for a
+rounding at a boundary). Writes one record per row count: {rows, walked, steps, arrays_ms,
+compiled_ms, differ} (times: medians over the steps and 5 rounds).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def captured(rows: int, steps: int) -> list[tuple[SparseLayout, np.ndarray]]:
 def measure(rows: int, steps: int) -> dict:
     """One row count's record: both walks timed on a `stand` cell's steps, alternately."""
     seen = captured(rows, steps)
-    arrays, compiled = [], []
+    arrays, compiled, differ = [], [], 0
     for _ in range(ROUNDS):
         for layout, data in seen:
             t0 = time.perf_counter()
@@ -56,7 +58,7 @@ def measure(rows: int, steps: int) -> dict:
             t1 = time.perf_counter()
             c = walk_sparse_all(layout, data)
             t2 = time.perf_counter()
-            assert a == c, "the two walks disagree"
+            differ += a != c
             arrays.append(t1 - t0)
             compiled.append(t2 - t1)
     return {
@@ -65,6 +67,7 @@ def measure(rows: int, steps: int) -> dict:
         "steps": len(seen),
         "arrays_ms": round(statistics.median(arrays) * 1e3, 3),
         "compiled_ms": round(statistics.median(compiled) * 1e3, 3),
+        "differ": differ // ROUNDS,
     }
 
 
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         records.append(rec)
         print(
             f"rows {rows:3d} ({rec['walked']} walked, {rec['steps']} steps): arrays "
-            f"{rec['arrays_ms']:.3f} ms, compiled {rec['compiled_ms']:.3f} ms",
+            f"{rec['arrays_ms']:.3f} ms, compiled {rec['compiled_ms']:.3f} ms, "
+            f"{rec['differ']} differ",
             flush=True,
         )
         if args.json:  # as it goes

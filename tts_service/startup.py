@@ -17,8 +17,6 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tts_service.engine import collector
-
 _held = False
 _frozen = False
 
@@ -59,7 +57,6 @@ def settle() -> None:
             gc.collect()
             gc.freeze()
             _frozen = True
-        collector.widen()
         gc.enable()
         _held = False
 

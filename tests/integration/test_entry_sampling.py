@@ -26,6 +26,7 @@ from tests.conftest import FLAT_COST, save_tiny_model
 from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
+from tts_service.engine import collector
 from tts_service.engine.cost import CostModel
 from tts_service.engine.sampling import target_probs
 from tts_service.generation import Generator
@@ -160,6 +161,7 @@ def test_the_actor_samples_exactly(model_dir, exact, skewed_problem_stores, meth
     )
     actor = GeneratorActor(cfg)
     assert gc.isenabled()  # the host settled what the actor's start held (`startup`)
+    assert gc.get_threshold()[0] >= collector.YOUNG  # and widened its young budget
     samples = []
     for first in range(0, SAMPLES, batch):
         records = actor.run("job", f"p{first}", QUESTION, list(range(first, first + batch)))

@@ -1,19 +1,24 @@
 """The cyclic collector's passes moved off the decode step's critical path.
 
 A decode step makes thousands of short-lived container objects (trees, their nodes' tuples,
-acceptances, the observations deferred to the next step): ~9,000 more made than freed per step
-at 64 rows. CPython runs a young pass every 700 of those, so a 64-row step ran ~13 young passes
-and one middle pass, ~2 ms a step on the host between two forwards, at no fixed point of it.
+acceptances, the observations deferred to the next step). Most are freed within the step, but
+at its peak a step holds more than CPython's young budget (700 allocations net of frees), so
+a young pass fell between two forwards wherever a step's allocations peaked: 1.7 passes a step
+for `stand` at 64 rows and 8 nodes (`bench.host`), ~0.2 ms of host time a step in the
+`observe` phase alone.
 
-A runner host, once up (`startup.settle`), widens the young budget (`widen`: a pass per
-`YOUNG` allocations) and the decoder runs the pass itself while the device computes the
-forward (`collect_in_shadow`, beside the deferred observation): once half the budget is spent,
-so that one step's allocations never reach the automatic trigger between two forwards. A wide
-young generation is also cheaper: an object born and freed between two passes is never
-scanned, and most of a step's are. The pass is the one CPython would run next (the oldest
-generation whose count passed its threshold), so every generation is still collected and
-cyclic garbage is freed, in a long-running replica too; without its full-pass ratio, a full
-pass runs every 121 young ones (every few hundred steps at 64 rows), in the shadow.
+A runner host, once up, widens the young budget (`widen`: a pass per `YOUNG` allocations), and
+the decoder runs the pass itself while the device computes the forward (`collect_in_shadow`,
+beside the deferred observation), once half the budget is spent: a step ends only a few
+hundred allocations above where it started, and its peak stays far below the half left, so
+the automatic trigger is never reached between two forwards. The pass is the one CPython would
+run next (the oldest generation whose count passed its threshold), so every generation is
+still collected and cyclic garbage is freed, in a long-running replica too. CPython's other
+condition for a full pass (the long-lived objects grown by a quarter since the last) cannot be
+read from Python, so a full pass runs every 121 young ones instead: at a few hundred
+allocations a step, tens of thousands of steps apart. A full pass scans every object not
+frozen at start-up (a replica's growing stores among them) and may take longer than a forward;
+it is the only pass that can still hold a step up, and it comes no more often than this.
 """
 
 from __future__ import annotations
