@@ -50,7 +50,7 @@ from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbe
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
-from tts_service.engine.verify import Acceptance
+from tts_service.engine.verify import Acceptance, ordered_sum
 
 SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2, 1)
 MIN_SUFFIX = 4  # shorter suffix matches are the store's job
@@ -214,7 +214,7 @@ class StandDynDrafter:
         if longest is not None:
             shorter = self.store.lookup(tail[-longest.order + 1 :]) if longest.order > 1 else None
             base = KINDS[STORE][longest.order][min(longest.count, 4)]
-            inv = 1.0 / (sum(longest.probs) or 1.0)
+            inv = 1.0 / (ordered_sum(longest.probs) or 1.0)
             for token, p in zip(longest.ids, longest.probs, strict=True):
                 if p > 0:
                     found[token] = (base + (named if token in counts else absent), p * inv)
@@ -224,7 +224,7 @@ class StandDynDrafter:
                     kind, q = found[top]
                     found[top] = (kind + AGREE, q)
                 base = KINDS[BACKOFF][shorter.order][min(shorter.count, 4)]
-                inv = 1.0 / (sum(shorter.probs) or 1.0)
+                inv = 1.0 / (ordered_sum(shorter.probs) or 1.0)
                 for token, p in zip(shorter.ids, shorter.probs, strict=True):
                     if p > 0 and token not in found:
                         found[token] = (base + (named if token in counts else absent), p * inv)
@@ -254,7 +254,7 @@ class StandDynDrafter:
         top = max(entry.probs, default=0.0)
         if top <= 0:
             return None
-        inv = 1.0 / sum(entry.probs)  # as `drawn_plan` normalises (its zeros add nothing)
+        inv = 1.0 / ordered_sum(entry.probs)  # as `drawn_plan` normalises (its zeros add nothing)
         return self.calibration.negated(KINDS[DRAWN][entry.order][min(entry.count, 4)], top * inv)
 
     def drawn_plan(self, entry: NgramEntry) -> tuple[list[Candidate], SparseDist]:
@@ -267,7 +267,7 @@ class StandDynDrafter:
         pairs = [(i, p) for i, p in zip(entry.ids, entry.probs, strict=True) if p > 0]
         ids, probs = [i for i, _ in pairs], [p for _, p in pairs]
         order = gumbel_top_k(ids, probs, len(ids), self.noise.take(len(ids)))
-        inv = 1.0 / sum(probs)
+        inv = 1.0 / ordered_sum(probs)
         ranked = sorted((p * inv for p in probs), reverse=True)
         base = KINDS[DRAWN][entry.order][min(entry.count, 4)]
         slots = zip(order, ranked, strict=True)

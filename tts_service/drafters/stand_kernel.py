@@ -271,7 +271,7 @@ def _worth_growing(xs, ys, tree_tokens: int, expected: float, alpha: float, most
 @njit(cache=True, inline="always")
 def _inverse_mass(probs, s: int, n: int) -> float:
     """1 / the sum of row `s`'s first n probabilities (1 if it is 0), summed in order as
-    Python's `sum` does."""
+    the Python drafter sums them (`verify.ordered_sum`)."""
     total = 0.0
     for j in range(n):
         total += probs[s, j]

@@ -24,8 +24,10 @@ The engine verifies a whole batch at once: rules (a) and (b) on the device
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import reduce
+from operator import add
 from typing import Protocol
 
 import torch
@@ -236,6 +238,13 @@ class SparseNode:
     outside: int
 
 
+def ordered_sum(values: Iterable[float]) -> float:
+    """Floats added left to right: the order the compiled kernels (`walk_compiled`,
+    `stand_kernel`) add them in. From Python 3.12 the built-in `sum` compensates its rounding,
+    which would leave this reference a last bit away from them."""
+    return reduce(add, values, 0.0)
+
+
 Residual = tuple[dict[int, float], float]
 """A residual on the host: explicit values on a node's support, and the scale `c` of p
 outside it (`mass_out` × c is the outside's share); normalised, the values and c·mass_out sum
@@ -244,7 +253,7 @@ to 1."""
 
 def _normalised(r: Residual, mass_out: float) -> Residual:
     values, c = r
-    total = sum(values.values()) + c * mass_out
+    total = ordered_sum(values.values()) + c * mass_out
     if total <= _TINY:
         return r
     return {s: v / total for s, v in values.items()}, c / total
@@ -264,7 +273,7 @@ def sparse_rrs_step(
     values, c = _normalised(r, mass_out)
     accept = min(1.0, values[x] / qi[x]) if qi.get(x, 0.0) > 0 else 0.0
     rest = {s: max(0.0, v - qi.get(s, 0.0)) for s, v in values.items()}
-    if sum(rest.values()) + c * mass_out <= _TINY:  # r == q_i: every draft is accepted
+    if ordered_sum(rest.values()) + c * mass_out <= _TINY:  # r == q_i: every draft is accepted
         return 1.0, (values, c)
     return accept, (rest, c)
 
@@ -342,14 +351,14 @@ def _child_step(
 def _without(q: SparseDist, excluded: list[int]) -> dict[int, float]:
     """`proposal` on the host: q without `excluded`, renormalised (empty if nothing is left)."""
     left = {i: p for i, p in zip(q.ids, q.probs, strict=True) if i not in excluded}
-    total = sum(left.values())
+    total = ordered_sum(left.values())
     return {i: p / total for i, p in left.items()} if total > 0 else {}
 
 
 def _draw(r: dict[int, float], outside_mass: float, w: float, outside: int) -> int:
     """A token from the residual `r` on the support plus `outside_mass` spread as p outside it
     (`outside` was drawn from that part), at the uniform `w`."""
-    total = sum(r.values()) + outside_mass
+    total = ordered_sum(r.values()) + outside_mass
     x, cum, last = w * total, 0.0, None
     for token, v in r.items():
         if v > 0:

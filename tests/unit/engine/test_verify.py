@@ -3,6 +3,8 @@ verifier on a small vocabulary and compare the emitted distribution with p."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from tts_service.engine.verify import (
     accept_greedy,
     accept_match,
     draw_match,
+    ordered_sum,
     proposal,
     rrs_step,
     sample_and_match_step,
@@ -367,3 +370,12 @@ def test_expected_length_is_the_mean_of_the_walks(seed):
         lengths.mean(),
         want,
     )
+
+
+def test_the_reference_adds_floats_in_order_whatever_the_python():
+    """The host walks' sums are left to right, as the compiled kernels add (Python 3.12's `sum`
+    compensates: 1 + 1e-16 + 1e-16 would read one ulp above 1)."""
+    values = [1.0, 1e-16, 1e-16]
+    assert ordered_sum(values) == 1.0 and math.fsum(values) > 1.0
+    assert ordered_sum([]) == 0.0
+    assert ordered_sum(x / 10 for x in range(4)) == ((0.0 + 0.1) + 0.2) + 0.3
