@@ -47,21 +47,31 @@ def test_widen_widens_the_young_budget_and_never_narrows_it(thresholds):
 
 
 def test_the_shadow_pass_waits_for_half_the_young_budget(thresholds):
-    gc.set_threshold(4000, 10, 10)
+    half = collector.YOUNG // 2
+    gc.set_threshold(collector.YOUNG, 10, 10)
     gc.collect()  # every count zero
     assert collector.collect_in_shadow() is None  # nothing spent yet
-    kept = spend(2100)
-    assert gc.get_count()[0] >= 2000
+    kept = spend(half + 100)
+    assert gc.get_count()[0] >= half
     assert collector.collect_in_shadow() == 0
-    assert gc.get_count()[0] < 100 and len(kept) == 2100
+    assert gc.get_count()[0] < 100 and len(kept) == half + 100
+
+
+def test_no_shadow_pass_under_cpythons_own_budget(thresholds):
+    """Not widened (a process no runner host runs in), the automatic passes are the only ones."""
+    gc.set_threshold(4000, 10, 10)
+    gc.collect()
+    kept = spend(3000)
+    assert gc.get_count()[0] >= 2000
+    assert collector.collect_in_shadow() is None and len(kept) == 3000
 
 
 def test_the_shadow_pass_is_the_generation_cpython_would_collect_next(thresholds):
-    gc.set_threshold(400, 3, 2)
+    gc.set_threshold(collector.YOUNG, 3, 2)
     gc.collect()  # every count zero
     seen = []
     for _ in range(20):
-        kept = spend(250)
+        kept = spend(collector.YOUNG // 2 + 100)
         seen.append(collector.collect_in_shadow())
         del kept
     # a middle pass once more than 3 young ones ran; a full one, at the next pass, once more
@@ -70,10 +80,10 @@ def test_the_shadow_pass_is_the_generation_cpython_would_collect_next(thresholds
 
 
 def test_no_pass_while_the_collector_is_off(thresholds):
-    gc.set_threshold(400, 10, 10)
+    gc.set_threshold(collector.YOUNG, 10, 10)
     gc.disable()
-    kept = spend(1000)
-    assert collector.collect_in_shadow() is None and len(kept) == 1000
+    kept = spend(collector.YOUNG // 2 + 100)
+    assert collector.collect_in_shadow() is None and len(kept) == collector.YOUNG // 2 + 100
 
 
 def test_a_decode_runs_its_passes_in_the_forwards_shadow(thresholds, monkeypatch):
@@ -116,11 +126,12 @@ def test_a_decode_runs_its_passes_in_the_forwards_shadow(thresholds, monkeypatch
 
     monkeypatch.setattr(batch_module, "collect_in_shadow", in_shadow)
     monkeypatch.setattr(BatchDecoder, "step", stepping)
-    gc.set_threshold(3000, 10, 10)
+    gc.set_threshold(collector.YOUNG, 10, 10)  # as a runner host widens it
     gc.collect()  # every count zero: nothing earlier tests left counts toward a pass
+    kept = spend(collector.YOUNG // 2)  # half the budget spent: the first step's shadow passes
     gc.callbacks.append(record)
     try:
         assert decode() == expected
     finally:
         gc.callbacks.remove(record)
-    assert "shadow" in where and "step" not in where
+    assert "shadow" in where and "step" not in where and len(kept) == collector.YOUNG // 2
