@@ -35,7 +35,10 @@ the next (joins excluded: a prefill is a forward), split by the decoder's phases
 runner's own work between steps: with `--speculation cost`, `auto`'s planner deciding each
 step over a 7B's roofline on one H100, at most `--nodes` per row, at this host's measured
 drafting cost, its surface untaught (`measure`)); and `ops_per_step`, the torch ops
-dispatched per step outside the forward (torch.profiler, top-level aten ops); and
+dispatched per step outside the forward (torch.profiler, top-level aten ops), of which
+`leave_ops_per_step` moved rows up as finished ones left the batch (`leaves_per_step` such
+moves: the logged responses are short, so rows leave far more often than over a reasoning
+trace thousands of tokens long, and how often grows with the rows); and
 `collector_passes_per_step`, the cyclic collector's passes in the measured steps (the young
 budget widened as a runner host widens it, `engine.collector`: its passes then run in the
 forward's shadow, counted in `overlap_ms_per_step`).
@@ -146,6 +149,7 @@ class StandInDecoder(BatchDecoder):
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
         self._depths = torch.zeros(0, 0, dtype=torch.long)
         self.join_s = 0.0
+        self.leaves = 0  # rows taken out of the batch, one call a step at most
 
     def join(self, rows: list[Row]) -> None:
         t0 = time.perf_counter()
@@ -174,6 +178,11 @@ class StandInDecoder(BatchDecoder):
     def flush_observations(self) -> None:
         with torch.profiler.record_function("overlap"):
             super().flush_observations()
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        self.leaves += 1
+        with torch.profiler.record_function("leave"):
+            super()._keep_rows(keep)
 
     def drop(self, rows: list[Row]) -> None:
         super().drop(rows)
@@ -336,11 +345,13 @@ def measure(
     host_ms = wall * 1e3 / done - forward_ms - overlap_ms - graph_ms
     split["runner"] = host_ms - sum(split.values())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        s0 = dec.phases.steps
+        s0, leaves0 = dec.phases.steps, dec.leaves
         for _ in range(max(steps // 4, 4)):
             runner.tick()
-        profiled = dec.phases.steps - s0
-    ops = top_level_ops(prof, ("forward", "join", "overlap", "graph")) / profiled
+        profiled, leaves = dec.phases.steps - s0, dec.leaves - leaves0
+    device_work = ("forward", "join", "overlap", "graph")
+    ops = top_level_ops(prof, device_work) / profiled
+    leave_ops = ops - top_level_ops(prof, (*device_work, "leave")) / profiled
     f = dec.forwards
     return {
         "rows": rows,
@@ -363,6 +374,8 @@ def measure(
         "graph_ms": round(graph_ms, 3),
         "captures": dec.accept_graphs.captures if dec.accept_graphs is not None else 0,
         "ops_per_step": round(ops, 1),
+        "leave_ops_per_step": round(leave_ops, 1),
+        "leaves_per_step": round(leaves / profiled, 2),
         "collector_passes_per_step": round(sum(passes) / done, 3),
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
     }
@@ -453,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                 split = " ".join(f"{k} {v:.2f}" for k, v in rec["split_ms"].items())
                 print(
                     f"{method:10s} rows {rows:3d} nodes {nodes:3d}: "
-                    f"{rec['host_ms_per_step']:8.2f} ms/step  {rec['ops_per_step']:6.0f} ops  "
+                    f"{rec['host_ms_per_step']:8.2f} ms/step  {rec['ops_per_step']:6.0f} ops "
+                    f"({rec['leave_ops_per_step']:.0f} in leaves)  "
                     f"AL {rec['acceptance_length']:.2f} "
                     f"[{split}]",
                     flush=True,

@@ -36,7 +36,7 @@ GPU_COUNTS = (1, 2, 4, 8)
 ROWS = (16, 64)
 CONTEXTS = (4096, 16384)
 ROOT = Path(__file__).resolve().parents[1]
-HOST_JSON = ROOT / "bench/results/host.json"
+HOST_JSON = ROOT / "bench/results/host-graph.json"  # the acceptance captured, as on CUDA
 ACCEPTANCE_JSON = ROOT / "bench/results/acceptance-heldout.json"
 HELDOUT_LOG = ROOT / "bench/trajectories-heldout-smollm2.jsonl.gz"
 

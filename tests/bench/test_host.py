@@ -50,3 +50,14 @@ def test_the_captured_acceptance_is_counted_as_device_work():
     assert (eager["captures"], eager["graph_ms"]) == (0, 0)
     assert captured["ops_per_step"] < eager["ops_per_step"] - 30
     assert captured["acceptance_length"] == eager["acceptance_length"]
+
+
+def test_rows_leaving_are_counted_apart_from_the_steps_own_ops():
+    """`leave_ops_per_step`: the ops that moved rows up as finished ones left, a part of
+    `ops_per_step` that only steps with a leave have (the logged responses are short, so rows
+    leave often here); a step's own ops stay where a batch with no leave has them."""
+    problems = host.fold(host.read_problems(host.LOG)[:2], 64)  # responses of ~100 tokens
+    rec = host.measure(problems, 64, 16, 8, "stand", 80, 0.6, graph_acceptance=True)
+    assert rec["leaves_per_step"] > 0  # rows finished inside the profiled steps (88-108)
+    assert 0 < rec["leave_ops_per_step"] < rec["ops_per_step"]
+    assert rec["ops_per_step"] - rec["leave_ops_per_step"] <= 40
