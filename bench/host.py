@@ -149,7 +149,7 @@ class StandInDecoder(BatchDecoder):
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
         self._depths = torch.zeros(0, 0, dtype=torch.long)
         self.join_s = 0.0
-        self.leaves = 0  # rows taken out of the batch, one call a step at most
+        self.leaves = 0  # moves of rows up as rows left: a step's finished ones, or a drop
 
     def join(self, rows: list[Row]) -> None:
         t0 = time.perf_counter()

@@ -71,11 +71,14 @@ def tiny_llama(
     dtype=torch.float64,
     scale: float = 1.0,
     family: str = "llama",
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
 ):
     """A seeded random Llama (or Qwen2, `family="qwen2"`); float64 keeps greedy ties out of the
     way (docs/design.md, "Testing exactness").
 
-    `scale` multiplies the lm_head so the distributions are peaked enough to be interesting.
+    `scale` multiplies the lm_head so the distributions are peaked enough to be interesting;
+    a wider `hidden_size` / `intermediate_size` makes a forward's cost grow with its tokens.
     """
     torch.manual_seed(seed)
     config_cls, model_cls = {
@@ -84,8 +87,8 @@ def tiny_llama(
     }[family]
     cfg = config_cls(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
