@@ -56,6 +56,8 @@ DRAFTER_CONFIGS = {
     "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
     # `stand-dyn` drafts compiled (stand_kernel); the Python drafter stays in every harness
     "stand-dyn-python": StandDynDrafterConfig(num_nodes=48, compiled=False),
+    # drawn children compiled (`auto` on a CPU draws them in Python)
+    "stand-dyn-drawn": StandDynDrafterConfig(num_nodes=48, drawn=True),
     # `stand` drafts in Python on a CPU (the registry's preset); its compiled drafter too
     "stand-compiled": StandDrafterConfig(num_nodes=16, tree="stand-625", compiled=True),
 }

@@ -98,10 +98,18 @@ def _compiled_cases() -> dict[str, tuple]:
             CompiledStandDyn,
             False,
         ),
+        "stand-dyn-drawn": (
+            lambda compiled, sizing: StandDynDrafterConfig(
+                num_nodes=12, sizing=sizing, compiled=compiled, drawn=True, noise_buffer=130
+            ),  # the least noise a buffer may hold for 12 nodes: it refills every step or two
+            (StandDynGroup, "draft_all"),
+            CompiledStandDyn,
+            True,
+        ),
     }
 
 
-@pytest.mark.parametrize("method", ["stand", "stand-dyn"])
+@pytest.mark.parametrize("method", ["stand", "stand-dyn", "stand-dyn-drawn"])
 @pytest.mark.parametrize(
     ("temperature", "sizing", "grouped"),
     [(0.0, "fixed", True), (1.0, "fixed", True), (1.0, "gt", True), (1.0, "fixed", False)],

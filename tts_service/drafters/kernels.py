@@ -28,7 +28,7 @@ def kernels_of(cfg: DrafterConfig) -> str | None:
     and then the load was for nothing but time beside the model's)."""
     if isinstance(cfg, StandDrafterConfig) and cfg.kind == "stand" and cfg.compiled:
         return STAND  # not `stand_spine` (its config's subclass), which drafts in Python
-    if isinstance(cfg, StandDynDrafterConfig) and cfg.compiled and not cfg.drawn:
+    if isinstance(cfg, StandDynDrafterConfig) and cfg.compiled:
         return STAND_DYN
     return None
 

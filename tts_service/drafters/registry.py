@@ -127,11 +127,13 @@ REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.d
 AUTO_METHOD = {"cpu": "stand-dyn", "cuda": "stand-dyn"}
 """What `auto` runs per device type (docs/benchmarks.md, "Every method" and §9): the same
 method everywhere; the measured verify cost sizes its trees for the device."""
-AUTO_FIELDS: dict[str, dict[str, Any]] = {"cpu": {"drawn": True}, "cuda": {}}
+AUTO_FIELDS: dict[str, dict[str, Any]] = {"cpu": {"drawn": True, "compiled": False}, "cuda": {}}
 """`auto`'s drafter fields per device type, beneath the user's preset (docs/benchmarks.md §17):
 on a CPU, children drawn from the stored distribution under sampling (more tokens per forward
-at T = 1.0, the same speed at T = 0.6, nothing under greedy); on a GPU the host walk of drawn
-rows costs more verify time than they gain there (§14), so not yet."""
+at T = 1.0, the same speed at T = 0.6, nothing under greedy), drafted in Python (the kernels'
+load would cost a CPU run more than they save beside 30-100 ms forwards, and a CPU model load
+imports no numba); on a GPU the host walk of drawn rows costs more verify time than they gain
+there (§14), so not yet."""
 DEVICE_FIELDS: dict[str, dict[str, dict[str, Any]]] = {"stand": {"cpu": {"compiled": False}}}
 """A drafter kind's fields per device type, beneath the user's preset: on a CPU `stand` drafts
 in Python, where its compiled drafter saves ~1% of a step (a forward costs 30-100 ms) and its

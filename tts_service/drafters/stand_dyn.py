@@ -82,8 +82,9 @@ class StandDynDrafterConfig(StrictConfig):
     compiled: bool = Field(
         True,
         description="Draft with the compiled kernel (`stand_kernel`, numba) where it applies: "
-        "deterministic children (`drawn` off) over an in-process store. The same trees as the "
-        "Python drafter, a fraction of the host time; elsewhere the Python drafter runs.",
+        "an in-process store (and, with `drawn`, a noise buffer of (num_nodes + 1) x the store's "
+        "top-k). The same trees as the Python drafter, a fraction of the host time; elsewhere "
+        "the Python drafter runs.",
     )
 
 
@@ -399,9 +400,12 @@ COMPILED_GROUP: Shared[StandDynDrafterConfig, object] = Shared(
 
 
 def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
-    """Whether `stand_kernel` may draft for `cfg` over `store`: asked for, deterministic
-    children, an in-process store (one that can index itself), and numba importable."""
-    if not cfg.compiled or cfg.drawn or not isinstance(store, IndexedStore):
+    """Whether `stand_kernel` may draft for `cfg` over `store`: asked for, an in-process store
+    (one that can index itself), with `drawn` a noise buffer that holds what a step can read
+    (every node opened, every stored id drawn), and numba importable."""
+    if not cfg.compiled or not isinstance(store, IndexedStore):
+        return False
+    if cfg.drawn and cfg.noise_buffer < (cfg.num_nodes + 1) * store.topk:
         return False
     return importlib.util.find_spec("numba") is not None
 
@@ -415,7 +419,7 @@ def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
 
         group = env.shared(COMPILED_GROUP, cfg)
         group.bind(index, *env.shared(COMPILED_MODEL, cfg))
-        return CompiledStandDyn(cfg.num_nodes, cfg.harvest_rejected, store, group, cost)
+        return CompiledStandDyn(cfg, store, group, cost, env.seed)
     successors, calibration = env.shared(MODEL_STATE, cfg)
     counts = env.shared(SUFFIX_COUNTS, cfg)
     return StandDynDrafter(cfg, store, counts, successors, calibration, cost, env.seed)

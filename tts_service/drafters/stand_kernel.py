@@ -10,18 +10,22 @@ interpreter:
 * the successor table's unigram tier (`SuccessorIndex`, `AdjacencyTable` as `stand-dyn` uses
   it) and the calibration (`CalibrationIndex`, `AcceptanceCalibration`'s lines), per model.
 
-`draft_tree` is `StandDynDrafter.draft` with deterministic children (`drawn` off, or greedy)
-statement for statement: the same candidates, rates, heap order and stopping rule, so a tree
-is identical to the Python drafter's, node for node (tests compare them through the runner).
-Where it does not apply (children drawn, a Redis or tiered store, numba missing) the Python
-drafter runs (`stand_dyn._build`). Kernels are cached on disk (`cache=True`): the first run
-after an install compiles them (`python -m tts_service.drafters.stand_kernel` does it ahead,
-`scripts/setup.sh` runs it); later processes load them.
+`draft_tree` is `StandDynDrafter.draft` statement for statement: the same candidates, rates,
+heap order and stopping rule, and with `drawn` (under sampling) the same choice of which nodes
+draw their children, drawn from the row's own `GumbelNoise` in the same order (a step reads a
+window of it, as `stand_compiled` does, and says how far it read), so a tree is identical to
+the Python drafter's, node for node, its drawn flags and q included (tests compare them
+through the runner). Where it does not apply (a Redis or tiered store, a noise buffer smaller
+than a step can read, numba missing) the Python drafter runs (`stand_dyn._build`). Kernels are
+cached on disk (`cache=True`): the first run after an install compiles them (`python -m
+tts_service.drafters.stand_kernel` does it ahead, `scripts/setup.sh` runs it); later processes
+load them.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,15 +35,16 @@ from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
-from tts_service.drafters.stand import feed_index, feed_root, learned_nodes
+from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
+from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
-from tts_service.engine.tree import DraftTree
+from tts_service.engine.tree import DraftTree, SparseDist
 from tts_service.engine.verify import Acceptance
 
 TAIL = 12  # tokens of context a node keeps (stand_dyn.TAIL)
 ORDERS = np.array((12, 8, 6, 5, 4, 3, 2, 1), np.int64)  # stand_dyn.SUFFIX_ORDERS
 MIN_SUFFIX = 4
-STORE, BACKOFF, SUFFIX, SUCCESSOR = range(4)
+STORE, BACKOFF, SUFFIX, SUCCESSOR, DRAWN = range(5)
 AGREE = 4  # stand_dyn.AGREE
 BINS = 10
 KINDS = ((((4 * 10 + 8) * 5 + 4) * 2 + 1) * 4 + 3) + 1  # candidate kinds (stand_dyn)
@@ -377,16 +382,65 @@ def _candidates(
 
 
 @njit(cache=True)
+def _draws_first(probs, nids, count, la, lb, slot: int, o: int, f_neg, nf: int) -> bool:
+    """Whether a node whose longest stored entry is `slot` (order `o`) draws its children:
+    `StandDynDrafter.drawn_first` rates the plan's first slot (the largest stored probability,
+    normalised) at least as high as the best deterministic candidate `f_neg[0]` (or there is
+    none)."""
+    top = 0.0
+    for j in range(nids[slot]):
+        top = max(top, probs[slot, j])
+    if top <= 0:
+        return False
+    q = top * _inverse_mass(probs, slot, nids[slot])
+    key = _kind(DRAWN, o, count[slot]) * BINS + (int(q * BINS) if q < 1.0 else BINS - 1)
+    return nf == 0 or -la[key] - lb[key] * q <= f_neg[0]
+
+
+@njit(cache=True)
+def _drawn_plan(
+    c_ids, c_p, nc: int, keys, rank, base: int, la, lb, f_tok, f_kind, f_q, f_neg
+) -> int:
+    """`StandDynDrafter.drawn_plan` given the Gumbel keys of the `nc` stored ids: the children
+    in draw order (a stable sort on the keys, largest first) in f_*, slot j calibrated on the
+    j-th largest normalised probability (kind `base` + min(j, 3)); returns nc."""
+    for i in range(nc):
+        rank[i] = i
+    for i in range(1, nc):
+        r, key = rank[i], keys[rank[i]]
+        j = i - 1
+        while j >= 0 and keys[rank[j]] < key:
+            rank[j + 1] = rank[j]
+            j -= 1
+        rank[j + 1] = r
+    total = 0.0
+    for i in range(nc):
+        total += c_p[i]
+    inv = 1.0 / total
+    qs = np.sort(c_p[:nc] * inv)[::-1]
+    for j in range(nc):
+        q = qs[j]
+        kind = base + min(j, 3)
+        key = kind * BINS + (int(q * BINS) if q < 1.0 else BINS - 1)
+        f_tok[j], f_kind[j], f_q[j], f_neg[j] = c_ids[rank[j]], kind, q, -la[key] - lb[key] * q
+    return nc
+
+
+@njit(cache=True)
 def draft_tree(
     tab, keytok, ids, probs, nids, count, meta, max_order,
     stab, skt, total, head, ptab, pk, icnt, inext,
     succ_ids, succ_p, succ_n, la, lb,
-    root_tail, limit, xs, ys,
-    out_parent, out_token, out_kind, out_q,
+    root_tail, limit, xs, ys, drawn, cur, rem, nxt, noise_used,
+    out_parent, out_token, out_kind, out_q, out_sampled, out_qn, out_qids, out_qp,
 ):  # fmt: skip
-    """`StandDynDrafter.draft` with deterministic children: the tree in out_* (node 0 the
-    root); returns its size. `xs`, `ys`: the verify cost's sizes and seconds (empty: fill the
-    budget)."""
+    """`StandDynDrafter.draft`: the tree in out_* (node 0 the root); returns its size. `xs`,
+    `ys`: the verify cost's sizes and seconds (empty: fill the budget). With `drawn`, a node
+    may draw its children (`_drawn_plan`): `out_sampled` marks them, and the node's `q` (its
+    stored ids and positive probabilities) is `out_qids[node, :out_qn[node]]` (`out_qn` -1:
+    none). Noise as `stand_compiled.stand_tree` reads it: `cur` holds the current buffer's
+    next values, `rem` how many it has left, `nxt` the next buffer's first; `noise_used` gets
+    (1 if it moved to the next buffer, values read from the one it ended in)."""
     tails = np.full((limit + 1, TAIL), -1, np.int64)
     tlens = np.zeros(limit + 1, np.int64)
     alpha = np.zeros(limit + 1, np.float64)
@@ -401,6 +455,12 @@ def draft_tree(
     f_kind = np.empty(64, np.int64)
     f_q = np.empty(64, np.float64)
     f_neg = np.empty(64, np.float64)
+    width = ids.shape[1]
+    c_p = np.empty(width, np.float64)  # a drawn plan's positive stored probabilities
+    keys = np.empty(width, np.float64)
+    by_key = np.empty(width, np.int64)  # a drawn plan's draw order
+    draws = np.zeros(limit + 1, np.bool_)  # node -> its children are drawn
+    pos, moved = 0, False
     rl = len(root_tail)
     tails[0, :rl] = root_tail
     tlens[0] = rl
@@ -428,6 +488,25 @@ def draft_tree(
                 succ_ids, succ_p, succ_n, la, lb,
                 tails[node], tl, slot, o, n, ss, f_tok, f_kind, f_q, f_neg,
             )  # fmt: skip
+            if drawn and slot >= 0 and _draws_first(probs, nids, count, la, lb, slot, o, f_neg, nf):
+                # `StandDynDrafter.drawn_plan`, the noise taken as `GumbelNoise.take` hands it
+                nc = 0
+                for j in range(nids[slot]):
+                    if probs[slot, j] > 0:
+                        out_qids[node, nc], out_qp[node, nc] = ids[slot, j], probs[slot, j]
+                        c_p[nc] = probs[slot, j]
+                        nc += 1
+                out_qn[node] = nc
+                if not moved and pos + nc > rem:  # the tail is discarded, never wrapped
+                    moved, pos = True, 0
+                for i in range(nc):
+                    keys[i] = math.log(c_p[i]) + (nxt[pos + i] if moved else cur[pos + i])
+                pos += nc
+                nf = _drawn_plan(
+                    out_qids[node], c_p, nc, keys, by_key, _kind(DRAWN, o, count[slot]), la, lb,
+                    f_tok, f_kind, f_q, f_neg,
+                )  # fmt: skip
+                draws[node] = True
             if nf > 0:
                 if used + nf > p_tok.shape[0]:
                     grow = max(2 * p_tok.shape[0], used + nf)
@@ -450,6 +529,7 @@ def draft_tree(
         child = size
         out_parent[child], out_token[child] = node, token
         out_kind[child], out_q[child] = p_kind[c], p_q[c]
+        out_sampled[child] = draws[node]
         size += 1
         tl = tlens[node]
         if tl < TAIL:
@@ -465,6 +545,7 @@ def draft_tree(
         if rank + 1 < plan_n[node]:
             heapq.heappush(heap, (alpha[node] * p_neg[c + 1], node, rank + 1))
         heapq.heappush(heap, (neg, child, -1))
+    noise_used[0], noise_used[1] = moved, pos
     return size
 
 
@@ -474,11 +555,13 @@ def draft_rows(
     stab, skt, total, head, ptab, pk, icnt, inext, smeta,
     succ_ids, succ_p, succ_n, la, lb,
     seq, seq_at, lo, hi, tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of,
-    out_parent, out_token, out_kind, out_q, sizes,
+    drawn, cur, rem, nxt, used,
+    out_parent, out_token, out_kind, out_q, out_sampled, out_qn, out_qids, out_qp, sizes,
 ):  # fmt: skip
     """Every row's suffix counting and tree, row after row, as the rows would run one by one:
     row r counts `seq[seq_at[r]:seq_at[r + 1]]`'s ends in [lo[r], hi[r]), then drafts from
-    `tails[r, :tlens[r]]` at most `limits[r]` nodes, sized by cost `cost_of[r]` (-1: none)."""
+    `tails[r, :tlens[r]]` at most `limits[r]` nodes, sized by cost `cost_of[r]` (-1: none),
+    drawing children where `drawn[r]` (its noise the r-th of `cur`, `rem`, `nxt`, `used`)."""
     empty = np.zeros(0, np.float64)
     for r in range(len(limits)):
         if hi[r] > lo[r]:
@@ -493,9 +576,55 @@ def draft_rows(
             tab, keytok, ids, probs, nids, count, meta, max_order,
             stab, skt, total, head, ptab, pk, icnt, inext,
             succ_ids, succ_p, succ_n, la, lb,
-            tails[r, : tlens[r]], limits[r], xs, ys,
-            out_parent[r], out_token[r], out_kind[r], out_q[r],
+            tails[r, : tlens[r]], limits[r], xs, ys, drawn[r], cur[r], rem[r], nxt[r], used[r],
+            out_parent[r], out_token[r], out_kind[r], out_q[r], out_sampled[r], out_qn[r],
+            out_qids[r], out_qp[r],
         )  # fmt: skip
+
+
+def _noise(
+    members: Sequence[CompiledStandDyn], drawn: np.ndarray, need: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' noise for `draft_rows` (cur, rem, nxt, used): a drawing row's window of its
+    `GumbelNoise`, at most `need` values (every node opened, every stored id drawn)."""
+    rows = len(members)
+    width = need if drawn.any() else 1
+    cur, nxt = np.zeros((rows, width)), np.zeros((rows, width))
+    rem = np.zeros(rows, np.int64)
+    for r in np.flatnonzero(drawn).tolist():
+        window, rem[r], ahead = members[r].noise.window(need)
+        cur[r, : len(window)], nxt[r, : len(ahead)] = window, ahead
+    return cur, rem, nxt, np.zeros((rows, 2), np.int64)
+
+
+def _snapshots(
+    drawn: np.ndarray, nodes: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`draft_rows`' drawn outputs (sampled, q_len, q_ids, q_probs); the q arrays hold one
+    slot where no row draws (none is written)."""
+    rows = len(drawn)
+    m, k = (nodes, width) if drawn.any() else (1, 1)
+    return (
+        np.zeros((rows, nodes), np.bool_),
+        np.full((rows, m), -1, np.int64),
+        np.zeros((rows, m, k), np.int64),
+        np.zeros((rows, m, k)),
+    )
+
+
+def _sparse(
+    q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
+) -> list[tuple[SparseDist | None, ...]]:
+    """Each row's per-node q (`DraftTree.q`), from the kernel's arrays in one pass."""
+    out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
+    at = np.nonzero(q_len >= 0)
+    if len(at[0]):
+        ids, probs = q_ids[at].tolist(), q_probs[at].tolist()
+        for r, v, k, i, p in zip(
+            *(x.tolist() for x in at), q_len[at].tolist(), ids, probs, strict=True
+        ):
+            out[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
+    return [tuple(x) for x in out]
 
 
 class StandDynGroup:
@@ -586,18 +715,31 @@ class StandDynGroup:
         q = np.zeros((rows, nodes), np.float64)
         sizes = np.zeros(rows, np.int64)
         idx, succ, cal = self.index, self.successors, self.calibration
+        drawn = np.array(
+            [m.drawn and not ctx.greedy for m, ctx in zip(members, ctxs, strict=True)], np.bool_
+        )
+        noise, snaps = _noise(members, drawn, nodes * idx.topk), _snapshots(drawn, nodes, idx.topk)
         draft_rows(
             *idx.arrays(), idx.max_order, *sfx.arrays(), succ.ids, succ.probs, succ.n,
             cal.a, cal.b, np.array(seqs, np.int64), np.array(seq_at, np.int64), lo, hi,
-            tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of,
-            parent, token, kind, q, sizes,
+            tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of, drawn, *noise,
+            parent, token, kind, q, *snaps, sizes,
         )  # fmt: skip
         out = []
         tokens, parents = token.tolist(), parent.tolist()
+        qs = _sparse(*snaps[1:], sizes) if drawn.any() else None
+        sampled = snaps[0].tolist()
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             m.kinds, m.qs = kind[r, :n], q[r, :n]  # what each node was drafted as
+            if drawn[r]:
+                m.noise.advance(bool(noise[3][r, 0]), int(noise[3][r, 1]))
             out.append(
-                DraftTree(tuple(tokens[r][:n]), tuple(parents[r][:n]), (False,) * n, (None,) * n)
+                DraftTree(
+                    tuple(tokens[r][:n]),
+                    tuple(parents[r][:n]),
+                    tuple(sampled[r][:n]),
+                    qs[r] if qs is not None else (None,) * n,
+                )
             )
         return out
 
@@ -610,19 +752,21 @@ class StandDynGroup:
 
 
 class CompiledStandDyn:
-    """`StandDynDrafter` with deterministic children, one row of a `StandDynGroup` (which
-    drafts the step's rows in one call); it observes as the Python drafter does (calibration,
-    store, successors), deferred likewise."""
+    """`StandDynDrafter`, one row of a `StandDynGroup` (which drafts the step's rows in one
+    call); it draws from its trajectory's noise as the Python drafter does, and observes as it
+    does (calibration, store, successors), deferred likewise."""
 
     def __init__(
         self,
-        num_nodes: int,
-        harvest_rejected: bool,
+        cfg: StandDynDrafterConfig,
         store: NgramStore,
         group: StandDynGroup,
         cost: VerifyCostSource | None = None,
+        seed: int = 0,
     ) -> None:
-        self.num_nodes, self.harvest_rejected = num_nodes, harvest_rejected
+        self.num_nodes, self.harvest_rejected = cfg.num_nodes, cfg.harvest_rejected
+        self.drawn = cfg.drawn
+        self.noise = GumbelNoise(cfg.noise_buffer, seed)  # the trajectory's draft stream
         self.store, self.group, self.cost = store, group, cost
         self.doc = -1
         # the last tree's: each node's candidate kind and stored probability, the root's context
@@ -696,9 +840,11 @@ def warm() -> int:
     index.add([NgramRow((1, 2, 3), (4, 5), (0.6, 0.3))])
     group = StandDynGroup()
     group.bind(index, SuccessorIndex(16), CalibrationIndex())
-    drafter = CompiledStandDyn(8, True, index, group)  # type: ignore[arg-type]
+    cfg = StandDynDrafterConfig(num_nodes=8, drawn=True)
+    drafter = CompiledStandDyn(cfg, index, group)  # type: ignore[arg-type]
     drafter.start([1, 2])
     tree = drafter.draft(DraftContext([1, 2, 3, 4, 1, 2, 3], 2, 8))
+    drafter.draft(DraftContext([1, 2, 3, 4, 1, 2, 3], 2, 8, greedy=True))
     topk = NodeTopK(np.zeros((tree.size, 2), np.int64), np.full((tree.size, 2), 0.5))
     later = drafter.observe(tree, Acceptance((), (), 0), topk)
     later()

@@ -47,7 +47,10 @@ def test_the_compiled_drafter_applies_where_its_trees_are_the_python_ones():
     store = InMemoryNgramStore()
     assert compiled_applies(StandDynDrafterConfig(), store)
     assert not compiled_applies(StandDynDrafterConfig(compiled=False), store)
-    assert not compiled_applies(StandDynDrafterConfig(drawn=True), store)  # drawn children
+    assert compiled_applies(StandDynDrafterConfig(drawn=True), store)  # drawn children too
+    # unless a step could read more noise than a buffer holds (81 nodes x 10 stored ids)
+    assert not compiled_applies(StandDynDrafterConfig(drawn=True, noise_buffer=800), store)
+    assert compiled_applies(StandDynDrafterConfig(drawn=False, noise_buffer=800), store)
     assert not compiled_applies(StandDynDrafterConfig(), TieredStore(store, InMemoryNgramStore()))
 
 
@@ -86,7 +89,7 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
     group = StandDynGroup()
     group.suffix = SuffixIndex(max_tokens=120)
     group.bind(indexed.compiled(), SuccessorIndex(8), CalibrationIndex())
-    compiled = [CompiledStandDyn(6, True, indexed, group) for _ in range(4)]
+    compiled = [CompiledStandDyn(cfg, indexed, group) for _ in range(4)]
     docs = [[rng.randrange(8) for _ in range(60)] for _ in range(4)]
     for d in python + compiled:
         d.start([])
@@ -121,7 +124,8 @@ def test_the_kernels_a_drafter_config_drafts_with():
     assert kernels_of(StandDrafterConfig()) == STAND
     assert kernels_of(StandDrafterConfig(compiled=False)) is None
     assert kernels_of(StandDynDrafterConfig()) == STAND_DYN
-    assert kernels_of(StandDynDrafterConfig(drawn=True)) is None  # `auto` on a CPU: Python
+    assert kernels_of(StandDynDrafterConfig(drawn=True)) == STAND_DYN
+    assert kernels_of(StandDynDrafterConfig(drawn=True, compiled=False)) is None  # CPU `auto`
     assert kernels_of(StandSpineDrafterConfig()) is None
 
 

@@ -125,21 +125,29 @@ def test_stand_spine_mixed_nodes_match_the_exact_distribution(model, exact):
     assert _chisquare_pvalue(samples, exact) > 1e-3
 
 
-def test_stand_dyn_drawn_and_deterministic_nodes_match_the_exact_distribution(model, exact):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_stand_dyn_drawn_and_deterministic_nodes_match_the_exact_distribution(
+    model, exact, monkeypatch, compiled
+):
     """`stand-dyn` with `drawn: true` under sampling: nodes whose children are drawn from the
     store (rule (c)) and nodes with deterministic children (rule (b)) in the same trees, chosen
-    per node by calibrated rates."""
-    drafter = make_drafter(DRAFTER_CONFIGS["stand-dyn"].model_copy(update={"drawn": True}), VOCAB)
+    per node by calibrated rates; drafted by the compiled kernel and by the Python drafter."""
+    from tts_service.engine.batch import BatchDecoder
+
+    cfg = DRAFTER_CONFIGS["stand-dyn"].model_copy(update={"drawn": True, "compiled": compiled})
+    drafter = make_drafter(cfg, VOCAB)
+    assert (type(drafter).__name__ == "CompiledStandDyn") == compiled
     kinds = []
-    draft = drafter.draft
+    draft = BatchDecoder._draft
 
-    def spy(ctx):
-        tree = draft(ctx)
-        drawn = tree.sampled[1:]
-        kinds.append((any(drawn), not all(drawn)))
-        return tree
+    def spy(self, batch, max_nodes, fill):
+        trees = draft(self, batch, max_nodes, fill)
+        for tree in trees:
+            drawn = tree.sampled[1:]
+            kinds.append((any(drawn), not all(drawn)))
+        return trees
 
-    drafter.draft = spy
+    monkeypatch.setattr(BatchDecoder, "_draft", spy)
     samples, accepted_per_run = _speculative_samples(model, None, drafter)
     assert sum(d for d, _ in kinds) > 300 and sum(k for _, k in kinds) > 100
     assert sum(d and k for d, k in kinds) > 30  # mixed trees

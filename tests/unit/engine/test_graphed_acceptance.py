@@ -134,15 +134,15 @@ def test_the_top_k_a_drafter_observes_outlives_the_reused_host_buffer(model, mon
     the next step; the top-k every drafter observed (and keeps for its deferred observation)
     still reads, after the run, what it read at its own step."""
     seen: list[tuple[object, object, object]] = []
-    from tts_service.drafters.stand_dyn import StandDynDrafter
+    from tts_service.drafters.stand_kernel import CompiledStandDyn
 
-    observe = StandDynDrafter.observe
+    observe = CompiledStandDyn.observe
 
     def kept(self, tree, acc, topk):
         seen.append((topk, topk.ids.copy(), topk.probs.copy()))
         return observe(self, tree, acc, topk)
 
-    monkeypatch.setattr(StandDynDrafter, "observe", kept)
+    monkeypatch.setattr(CompiledStandDyn, "observe", kept)
     decoder = replayed(model)
     decode(decoder, "stand-dyn", (0.8,) * 3, drawn=True)
     graphs = decoder.accept_graphs
