@@ -38,7 +38,7 @@ from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
-from tts_service.engine.tree import DraftTree, SparseDist
+from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, SparseDist
 from tts_service.engine.verify import Acceptance
 
 TAIL = 12  # tokens of context a node keeps (stand_dyn.TAIL)
@@ -432,15 +432,18 @@ def draft_tree(
     stab, skt, total, head, ptab, pk, icnt, inext,
     succ_ids, succ_p, succ_n, la, lb,
     root_tail, limit, xs, ys, drawn, cur, rem, nxt, noise_used,
-    out_parent, out_token, out_kind, out_q, out_sampled, out_qn, out_qids, out_qp,
+    out_parent, out_token, out_kind, out_q,
+    out_draws, out_sampled, out_slot, out_qn, out_qids, out_qp,
 ):  # fmt: skip
     """`StandDynDrafter.draft`: the tree in out_* (node 0 the root); returns its size. `xs`,
     `ys`: the verify cost's sizes and seconds (empty: fill the budget). With `drawn`, a node
-    may draw its children (`_drawn_plan`): `out_sampled` marks them, and the node's `q` (its
-    stored ids and positive probabilities) is `out_qids[node, :out_qn[node]]` (`out_qn` -1:
-    none). Noise as `stand_compiled.stand_tree` reads it: `cur` holds the current buffer's
-    next values, `rem` how many it has left, `nxt` the next buffer's first; `noise_used` gets
-    (1 if it moved to the next buffer, values read from the one it ended in)."""
+    may draw its children (`_drawn_plan`; `out_draws`), which `out_sampled` marks, and each
+    node's support is laid out as `tree.DrawnBatch` holds it: `out_qids[node, :out_qn[node]]`
+    (-1: none), a drawing node's stored ids with a positive probability (`out_qp`, its q), else
+    its deterministic children's tokens (`out_qp` 0); `out_slot`: a child's place in it. Noise
+    as `stand_compiled.stand_tree` reads it: `cur` holds the current buffer's next values,
+    `rem` how many it has left, `nxt` the next buffer's first; `noise_used` gets (1 if it moved
+    to the next buffer, values read from the one it ended in)."""
     tails = np.full((limit + 1, TAIL), -1, np.int64)
     tlens = np.zeros(limit + 1, np.int64)
     alpha = np.zeros(limit + 1, np.float64)
@@ -459,7 +462,6 @@ def draft_tree(
     c_p = np.empty(width, np.float64)  # a drawn plan's positive stored probabilities
     keys = np.empty(width, np.float64)
     by_key = np.empty(width, np.int64)  # a drawn plan's draw order
-    draws = np.zeros(limit + 1, np.bool_)  # node -> its children are drawn
     pos, moved = 0, False
     rl = len(root_tail)
     tails[0, :rl] = root_tail
@@ -506,7 +508,7 @@ def draft_tree(
                     out_qids[node], c_p, nc, keys, by_key, _kind(DRAWN, o, count[slot]), la, lb,
                     f_tok, f_kind, f_q, f_neg,
                 )  # fmt: skip
-                draws[node] = True
+                out_draws[node] = True
             if nf > 0:
                 if used + nf > p_tok.shape[0]:
                     grow = max(2 * p_tok.shape[0], used + nf)
@@ -529,7 +531,13 @@ def draft_tree(
         child = size
         out_parent[child], out_token[child] = node, token
         out_kind[child], out_q[child] = p_kind[c], p_q[c]
-        out_sampled[child] = draws[node]
+        if drawn:  # the child's place in its parent's support
+            out_sampled[child] = out_draws[node]
+            if out_draws[node]:
+                out_slot[child] = _found_at(out_qids[node], out_qn[node], token)
+            else:
+                k = max(out_qn[node], 0)
+                out_qids[node, k], out_slot[child], out_qn[node] = token, k, k + 1
         size += 1
         tl = tlens[node]
         if tl < TAIL:
@@ -556,7 +564,8 @@ def draft_rows(
     succ_ids, succ_p, succ_n, la, lb,
     seq, seq_at, lo, hi, tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of,
     drawn, cur, rem, nxt, used,
-    out_parent, out_token, out_kind, out_q, out_sampled, out_qn, out_qids, out_qp, sizes,
+    out_parent, out_token, out_kind, out_q,
+    out_draws, out_sampled, out_slot, out_qn, out_qids, out_qp, sizes,
 ):  # fmt: skip
     """Every row's suffix counting and tree, row after row, as the rows would run one by one:
     row r counts `seq[seq_at[r]:seq_at[r + 1]]`'s ends in [lo[r], hi[r]), then drafts from
@@ -577,8 +586,8 @@ def draft_rows(
             stab, skt, total, head, ptab, pk, icnt, inext,
             succ_ids, succ_p, succ_n, la, lb,
             tails[r, : tlens[r]], limits[r], xs, ys, drawn[r], cur[r], rem[r], nxt[r], used[r],
-            out_parent[r], out_token[r], out_kind[r], out_q[r], out_sampled[r], out_qn[r],
-            out_qids[r], out_qp[r],
+            out_parent[r], out_token[r], out_kind[r], out_q[r],
+            out_draws[r], out_sampled[r], out_slot[r], out_qn[r], out_qids[r], out_qp[r],
         )  # fmt: skip
 
 
@@ -597,15 +606,16 @@ def _noise(
     return cur, rem, nxt, np.zeros((rows, 2), np.int64)
 
 
-def _snapshots(
-    drawn: np.ndarray, nodes: int, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`draft_rows`' drawn outputs (sampled, q_len, q_ids, q_probs); the q arrays hold one
-    slot where no row draws (none is written)."""
+def _drawn_arrays(drawn: np.ndarray, nodes: int, width: int) -> tuple[np.ndarray, ...]:
+    """`draft_rows`' drawn outputs `[R, M]` / `[R, M, K]` (draws, sampled, slot, q_len, q_ids,
+    q_probs): M one slot where no row draws (none is written); K the store's top-k or a
+    deterministic node's most children, whichever is more."""
     rows = len(drawn)
-    m, k = (nodes, width) if drawn.any() else (1, 1)
+    m, k = (nodes, max(width, nodes - 1)) if drawn.any() else (1, 1)
     return (
-        np.zeros((rows, nodes), np.bool_),
+        np.zeros((rows, m), np.bool_),
+        np.zeros((rows, m), np.bool_),
+        np.full((rows, m), -1, np.int64),
         np.full((rows, m), -1, np.int64),
         np.zeros((rows, m, k), np.int64),
         np.zeros((rows, m, k)),
@@ -613,11 +623,12 @@ def _snapshots(
 
 
 def _sparse(
-    q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
+    draws: np.ndarray, q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
 ) -> list[tuple[SparseDist | None, ...]]:
-    """Each row's per-node q (`DraftTree.q`), from the kernel's arrays in one pass."""
+    """Each row's per-node q (`DraftTree.q`: the drawing nodes'), from the kernel's arrays in
+    one pass."""
     out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
-    at = np.nonzero(q_len >= 0)
+    at = np.nonzero(draws)
     if len(at[0]):
         ids, probs = q_ids[at].tolist(), q_probs[at].tolist()
         for r, v, k, i, p in zip(
@@ -709,7 +720,7 @@ class StandDynGroup:
         for c, (xs, ys) in enumerate(costs):
             cost_xs[c, : len(xs)], cost_ys[c, : len(ys)], cost_n[c] = xs, ys, len(xs)
         nodes = int(limits.max()) + 1
-        parent = np.zeros((rows, nodes), np.int64)
+        parent = np.full((rows, nodes), -1, np.int64)  # past a tree's nodes: none
         token = np.zeros((rows, nodes), np.int64)
         kind = np.zeros((rows, nodes), np.int64)
         q = np.zeros((rows, nodes), np.float64)
@@ -718,29 +729,36 @@ class StandDynGroup:
         drawn = np.array(
             [m.drawn and not ctx.greedy for m, ctx in zip(members, ctxs, strict=True)], np.bool_
         )
-        noise, snaps = _noise(members, drawn, nodes * idx.topk), _snapshots(drawn, nodes, idx.topk)
+        noise = _noise(members, drawn, nodes * idx.topk)
+        draws, sampled, slot, q_len, q_ids, q_probs = _drawn_arrays(drawn, nodes, idx.topk)
         draft_rows(
             *idx.arrays(), idx.max_order, *sfx.arrays(), succ.ids, succ.probs, succ.n,
             cal.a, cal.b, np.array(seqs, np.int64), np.array(seq_at, np.int64), lo, hi,
             tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of, drawn, *noise,
-            parent, token, kind, q, *snaps, sizes,
+            parent, token, kind, q, draws, sampled, slot, q_len, q_ids, q_probs, sizes,
         )  # fmt: skip
         out = []
         tokens, parents = token.tolist(), parent.tolist()
-        qs = _sparse(*snaps[1:], sizes) if drawn.any() else None
-        sampled = snaps[0].tolist()
+        if drawn.any():  # the drawing rows' trees carry the arrays rule (c) lays out
+            qs = _sparse(draws, q_len, q_ids, q_probs, sizes)
+            flags = sampled.tolist()
+            batch = DrawnBatch(parent, slot, q_len, q_ids, q_probs, sampled)
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             m.kinds, m.qs = kind[r, :n], q[r, :n]  # what each node was drafted as
             if drawn[r]:
                 m.noise.advance(bool(noise[3][r, 0]), int(noise[3][r, 1]))
-            out.append(
-                DraftTree(
+                tree = DraftTree(
                     tuple(tokens[r][:n]),
                     tuple(parents[r][:n]),
-                    tuple(sampled[r][:n]),
-                    qs[r] if qs is not None else (None,) * n,
+                    tuple(flags[r][:n]),
+                    qs[r],
+                    DrawnArrays(batch, r),
                 )
-            )
+            else:
+                tree = DraftTree(
+                    tuple(tokens[r][:n]), tuple(parents[r][:n]), (False,) * n, (None,) * n
+                )
+            out.append(tree)
         return out
 
     def _cost(self, cost: VerifyCost) -> tuple[np.ndarray, np.ndarray]:

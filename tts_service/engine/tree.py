@@ -34,20 +34,23 @@ class SparseDist:
 @dataclass(frozen=True)
 class DrawnBatch:
     """The arrays a compiled drafter drew one step's trees in, `[R, M]` or `[R, M, K]` for its
-    R rows and M node slots (past a tree's nodes: parent -1, no q)."""
+    R rows and M node slots (past a tree's nodes: parent -1, no q). A node's support is its q's
+    ids where its children are drawn, else its (deterministic) children's tokens in order."""
 
     parents: np.ndarray  # int64
-    slot: np.ndarray  # int64: each node's place among its parent's q ids (the root's: -1)
-    q_len: np.ndarray  # int64: how many ids the node's q has (-1: no q)
-    q_ids: np.ndarray  # int64: its q's ids, then zeros
-    q_probs: np.ndarray  # float64: its q's probabilities, then zeros
+    slot: np.ndarray  # int64: each node's place in its parent's support (the root's: -1)
+    q_len: np.ndarray  # int64: how many ids the node's support has (-1: none)
+    q_ids: np.ndarray  # int64: its support's ids, then zeros
+    q_probs: np.ndarray  # float64: its q's probabilities (zeros: deterministic children)
+    sampled: np.ndarray | None = None  # bool: the node was drawn (None: every child was)
 
 
 @dataclass(frozen=True)
 class DrawnArrays:
-    """A tree whose children were all drawn from their parent's `q` by a compiled drafter: row
-    `row` of the batch it was drafted in. What `treebatch.SparseLayout.of` lays out in a few
-    array operations per batch instead of a loop over every tree's nodes."""
+    """A tree whose children were drawn from their parent's `q` by a compiled drafter (some of
+    them, where the batch says which): row `row` of the batch it was drafted in. What
+    `treebatch.SparseLayout.of` lays out in a few array operations per batch instead of a loop
+    over every tree's nodes."""
 
     batch: DrawnBatch
     row: int

@@ -512,9 +512,10 @@ class SparseLayout:
 
     @staticmethod
     def _of_arrays(trees: Sequence[DraftTree], n: int, bucket: bool) -> SparseLayout:
-        """`of` for trees that carry their compiled drafter's arrays (`tree.DrawnArrays`): every
-        child is one of its parent's q ids, so a node's support is its q's ids; the same
-        layout in array operations, a few per batch the trees were drafted in."""
+        """`of` for trees that carry their compiled drafter's arrays (`tree.DrawnArrays`), which
+        hold every node's support (its q's ids, or its deterministic children's tokens) and
+        each child's place in it: the same layout in array operations, a few per batch the
+        trees were drafted in."""
         w = len(trees)
         batches: dict[int, tuple[DrawnBatch, list[int], list[int]]] = {}  # id -> (., b, row)
         for b, a in enumerate([t.arrays for t in trees]):
@@ -530,9 +531,12 @@ class SparseLayout:
         q_len = np.full((w, n), -1, np.int64)
         q_ids = np.zeros((w, n, width), np.int64)  # a node without q: zeros (its ids read 0)
         q_probs = np.zeros((w, n, width))
+        drawn = np.ones((w, n), bool)
         for batch, at, rows in batches.values():  # a tree's nodes all lie within n
             m, kw = min(n, batch.parents.shape[1]), batch.q_ids.shape[2]
             parent[at, :m], slot[at, :m] = batch.parents[rows, :m], batch.slot[rows, :m]
+            if batch.sampled is not None:
+                drawn[at, :m] = batch.sampled[rows, :m]
             q_len[at, :m] = batch.q_len[rows, :m]
             q_ids[at, :m, :kw], q_probs[at, :m, :kw] = (
                 batch.q_ids[rows, :m],
@@ -570,7 +574,9 @@ class SparseLayout:
             return out.reshape(len(parents), ranks)
 
         real = grid(np.ones(len(kid_at), bool), bool)
-        kids = _Children(grid(slot[kid_b, kid_c], np.int64), real.copy(), real, q)
+        kids = _Children(
+            grid(slot[kid_b, kid_c], np.int64), grid(drawn[kid_b, kid_c], bool), real, q
+        )
         return SparseLayout(
             trees,
             n,

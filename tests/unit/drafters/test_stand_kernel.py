@@ -143,3 +143,51 @@ def test_a_cpu_model_load_never_imports_numba(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees(bucket):
+    """Trees with drawn children beside deterministic ones (calibration lines at random, so
+    which plan wins varies per node) lay out from the kernel's arrays (`tree.DrawnArrays`: a
+    drawing node's support is its q, any other's its children's tokens) exactly as the loop over
+    their nodes does, field for field; two problems' batches in one step."""
+    import dataclasses
+
+    import numpy as np
+
+    from tests.unit.drafters.test_stand_compiled import _twin_stores
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.engine.treebatch import SparseLayout
+
+    rng = random.Random(13)
+    mixed = 0
+    for trial in range(20):
+        trees = []
+        for _ in range(2):  # two problems' batches
+            store = _twin_stores(rng, zeros=True)[1]
+            cal = CalibrationIndex()
+            cal.a[:] = [rng.random() * 0.3 for _ in range(len(cal.a))]
+            cal.b[:] = [rng.random() for _ in range(len(cal.b))]
+            group = StandDynGroup()
+            group.bind(store.compiled(), SuccessorIndex(8), cal)
+            cfg = StandDynDrafterConfig(num_nodes=rng.choice([4, 12, 24]), drawn=True)
+            rows = [CompiledStandDyn(cfg, store, group, seed=trial * 10 + i) for i in range(3)]
+            for row in rows:
+                row.start([])
+            ctxs = [DraftContext([rng.randrange(8) for _ in range(6)], 1, 24) for _ in rows]
+            trees += group.draft_all(rows, ctxs)
+        trees = [t for t in trees if any(t.sampled)]  # the rows rule (c) walks
+        assert all(t.arrays is not None for t in trees)
+        mixed += sum(not all(t.sampled[1:]) for t in trees)
+        n = max(t.size for t in trees) + rng.randrange(0, 3)
+        fast = SparseLayout.of(trees[::-1], n, bucket)
+        slow = SparseLayout.of(
+            [dataclasses.replace(t, arrays=None) for t in trees[::-1]], n, bucket
+        )
+        assert fast.n == slow.n and fast.kid_at == slow.kid_at and fast.kid_node == slow.kid_node
+        for name in ("ids", "lens", "parents"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+        for name in ("slot", "drawn", "real", "q"):
+            got, want = getattr(fast.kids, name), getattr(slow.kids, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
+    assert mixed > 10  # trees with drawn and deterministic children both
