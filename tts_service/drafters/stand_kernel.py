@@ -623,14 +623,19 @@ def _drawn_arrays(drawn: np.ndarray, nodes: int, width: int) -> tuple[np.ndarray
 
 
 def _sparse(
-    draws: np.ndarray, q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
+    draws: np.ndarray,
+    q_len: np.ndarray,
+    q_ids: np.ndarray,
+    q_probs: np.ndarray,
+    sizes: np.ndarray,
+    width: int,
 ) -> list[tuple[SparseDist | None, ...]]:
-    """Each row's per-node q (`DraftTree.q`: the drawing nodes'), from the kernel's arrays in
-    one pass."""
+    """Each row's per-node q (`DraftTree.q`: the drawing nodes', at most `width` stored ids),
+    from the kernel's arrays in one pass."""
     out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
     at = np.nonzero(draws)
     if len(at[0]):
-        ids, probs = q_ids[at].tolist(), q_probs[at].tolist()
+        ids, probs = q_ids[at][:, :width].tolist(), q_probs[at][:, :width].tolist()
         for r, v, k, i, p in zip(
             *(x.tolist() for x in at), q_len[at].tolist(), ids, probs, strict=True
         ):
@@ -740,7 +745,7 @@ class StandDynGroup:
         out = []
         tokens, parents = token.tolist(), parent.tolist()
         if drawn.any():  # the drawing rows' trees carry the arrays rule (c) lays out
-            qs = _sparse(draws, q_len, q_ids, q_probs, sizes)
+            qs = _sparse(draws, q_len, q_ids, q_probs, sizes, idx.topk)
             flags = sampled.tolist()
             batch = DrawnBatch(parent, slot, q_len, q_ids, q_probs, sampled)
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
