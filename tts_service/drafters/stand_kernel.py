@@ -592,16 +592,18 @@ def draft_rows(
 
 
 def _noise(
-    members: Sequence[CompiledStandDyn], drawn: np.ndarray, need: int
+    members: Sequence[CompiledStandDyn], drawn: np.ndarray, limits: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The rows' noise for `draft_rows` (cur, rem, nxt, used): a drawing row's window of its
-    `GumbelNoise`, at most `need` values (every node opened, every stored id drawn)."""
+    `GumbelNoise`, as much as its own tree can read (every node opened, every one of the
+    `width` stored ids drawn), which its buffer holds (`stand_dyn.compiled_applies`)."""
     rows = len(members)
-    width = need if drawn.any() else 1
-    cur, nxt = np.zeros((rows, width)), np.zeros((rows, width))
+    need = (limits + 1) * width
+    cols = int(need[drawn].max()) if drawn.any() else 1
+    cur, nxt = np.zeros((rows, cols)), np.zeros((rows, cols))
     rem = np.zeros(rows, np.int64)
     for r in np.flatnonzero(drawn).tolist():
-        window, rem[r], ahead = members[r].noise.window(need)
+        window, rem[r], ahead = members[r].noise.window(int(need[r]))
         cur[r, : len(window)], nxt[r, : len(ahead)] = window, ahead
     return cur, rem, nxt, np.zeros((rows, 2), np.int64)
 
@@ -734,7 +736,7 @@ class StandDynGroup:
         drawn = np.array(
             [m.drawn and not ctx.greedy for m, ctx in zip(members, ctxs, strict=True)], np.bool_
         )
-        noise = _noise(members, drawn, nodes * idx.topk)
+        noise = _noise(members, drawn, limits, idx.topk)
         draws, sampled, slot, q_len, q_ids, q_probs = _drawn_arrays(drawn, nodes, idx.topk)
         draft_rows(
             *idx.arrays(), idx.max_order, *sfx.arrays(), succ.ids, succ.probs, succ.n,

@@ -191,3 +191,47 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
             got, want = getattr(fast.kids, name), getattr(slow.kids, name)
             assert got.dtype == want.dtype and np.array_equal(got, want), name
     assert mixed > 10  # trees with drawn and deterministic children both
+
+
+def test_rows_of_one_group_draw_their_own_noise_through_refills():
+    """Two configs share a problem's group (one kernel call): a small tree with a noise buffer
+    just big enough for it beside a big one reads a window its own size, so each row's noise,
+    refills included, and so its trees, are the Python drafter's."""
+    from store.base import NgramRow
+    from tts_service.drafters.goose import AdjacencyTable
+    from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+
+    rng = random.Random(17)
+    rows = [
+        NgramRow(
+            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
+            tuple(rng.sample(range(8), 5)),
+            tuple(rng.random() for _ in range(5)),
+        )
+        for _ in range(200)
+    ]
+    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
+    plain.add(rows)
+    indexed.add(rows)
+    big = StandDynDrafterConfig(num_nodes=24, sizing="fixed", drawn=True)
+    small = StandDynDrafterConfig(num_nodes=2, sizing="fixed", drawn=True, noise_buffer=30)
+    assert compiled_applies(small, indexed)
+    counts, successors = SuffixCounts(SUFFIX_ORDERS), AdjacencyTable(8, 10)
+    calibration = AcceptanceCalibration()
+    python = [
+        StandDynDrafter(cfg, plain, counts, successors, calibration, seed=s)
+        for s, cfg in ((1, big), (2, small))
+    ]
+    group = StandDynGroup()
+    group.bind(indexed.compiled(), SuccessorIndex(8), CalibrationIndex())
+    compiled = [CompiledStandDyn(cfg, indexed, group, seed=s) for s, cfg in ((1, big), (2, small))]
+    for d in python + compiled:
+        d.start([])
+    docs = [[rng.randrange(8) for _ in range(80)] for _ in compiled]
+    for end in range(6, 80, 2):
+        ctxs = [DraftContext(doc[:end], 1, 24) for doc in docs]
+        want = [d.draft(c) for d, c in zip(python, ctxs, strict=True)]
+        assert group.draft_all(compiled, ctxs) == want
+    assert any(any(t.sampled) for t in want)
+    assert compiled[1].noise.refills == python[1].noise.refills > 3
