@@ -8,7 +8,8 @@
 # acceptance eager, `device-repeat-kv`, the baseline attention, `step-kernels`, a verify step's
 # kernels, plain against trees, bench.step_kernels, and `acceptance-cost`, p and the verdict
 # over a 152k vocabulary, bench.acceptance_cost, on request) and measured beside predicted
-# (bench.device --predict).
+# (bench.device --predict); `host-drawn`, on request: `stand-dyn`'s drawn children against
+# deterministic ones on the device's host path.
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
@@ -46,6 +47,11 @@ step() {  # step NAME SECONDS COMMAND...
         --nodes 0 8 --steps 30 --json "$out/host-gpu-graph.json"
     step host-cost 60 $py -m bench.host --device cuda --speculation cost --rows 16 64 --nodes 8 \
         --method stand stand-dyn --steps 30 --json "$out/host-gpu-cost.json"
+    for drawn in false true; do  # drawn children against deterministic ones, on request
+        step host-drawn 40 $py -m bench.host --device cuda --graph-acceptance --rows 1 16 64 \
+            --nodes 8 --method stand-dyn --temperature 1.0 --set drawn=$drawn --steps 30 \
+            --json "$out/host-gpu-drawn-$drawn.json"
+    done
     step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
