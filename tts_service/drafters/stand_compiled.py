@@ -44,6 +44,28 @@ from tts_service.engine.verify import Acceptance
 
 
 @njit(cache=True)
+def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, rank):
+    """Gumbel-top-k over `c_p[:nc]` as `stand.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
+    from a step's window (`cur`, `rem` values left in it, `nxt` the next buffer's first; `pos`
+    read so far, `moved` to the next buffer: the tail is discarded, as `take` does), keys
+    log p + g in `keys`, and in `rank` the order, a stable sort by key, largest first. Returns
+    the new (pos, moved)."""
+    if not moved and pos + nc > rem:
+        moved, pos = True, 0
+    for i in range(nc):
+        keys[i] = math.log(c_p[i]) + (nxt[pos + i] if moved else cur[pos + i])
+        rank[i] = i
+    for i in range(1, nc):
+        r, key = rank[i], keys[rank[i]]
+        j = i - 1
+        while j >= 0 and keys[rank[j]] < key:
+            rank[j + 1] = rank[j]
+            j -= 1
+        rank[j + 1] = r
+    return pos + nc, moved
+
+
+@njit(cache=True)
 def stand_tree(
     tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
     keep, stochastic, cur, rem, nxt, used,
@@ -89,19 +111,8 @@ def stand_tree(
         k = min(kids, nc)
         for i in range(nc):
             rank[i] = i
-        if stochastic:  # Gumbel-top-k: GumbelNoise.take(nc), then a stable sort by key
-            if not moved and pos + nc > rem:  # the tail is discarded, as `take` does
-                moved, pos = True, 0
-            for i in range(nc):
-                keys[i] = math.log(c_p[i]) + (nxt[pos + i] if moved else cur[pos + i])
-            pos += nc
-            for i in range(1, nc):
-                r, key = rank[i], keys[rank[i]]
-                j = i - 1
-                while j >= 0 and keys[rank[j]] < key:
-                    rank[j + 1] = rank[j]
-                    j -= 1
-                rank[j + 1] = r
+        if stochastic:  # Gumbel-top-k
+            pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, rank)
             qn[node] = nids[slot]
             for j in range(nids[slot]):
                 qids[node, j], qp[node, j] = ids[slot, j], probs[slot, j]

@@ -25,7 +25,6 @@ load them.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +35,7 @@ from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, ne
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
+from tts_service.drafters.stand_compiled import gumbel_order
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, SparseDist
@@ -398,21 +398,10 @@ def _draws_first(probs, nids, count, la, lb, slot: int, o: int, f_neg, nf: int) 
 
 
 @njit(cache=True)
-def _drawn_plan(
-    c_ids, c_p, nc: int, keys, rank, base: int, la, lb, f_tok, f_kind, f_q, f_neg
-) -> int:
-    """`StandDynDrafter.drawn_plan` given the Gumbel keys of the `nc` stored ids: the children
-    in draw order (a stable sort on the keys, largest first) in f_*, slot j calibrated on the
-    j-th largest normalised probability (kind `base` + min(j, 3)); returns nc."""
-    for i in range(nc):
-        rank[i] = i
-    for i in range(1, nc):
-        r, key = rank[i], keys[rank[i]]
-        j = i - 1
-        while j >= 0 and keys[rank[j]] < key:
-            rank[j + 1] = rank[j]
-            j -= 1
-        rank[j + 1] = r
+def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, la, lb, f_tok, f_kind, f_q, f_neg) -> int:
+    """`StandDynDrafter.drawn_plan` given the draw order `rank` of the `nc` stored ids
+    (`gumbel_order`): the children in that order in f_*, slot j calibrated on the j-th largest
+    normalised probability (kind `base` + min(j, 3)); returns nc."""
     total = 0.0
     for i in range(nc):
         total += c_p[i]
@@ -499,13 +488,9 @@ def draft_tree(
                         c_p[nc] = probs[slot, j]
                         nc += 1
                 out_qn[node] = nc
-                if not moved and pos + nc > rem:  # the tail is discarded, never wrapped
-                    moved, pos = True, 0
-                for i in range(nc):
-                    keys[i] = math.log(c_p[i]) + (nxt[pos + i] if moved else cur[pos + i])
-                pos += nc
+                pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, by_key)
                 nf = _drawn_plan(
-                    out_qids[node], c_p, nc, keys, by_key, _kind(DRAWN, o, count[slot]), la, lb,
+                    out_qids[node], c_p, nc, by_key, _kind(DRAWN, o, count[slot]), la, lb,
                     f_tok, f_kind, f_q, f_neg,
                 )  # fmt: skip
                 out_draws[node] = True

@@ -68,6 +68,19 @@ def test_warm_compiles_and_runs_every_kernel():
     assert warm() > 1
 
 
+def assert_arrays_lay_out_as_the_trees(trees: list, n: int, bucket: bool) -> None:
+    """`SparseLayout.of` from the trees' `DrawnArrays` equals the loop over their nodes, field
+    for field."""
+    fast = SparseLayout.of(trees, n, bucket)
+    slow = SparseLayout.of([dataclasses.replace(t, arrays=None) for t in trees], n, bucket)
+    assert fast.n == slow.n and fast.kid_at == slow.kid_at and fast.kid_node == slow.kid_node
+    for name in ("ids", "lens", "parents"):
+        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+    for name in ("slot", "drawn", "real", "q"):
+        got, want = getattr(fast.kids, name), getattr(slow.kids, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
 @pytest.mark.parametrize("bucket", [False, True])
 def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
     """`SparseLayout.of` from the trees' `DrawnArrays` equals the loop over their nodes, field
@@ -89,14 +102,7 @@ def test_the_drafters_arrays_lay_out_as_the_trees_do(bucket):
         trees = [trees[i] for i in (4, 0, 1, 5, 2, 3)]
         assert all(t.arrays is not None for t in trees)  # sampled rows carry their arrays
         n = max(t.size for t in trees) + rng.randrange(0, 3)
-        fast = SparseLayout.of(trees, n, bucket)
-        slow = SparseLayout.of([dataclasses.replace(t, arrays=None) for t in trees], n, bucket)
-        assert fast.n == slow.n and fast.kid_at == slow.kid_at and fast.kid_node == slow.kid_node
-        for name in ("ids", "lens", "parents"):
-            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
-        for name in ("slot", "drawn", "real", "q"):
-            got, want = getattr(fast.kids, name), getattr(slow.kids, name)
-            assert got.dtype == want.dtype and np.array_equal(got, want), name
+        assert_arrays_lay_out_as_the_trees(trees, n, bucket)
 
 
 def test_rows_of_one_group_read_as_much_noise_as_their_own_trees_can():

@@ -151,13 +151,11 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     which plan wins varies per node) lay out from the kernel's arrays (`tree.DrawnArrays`: a
     drawing node's support is its q, any other's its children's tokens) exactly as the loop over
     their nodes does, field for field; two problems' batches in one step."""
-    import dataclasses
-
-    import numpy as np
-
-    from tests.unit.drafters.test_stand_compiled import _twin_stores
+    from tests.unit.drafters.test_stand_compiled import (
+        _twin_stores,
+        assert_arrays_lay_out_as_the_trees,
+    )
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
-    from tts_service.engine.treebatch import SparseLayout
 
     rng = random.Random(13)
     mixed = 0
@@ -180,16 +178,7 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
         assert all(t.arrays is not None for t in trees)
         mixed += sum(not all(t.sampled[1:]) for t in trees)
         n = max(t.size for t in trees) + rng.randrange(0, 3)
-        fast = SparseLayout.of(trees[::-1], n, bucket)
-        slow = SparseLayout.of(
-            [dataclasses.replace(t, arrays=None) for t in trees[::-1]], n, bucket
-        )
-        assert fast.n == slow.n and fast.kid_at == slow.kid_at and fast.kid_node == slow.kid_node
-        for name in ("ids", "lens", "parents"):
-            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
-        for name in ("slot", "drawn", "real", "q"):
-            got, want = getattr(fast.kids, name), getattr(slow.kids, name)
-            assert got.dtype == want.dtype and np.array_equal(got, want), name
+        assert_arrays_lay_out_as_the_trees(trees[::-1], n, bucket)
     assert mixed > 10  # trees with drawn and deterministic children both
 
 
