@@ -82,9 +82,9 @@ class StandDynDrafterConfig(StrictConfig):
     compiled: bool = Field(
         True,
         description="Draft with the compiled kernel (`stand_kernel`, numba) where it applies: "
-        "an in-process store (and, with `drawn`, a noise buffer of (num_nodes + 1) x the store's "
-        "top-k). The same trees as the Python drafter, a fraction of the host time; elsewhere "
-        "the Python drafter runs.",
+        "an in-process store (and, with `drawn`, a noise buffer of at least (num_nodes + 1) x the "
+        "store's top-k). The same trees as the Python drafter, a fraction of the host time; "
+        "elsewhere the Python drafter runs.",
     )
 
 
