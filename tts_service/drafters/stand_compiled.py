@@ -43,6 +43,22 @@ from tts_service.engine.tree import (
 from tts_service.engine.verify import Acceptance
 
 
+def q_snapshots(
+    at: np.ndarray, q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
+) -> list[tuple[SparseDist | None, ...]]:
+    """Each row's per-node q (`DraftTree.q`) from a kernel's `[R, M]` / `[R, M, K]` arrays, in
+    one pass: a `SparseDist` of the first `q_len` ids where `at` is set, else None."""
+    out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
+    where = np.nonzero(at)
+    if len(where[0]):
+        ids, probs = q_ids[where].tolist(), q_probs[where].tolist()
+        for r, v, k, i, p in zip(
+            *(x.tolist() for x in where), q_len[where].tolist(), ids, probs, strict=True
+        ):
+            out[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
+    return [tuple(x) for x in out]
+
+
 @njit(cache=True)
 def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, rank):
     """Gumbel-top-k over `c_p[:nc]` as `stand.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
@@ -231,14 +247,7 @@ class StandGroup:
         )  # fmt: skip
         # to Python once for all rows; the snapshots only where a node drew its children
         tokens, parents, drawn, shapes = (x.tolist() for x in (token, parent, sampled, shape_ids))
-        snapshots: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
-        at = np.nonzero(qn >= 0)
-        if len(at[0]):
-            q_ids, q_p = qids[at].tolist(), qp[at].tolist()
-            for r, v, k, i, p in zip(
-                *(x.tolist() for x in at), qn[at].tolist(), q_ids, q_p, strict=True
-            ):
-                snapshots[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
+        snapshots = q_snapshots(qn >= 0, qn, qids, qp, sizes)
         drawn_batch = DrawnBatch(parent, slot_of, qn, qids, qp)
         out = []
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
@@ -248,7 +257,7 @@ class StandGroup:
                 tuple(tokens[r][:n]),
                 tuple(parents[r][:n]),
                 tuple(drawn[r][:n]),
-                tuple(snapshots[r]),
+                snapshots[r],
                 DrawnArrays(drawn_batch, r) if stochastic[r] else None,
             )
             m.contexts = (ctx[r, :n], clen[r, :n])

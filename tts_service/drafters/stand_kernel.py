@@ -35,10 +35,10 @@ from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, ne
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
-from tts_service.drafters.stand_compiled import gumbel_order
+from tts_service.drafters.stand_compiled import gumbel_order, q_snapshots
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
-from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, SparseDist
+from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch
 from tts_service.engine.verify import Acceptance
 
 TAIL = 12  # tokens of context a node keeps (stand_dyn.TAIL)
@@ -609,27 +609,6 @@ def _drawn_arrays(drawn: np.ndarray, nodes: int, width: int) -> tuple[np.ndarray
     )
 
 
-def _sparse(
-    draws: np.ndarray,
-    q_len: np.ndarray,
-    q_ids: np.ndarray,
-    q_probs: np.ndarray,
-    sizes: np.ndarray,
-    width: int,
-) -> list[tuple[SparseDist | None, ...]]:
-    """Each row's per-node q (`DraftTree.q`: the drawing nodes', at most `width` stored ids),
-    from the kernel's arrays in one pass."""
-    out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
-    at = np.nonzero(draws)
-    if len(at[0]):
-        ids, probs = q_ids[at][:, :width].tolist(), q_probs[at][:, :width].tolist()
-        for r, v, k, i, p in zip(
-            *(x.tolist() for x in at), q_len[at].tolist(), ids, probs, strict=True
-        ):
-            out[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
-    return [tuple(x) for x in out]
-
-
 class StandDynGroup:
     """One problem's compiled state, shared by its rows: the suffix index, and the store's and
     the model's arrays; `draft_all` drafts every member row of a step in one kernel call."""
@@ -732,7 +711,9 @@ class StandDynGroup:
         out = []
         tokens, parents = token.tolist(), parent.tolist()
         if drawn.any():  # the drawing rows' trees carry the arrays rule (c) lays out
-            qs = _sparse(draws, q_len, q_ids, q_probs, sizes, idx.topk)
+            # a drawing node's q holds at most the store's top-k ids
+            k = idx.topk
+            qs = q_snapshots(draws, q_len, q_ids[..., :k], q_probs[..., :k], sizes)
             flags = sampled.tolist()
             batch = DrawnBatch(parent, slot, q_len, q_ids, q_probs, sampled)
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
