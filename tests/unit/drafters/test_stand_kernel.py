@@ -6,6 +6,7 @@ index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, wh
 from __future__ import annotations
 
 import random
+from collections import Counter
 import subprocess
 import sys
 
@@ -224,3 +225,56 @@ def test_rows_of_one_group_draw_their_own_noise_through_refills():
         assert group.draft_all(compiled, ctxs) == want
     assert any(any(t.sampled) for t in want)
     assert compiled[1].noise.refills == python[1].noise.refills > 3
+
+
+def test_a_top_k_two_store_and_a_greedy_row_beside_drawing_rows():
+    """One kernel call for a problem's rows where a greedy row (no drawn child) sits between
+    drawing rows, over a top-k-2 store, so deterministic nodes of drawing rows' trees have more
+    children than the store's top-k (the successor table's and suffix counts' candidates):
+    trees equal to the Python drafters', and the rule (c) layout from the kernel's arrays equal
+    to the loop over the trees' nodes."""
+    from store.base import NgramRow
+    from tests.unit.drafters.test_stand_compiled import assert_arrays_lay_out_as_the_trees
+    from tts_service.drafters.goose import AdjacencyTable
+    from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+
+    rng = random.Random(23)
+    rows = [
+        NgramRow(
+            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
+            tuple(rng.sample(range(8), 2)),
+            tuple(rng.random() for _ in range(2)),
+        )
+        for _ in range(200)
+    ]
+    plain, indexed = InMemoryNgramStore(topk=2), InMemoryNgramStore(topk=2)
+    plain.add(rows)
+    indexed.add(rows)
+    cfg = StandDynDrafterConfig(num_nodes=16, sizing="fixed", drawn=True, noise_buffer=60)
+    assert compiled_applies(cfg, indexed)
+    counts, successors = SuffixCounts(SUFFIX_ORDERS), AdjacencyTable(8, 10)
+    calibration = AcceptanceCalibration()
+    python = [
+        StandDynDrafter(cfg, plain, counts, successors, calibration, seed=s) for s in range(3)
+    ]
+    group = StandDynGroup()
+    group.bind(indexed.compiled(), SuccessorIndex(8), CalibrationIndex())
+    compiled = [CompiledStandDyn(cfg, indexed, group, seed=s) for s in range(3)]
+    for d in python + compiled:
+        d.start([])
+    docs = [[rng.randrange(8) for _ in range(60)] for _ in compiled]
+    wide = 0
+    for end in range(6, 60, 2):
+        ctxs = [DraftContext(doc[:end], 1, 16, greedy=b == 1) for b, doc in enumerate(docs)]
+        want = [d.draft(c) for d, c in zip(python, ctxs, strict=True)]
+        got = group.draft_all(compiled, ctxs)
+        assert got == want
+        assert not any(got[1].sampled)  # the greedy row draws nothing
+        drawing = [t for t in got if any(t.sampled)]
+        for t in drawing:  # a node whose > 2 children are deterministic
+            kept = Counter(t.parents[v] for v in range(1, t.size) if not t.sampled[v])
+            wide += any(n > 2 for n in kept.values())
+        if drawing:
+            assert_arrays_lay_out_as_the_trees(drawing, max(t.size for t in drawing), False)
+    assert wide > 0
