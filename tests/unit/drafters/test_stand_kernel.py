@@ -6,9 +6,9 @@ index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, wh
 from __future__ import annotations
 
 import random
-from collections import Counter
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
