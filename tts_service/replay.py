@@ -299,6 +299,10 @@ class LoggedDecoder:
         keep = [b for b, r in enumerate(self.active) if id(r) not in gone]
         self.active = [self.active[b] for b in fill_holes(keep)]  # the engine's order
 
+    def reset(self) -> None:
+        self.drop(list(self.active))
+        self.oracles.clear()
+
     def step(
         self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
     ) -> list[Row]:

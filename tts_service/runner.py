@@ -112,6 +112,9 @@ class StepDecoder(Protocol):
 
     def drop(self, rows: list[Row]) -> None: ...
 
+    def reset(self) -> None:
+        """Drop every row, and whatever a failed join had added with no row to drop."""
+
     def step(
         self, max_nodes: int, observe: StepObserver | None = None, fill: bool = False
     ) -> list[Row]: ...
@@ -380,8 +383,7 @@ class TrajectoryRunner:
         subs = {id(s): s for s, _ in self.queue}
         subs |= {id(r.submission): r.submission for r in self._rows()}
         self.queue.clear()
-        self.decoder.drop(list(self.decoder.active))
-        self.decoder.cache.clear()  # rows a failed join had appended, with no row to drop
+        self.decoder.reset()
         for sub in subs.values():
             sub.finish(error)
 

@@ -71,6 +71,22 @@ def test_stand_replay_on_a_hand_made_repeat():
     assert (report.tokens, report.steps) == (6, 4)
 
 
+def test_a_drafter_that_fails_in_replay_fails_the_replay_with_its_own_error():
+    """The runner's failure path resets replay's decoder as it resets the engine's: the
+    drafter's error reaches the caller, not one from the reset."""
+
+    class Broken:
+        def __init__(self, drafter) -> None:
+            self.drafter = drafter
+
+        def start(self, prompt_ids: list[int]) -> None:
+            raise RuntimeError("drafter broke")
+
+    problem = LoggedProblem("h", [5, 6, 7, 8], [[5, 6, 7, 8]])
+    with pytest.raises(RuntimeError, match="drafter broke"):
+        replay([problem], PldDrafterConfig(), vocab_size=16, wrap=Broken)
+
+
 def test_malformed_lines_are_reported_with_their_line_number(tmp_path):
     good = LoggedProblem("ok", [1, 2], [[3, 4]], [[[3], [4]]], [[[1.0], [1.0]]])
     lines = [

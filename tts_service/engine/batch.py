@@ -284,6 +284,11 @@ class BatchDecoder:
         if len(keep) < len(self.active):
             self._keep_rows(keep)
 
+    def reset(self) -> None:
+        """Drop every row, and the KV rows a failed join had appended with no row to drop."""
+        self.drop(list(self.active))
+        self.cache.clear()
+
     def _keep_rows(self, keep: list[int]) -> None:
         if not keep:  # an empty batch starts over at slot 0
             self.active = []
