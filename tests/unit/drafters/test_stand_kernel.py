@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
 from tts_service.drafters.base import DraftContext
@@ -63,7 +64,6 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
     """A small memory bound makes the suffix counts restart at some row of a step: the group
     drafts the rows before it in one call, restarts, then the rest (`StandDynGroup.draft_all`),
     and every tree equals the Python drafter's, drafting row after row."""
-    from store.base import NgramRow
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
@@ -183,27 +183,35 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     assert mixed > 10  # trees with drawn and deterministic children both
 
 
+def _twin_row_stores(
+    rng: random.Random, width: int, topk: int = 10
+) -> tuple[InMemoryNgramStore, ...]:
+    """Two stores (the Python drafter's, the kernel's) of top-k `topk` holding the same 200
+    random rows of `width` ids over 8 tokens."""
+    rows = [
+        NgramRow(
+            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
+            tuple(rng.sample(range(8), width)),
+            tuple(rng.random() for _ in range(width)),
+        )
+        for _ in range(200)
+    ]
+    stores = InMemoryNgramStore(topk=topk), InMemoryNgramStore(topk=topk)
+    for store in stores:
+        store.add(rows)
+    return stores
+
+
 def test_rows_of_one_group_draw_their_own_noise_through_refills():
     """Two configs share a problem's group (one kernel call): a small tree with a noise buffer
     just big enough for it beside a big one reads a window its own size, so each row's noise,
     refills included, and so its trees, are the Python drafter's."""
-    from store.base import NgramRow
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(17)
-    rows = [
-        NgramRow(
-            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
-            tuple(rng.sample(range(8), 5)),
-            tuple(rng.random() for _ in range(5)),
-        )
-        for _ in range(200)
-    ]
-    plain, indexed = InMemoryNgramStore(), InMemoryNgramStore()
-    plain.add(rows)
-    indexed.add(rows)
+    plain, indexed = _twin_row_stores(rng, 5)
     big = StandDynDrafterConfig(num_nodes=24, sizing="fixed", drawn=True)
     small = StandDynDrafterConfig(num_nodes=2, sizing="fixed", drawn=True, noise_buffer=30)
     assert compiled_applies(small, indexed)
@@ -233,24 +241,13 @@ def test_a_top_k_two_store_and_a_greedy_row_beside_drawing_rows():
     children than the store's top-k (the successor table's and suffix counts' candidates):
     trees equal to the Python drafters', and the rule (c) layout from the kernel's arrays equal
     to the loop over the trees' nodes."""
-    from store.base import NgramRow
     from tests.unit.drafters.test_stand_compiled import assert_arrays_lay_out_as_the_trees
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(23)
-    rows = [
-        NgramRow(
-            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
-            tuple(rng.sample(range(8), 2)),
-            tuple(rng.random() for _ in range(2)),
-        )
-        for _ in range(200)
-    ]
-    plain, indexed = InMemoryNgramStore(topk=2), InMemoryNgramStore(topk=2)
-    plain.add(rows)
-    indexed.add(rows)
+    plain, indexed = _twin_row_stores(rng, 2, topk=2)
     cfg = StandDynDrafterConfig(num_nodes=16, sizing="fixed", drawn=True, noise_buffer=60)
     assert compiled_applies(cfg, indexed)
     counts, successors = SuffixCounts(SUFFIX_ORDERS), AdjacencyTable(8, 10)
