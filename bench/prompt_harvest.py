@@ -45,7 +45,7 @@ def prompt_topk(problems: list[LoggedProblem], temperature: float) -> PromptTopK
 
 def seeding(tops: PromptTopK):
     """A replay `wrap`: before a problem store's first trajectory, its drafter observes the
-    prompt's distributions."""
+    prompt's distributions; everything else is the drafter's own."""
     seen: set[tuple[int, tuple[int, ...]]] = set()
 
     class PromptSeeded:
@@ -67,15 +67,6 @@ def seeding(tops: PromptTopK):
                 later = self.drafter.observe_root(tail, NodeTopK(ids[j : j + 1], probs[j : j + 1]))
                 if later is not None:
                     later()
-
-        def draft(self, ctx):
-            return self.drafter.draft(ctx)
-
-        def observe(self, tree, acc, topk):
-            return self.drafter.observe(tree, acc, topk)
-
-        def observe_root(self, tokens, topk):
-            return self.drafter.observe_root(tokens, topk)
 
     return PromptSeeded
 

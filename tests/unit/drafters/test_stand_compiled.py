@@ -17,13 +17,21 @@ from tts_service.drafters.stand_compiled import CompiledStand, new_group, warm
 from tts_service.engine.treebatch import SparseLayout
 
 
-def _twin_stores(rng: random.Random, zeros: bool = False) -> tuple[InMemoryNgramStore, ...]:
-    """Two in-process stores holding the same 150 random rows over 8 tokens (the second to be
-    indexed); `zeros`: some ids stored at probability 0."""
-    stores = InMemoryNgramStore(), InMemoryNgramStore()
-    for _ in range(150):
+def _twin_stores(
+    rng: random.Random,
+    zeros: bool = False,
+    rows: int = 150,
+    width: int | None = None,
+    topk: int = 10,
+) -> tuple[InMemoryNgramStore, ...]:
+    """Two in-process stores of top-k `topk` holding the same `rows` random rows over 8 tokens
+    (the second to be indexed), of `width` ids each or a random number; `zeros`: some ids stored
+    at probability 0."""
+    stores = InMemoryNgramStore(topk=topk), InMemoryNgramStore(topk=topk)
+    for _ in range(rows):
         ctx = tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5)))
-        ids = tuple(rng.sample(range(8), rng.randrange(1, 7 if zeros else 6)))
+        n = width if width is not None else rng.randrange(1, 7 if zeros else 6)
+        ids = tuple(rng.sample(range(8), n))
         probs = tuple(rng.choice([0.0, rng.random()]) if zeros else rng.random() for _ in ids)
         for store in stores:
             store.add([NgramRow(ctx, ids, probs)])

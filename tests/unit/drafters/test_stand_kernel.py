@@ -15,6 +15,7 @@ import pytest
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
+from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_lay_out_as_the_trees
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
@@ -152,10 +153,6 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     which plan wins varies per node) lay out from the kernel's arrays (`tree.DrawnArrays`: a
     drawing node's support is its q, any other's its children's tokens) exactly as the loop over
     their nodes does, field for field; two problems' batches in one step."""
-    from tests.unit.drafters.test_stand_compiled import (
-        _twin_stores,
-        assert_arrays_lay_out_as_the_trees,
-    )
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(13)
@@ -183,25 +180,6 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     assert mixed > 10  # trees with drawn and deterministic children both
 
 
-def _twin_row_stores(
-    rng: random.Random, width: int, topk: int = 10
-) -> tuple[InMemoryNgramStore, ...]:
-    """Two stores (the Python drafter's, the kernel's) of top-k `topk` holding the same 200
-    random rows of `width` ids over 8 tokens."""
-    rows = [
-        NgramRow(
-            tuple(rng.randrange(8) for _ in range(rng.randrange(1, 5))),
-            tuple(rng.sample(range(8), width)),
-            tuple(rng.random() for _ in range(width)),
-        )
-        for _ in range(200)
-    ]
-    stores = InMemoryNgramStore(topk=topk), InMemoryNgramStore(topk=topk)
-    for store in stores:
-        store.add(rows)
-    return stores
-
-
 def test_rows_of_one_group_draw_their_own_noise_through_refills():
     """Two configs share a problem's group (one kernel call): a small tree with a noise buffer
     just big enough for it beside a big one reads a window its own size, so each row's noise,
@@ -211,7 +189,7 @@ def test_rows_of_one_group_draw_their_own_noise_through_refills():
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(17)
-    plain, indexed = _twin_row_stores(rng, 5)
+    plain, indexed = _twin_stores(rng, rows=200, width=5)
     big = StandDynDrafterConfig(num_nodes=24, sizing="fixed", drawn=True)
     small = StandDynDrafterConfig(num_nodes=2, sizing="fixed", drawn=True, noise_buffer=30)
     assert compiled_applies(small, indexed)
@@ -241,13 +219,12 @@ def test_a_top_k_two_store_and_a_greedy_row_beside_drawing_rows():
     children than the store's top-k (the successor table's and suffix counts' candidates):
     trees equal to the Python drafters', and the rule (c) layout from the kernel's arrays equal
     to the loop over the trees' nodes."""
-    from tests.unit.drafters.test_stand_compiled import assert_arrays_lay_out_as_the_trees
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(23)
-    plain, indexed = _twin_row_stores(rng, 2, topk=2)
+    plain, indexed = _twin_stores(rng, rows=200, width=2, topk=2)
     cfg = StandDynDrafterConfig(num_nodes=16, sizing="fixed", drawn=True, noise_buffer=60)
     assert compiled_applies(cfg, indexed)
     counts, successors = SuffixCounts(SUFFIX_ORDERS), AdjacencyTable(8, 10)
