@@ -103,12 +103,15 @@ class GumbelNoise:
 
     def window(self, need: int) -> tuple[np.ndarray, int, np.ndarray]:
         """What a compiled draft reading at most `need` values (≤ `size`) sees: the buffer's
-        next values, how many it has left, and the next buffer's first."""
+        next values, how many it has left, and the next buffer's first where the read may run
+        past this one (else none: drawn when first needed, the stream's same values)."""
         assert need <= self.size, "a step may read no more than a buffer holds"
+        rest, left = self.array[self.pos : self.pos + need], len(self.array) - self.pos
+        if left >= need:
+            return rest, left, rest[:0]
         if self.ahead is None:
             self.ahead = self._draw(need)
-        rest = self.array[self.pos : self.pos + need]
-        return rest, len(self.array) - self.pos, self.ahead[:need]
+        return rest, left, self.ahead[:need]
 
     def advance(self, refilled: bool, pos: int) -> None:
         """After a compiled draft: it moved to the next buffer (then read `pos` of it), or read

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from itertools import accumulate
 
 import numpy as np
 from numba import njit
@@ -36,27 +37,35 @@ from tts_service.engine.tree import (
     DraftTree,
     DrawnArrays,
     DrawnBatch,
-    SparseDist,
+    DrawnQ,
     TreeShape,
     load_tree_shape,
 )
 from tts_service.engine.verify import Acceptance
 
+_NONE = np.zeros(0)  # a row's noise where it draws nothing
 
-def q_snapshots(
-    at: np.ndarray, q_len: np.ndarray, q_ids: np.ndarray, q_probs: np.ndarray, sizes: np.ndarray
-) -> list[tuple[SparseDist | None, ...]]:
-    """Each row's per-node q (`DraftTree.q`) from a kernel's `[R, M]` / `[R, M, K]` arrays, in
-    one pass: a `SparseDist` of the first `q_len` ids where `at` is set, else None."""
-    out: list[list[SparseDist | None]] = [[None] * n for n in sizes.tolist()]
-    where = np.nonzero(at)
-    if len(where[0]):
-        ids, probs = q_ids[where].tolist(), q_probs[where].tolist()
-        for r, v, k, i, p in zip(
-            *(x.tolist() for x in where), q_len[where].tolist(), ids, probs, strict=True
-        ):
-            out[r][v] = SparseDist(tuple(i[:k]), tuple(p[:k]))
-    return [tuple(x) for x in out]
+
+def noise_windows(
+    noises: Sequence[GumbelNoise | None], need: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' noise for a compiled step, flat (one copy for all rows, not one per row): row
+    r's window of its `GumbelNoise` reading at most `need[r]` values is `cur[cur_at[r] :
+    cur_at[r + 1]]` with `rem[r]` values left in its buffer, and the next buffer's first are
+    `nxt[nxt_at[r] : nxt_at[r + 1]]`; a row that draws nothing (None) has none."""
+    rows = len(noises)
+    if all(x is None for x in noises):  # deterministic rows only
+        none = np.zeros(rows + 1, np.int64)
+        return _NONE, none, none[:rows], _NONE, none
+    curs, nxts, rems = [], [], []
+    for noise, n in zip(noises, need, strict=True):
+        window, left, ahead = noise.window(n) if noise is not None else (_NONE, 0, _NONE)
+        curs.append(window)
+        nxts.append(ahead)
+        rems.append(left)
+    cur_at = np.array([0, *accumulate(map(len, curs))], np.int64)
+    nxt_at = np.array([0, *accumulate(map(len, nxts))], np.int64)
+    return np.concatenate(curs), cur_at, np.array(rems, np.int64), np.concatenate(nxts), nxt_at
 
 
 @njit(cache=True)
@@ -155,14 +164,16 @@ def stand_tree(
 @njit(cache=True)
 def stand_rows(
     tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
-    keep, stochastic, cur, rem, nxt, used,
+    keep, stochastic, cur, cur_at, rem, nxt, nxt_at, used,
     ctx, clen, token, parent, sampled, shape, slot_of, qn, qids, qp, sizes,
 ):  # fmt: skip
-    """`stand_tree` for every row (row r's arrays are the r-th of each)."""
+    """`stand_tree` for every row (row r's arrays are the r-th of each; its noise as
+    `noise_windows` lays it out)."""
     for r in range(len(sizes)):
         sizes[r] = stand_tree(
             tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
-            keep[r], stochastic[r], cur[r], rem[r], nxt[r], used[r],
+            keep[r], stochastic[r], cur[cur_at[r] : cur_at[r + 1]], rem[r],
+            nxt[nxt_at[r] : nxt_at[r + 1]], used[r],
             ctx[r], clen[r], token[r], parent[r], sampled[r], shape[r], slot_of[r],
             qn[r], qids[r], qp[r],
         )  # fmt: skip
@@ -216,19 +227,18 @@ class StandGroup:
                 keep[r, list(kept)] = True
         most = [len(kept) + 1 for kept in keeps]  # the most nodes each tree can have
         nodes = max(most)
-        # the most noise a row's step can read (every node opened, every stored id drawable):
-        # its own, which its buffer holds (`stand.compiled_applies`)
-        cur, nxt = np.zeros((rows, nodes * width)), np.zeros((rows, nodes * width))
-        rem = np.zeros(rows, np.int64)
         stochastic = np.zeros(rows, np.bool_)
         tails = []
         for r, (m, c) in enumerate(zip(members, ctxs, strict=True)):
             tail = c.tokens[-order:]
             tails.append([-1] * (order - len(tail)) + tail)
-            if m.stochastic and not c.greedy:
-                stochastic[r] = True
-                window, rem[r], ahead = m.noise.window(most[r] * width)
-                cur[r, : len(window)], nxt[r, : len(ahead)] = window, ahead
+            stochastic[r] = m.stochastic and not c.greedy
+        # the most noise a row's step can read (every node opened, every stored id drawable):
+        # its own, which its buffer holds (`stand.compiled_applies`)
+        noise = noise_windows(
+            [m.noise if s else None for m, s in zip(members, stochastic.tolist(), strict=True)],
+            [n * width for n in most],
+        )
         ctx = np.full((rows, nodes, order), -1, np.int64)
         ctx[:, 0] = tails
         clen = np.zeros((rows, nodes), np.int64)
@@ -242,12 +252,12 @@ class StandGroup:
         sizes = np.zeros(rows, np.int64)
         stand_rows(
             *index.arrays(), order, self.kid_at, self.kid_list,
-            keep, stochastic, cur, rem, nxt, used,
+            keep, stochastic, *noise, used,
             ctx, clen, token, parent, sampled, shape_ids, slot_of, qn, qids, qp, sizes,
         )  # fmt: skip
-        # to Python once for all rows; the snapshots only where a node drew its children
+        # to Python once for all rows; a node's q where it drew its children
         tokens, parents, drawn, shapes = (x.tolist() for x in (token, parent, sampled, shape_ids))
-        snapshots = q_snapshots(qn >= 0, qn, qids, qp, sizes)
+        has_q = qn >= 0
         drawn_batch = DrawnBatch(parent, slot_of, qn, qids, qp)
         out = []
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
@@ -257,7 +267,7 @@ class StandGroup:
                 tuple(tokens[r][:n]),
                 tuple(parents[r][:n]),
                 tuple(drawn[r][:n]),
-                snapshots[r],
+                DrawnQ(has_q, qn, qids, qp, r, n),
                 DrawnArrays(drawn_batch, r) if stochastic[r] else None,
             )
             m.contexts = (ctx[r, :n], clen[r, :n])

@@ -35,10 +35,10 @@ from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, ne
 from store.index import StoreIndex, lookup_slot
 from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
-from tts_service.drafters.stand_compiled import gumbel_order, q_snapshots
+from tts_service.drafters.stand_compiled import gumbel_order, noise_windows
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
-from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch
+from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, DrawnQ
 from tts_service.engine.verify import Acceptance
 
 TAIL = 12  # tokens of context a node keeps (stand_dyn.TAIL)
@@ -398,15 +398,21 @@ def _draws_first(probs, nids, count, la, lb, slot: int, o: int, f_neg, nf: int) 
 
 
 @njit(cache=True)
-def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, la, lb, f_tok, f_kind, f_q, f_neg) -> int:
+def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, la, lb, f_tok, f_kind, f_q, f_neg, qs) -> int:
     """`StandDynDrafter.drawn_plan` given the draw order `rank` of the `nc` stored ids
     (`gumbel_order`): the children in that order in f_*, slot j calibrated on the j-th largest
-    normalised probability (kind `base` + min(j, 3)); returns nc."""
+    normalised probability (kind `base` + min(j, 3), sorted in `qs`); returns nc."""
     total = 0.0
     for i in range(nc):
         total += c_p[i]
     inv = 1.0 / total
-    qs = np.sort(c_p[:nc] * inv)[::-1]
+    for i in range(nc):  # largest first (insertion: a node has at most the store's top-k)
+        q = c_p[i] * inv
+        j = i - 1
+        while j >= 0 and qs[j] < q:
+            qs[j + 1] = qs[j]
+            j -= 1
+        qs[j + 1] = q
     for j in range(nc):
         q = qs[j]
         kind = base + min(j, 3)
@@ -451,6 +457,7 @@ def draft_tree(
     c_p = np.empty(width, np.float64)  # a drawn plan's positive stored probabilities
     keys = np.empty(width, np.float64)
     by_key = np.empty(width, np.int64)  # a drawn plan's draw order
+    sorted_q = np.empty(width, np.float64)  # a drawn plan's probabilities, largest first
     pos, moved = 0, False
     rl = len(root_tail)
     tails[0, :rl] = root_tail
@@ -491,7 +498,7 @@ def draft_tree(
                 pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, by_key)
                 nf = _drawn_plan(
                     out_qids[node], c_p, nc, by_key, _kind(DRAWN, o, count[slot]), la, lb,
-                    f_tok, f_kind, f_q, f_neg,
+                    f_tok, f_kind, f_q, f_neg, sorted_q,
                 )  # fmt: skip
                 out_draws[node] = True
             if nf > 0:
@@ -548,14 +555,15 @@ def draft_rows(
     stab, skt, total, head, ptab, pk, icnt, inext, smeta,
     succ_ids, succ_p, succ_n, la, lb,
     seq, seq_at, lo, hi, tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of,
-    drawn, cur, rem, nxt, used,
+    drawn, cur, cur_at, rem, nxt, nxt_at, used,
     out_parent, out_token, out_kind, out_q,
     out_draws, out_sampled, out_slot, out_qn, out_qids, out_qp, sizes,
 ):  # fmt: skip
     """Every row's suffix counting and tree, row after row, as the rows would run one by one:
     row r counts `seq[seq_at[r]:seq_at[r + 1]]`'s ends in [lo[r], hi[r]), then drafts from
     `tails[r, :tlens[r]]` at most `limits[r]` nodes, sized by cost `cost_of[r]` (-1: none),
-    drawing children where `drawn[r]` (its noise the r-th of `cur`, `rem`, `nxt`, `used`)."""
+    drawing children where `drawn[r]` (its noise as `stand_compiled.noise_windows` lays it
+    out, and `used[r]`)."""
     empty = np.zeros(0, np.float64)
     for r in range(len(limits)):
         if hi[r] > lo[r]:
@@ -570,27 +578,11 @@ def draft_rows(
             tab, keytok, ids, probs, nids, count, meta, max_order,
             stab, skt, total, head, ptab, pk, icnt, inext,
             succ_ids, succ_p, succ_n, la, lb,
-            tails[r, : tlens[r]], limits[r], xs, ys, drawn[r], cur[r], rem[r], nxt[r], used[r],
+            tails[r, : tlens[r]], limits[r], xs, ys, drawn[r], cur[cur_at[r] : cur_at[r + 1]],
+            rem[r], nxt[nxt_at[r] : nxt_at[r + 1]], used[r],
             out_parent[r], out_token[r], out_kind[r], out_q[r],
             out_draws[r], out_sampled[r], out_slot[r], out_qn[r], out_qids[r], out_qp[r],
         )  # fmt: skip
-
-
-def _noise(
-    members: Sequence[CompiledStandDyn], drawn: np.ndarray, limits: np.ndarray, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' noise for `draft_rows` (cur, rem, nxt, used): a drawing row's window of its
-    `GumbelNoise`, as much as its own tree can read (every node opened, every one of the
-    `width` stored ids drawn), which its buffer holds (`stand_dyn.compiled_applies`)."""
-    rows = len(members)
-    need = (limits + 1) * width
-    cols = int(need[drawn].max()) if drawn.any() else 1
-    cur, nxt = np.zeros((rows, cols)), np.zeros((rows, cols))
-    rem = np.zeros(rows, np.int64)
-    for r in np.flatnonzero(drawn).tolist():
-        window, rem[r], ahead = members[r].noise.window(int(need[r]))
-        cur[r, : len(window)], nxt[r, : len(ahead)] = window, ahead
-    return cur, rem, nxt, np.zeros((rows, 2), np.int64)
 
 
 def _drawn_arrays(drawn: np.ndarray, nodes: int, width: int) -> tuple[np.ndarray, ...]:
@@ -700,31 +692,34 @@ class StandDynGroup:
         drawn = np.array(
             [m.drawn and not ctx.greedy for m, ctx in zip(members, ctxs, strict=True)], np.bool_
         )
-        noise = _noise(members, drawn, limits, idx.topk)
+        # a drawing row's window of its noise: as much as its own tree can read (every node
+        # opened, every stored id drawn), which its buffer holds (`stand_dyn.compiled_applies`)
+        noise = noise_windows(
+            [m.noise if d else None for m, d in zip(members, drawn.tolist(), strict=True)],
+            ((limits + 1) * idx.topk).tolist(),
+        )
+        used = np.zeros((rows, 2), np.int64)
         draws, sampled, slot, q_len, q_ids, q_probs = _drawn_arrays(drawn, nodes, idx.topk)
         draft_rows(
             *idx.arrays(), idx.max_order, *sfx.arrays(), succ.ids, succ.probs, succ.n,
             cal.a, cal.b, np.array(seqs, np.int64), np.array(seq_at, np.int64), lo, hi,
-            tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of, drawn, *noise,
+            tails, tlens, limits, cost_xs, cost_ys, cost_n, cost_of, drawn, *noise, used,
             parent, token, kind, q, draws, sampled, slot, q_len, q_ids, q_probs, sizes,
         )  # fmt: skip
         out = []
         tokens, parents = token.tolist(), parent.tolist()
         if drawn.any():  # the drawing rows' trees carry the arrays rule (c) lays out
-            # a drawing node's q holds at most the store's top-k ids
-            k = idx.topk
-            qs = q_snapshots(draws, q_len, q_ids[..., :k], q_probs[..., :k], sizes)
             flags = sampled.tolist()
             batch = DrawnBatch(parent, slot, q_len, q_ids, q_probs, sampled)
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             m.kinds, m.qs = kind[r, :n], q[r, :n]  # what each node was drafted as
             if drawn[r]:
-                m.noise.advance(bool(noise[3][r, 0]), int(noise[3][r, 1]))
+                m.noise.advance(bool(used[r, 0]), int(used[r, 1]))
                 tree = DraftTree(
                     tuple(tokens[r][:n]),
                     tuple(parents[r][:n]),
                     tuple(flags[r][:n]),
-                    qs[r],
+                    DrawnQ(draws, q_len, q_ids, q_probs, r, n),  # at most the store's top-k
                     DrawnArrays(batch, r),
                 )
             else:

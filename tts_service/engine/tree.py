@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,56 @@ class SparseDist:
 
     def __post_init__(self) -> None:
         assert len(self.ids) == len(self.probs), "ids and probs must align"
+
+
+class DrawnQ(Sequence[SparseDist | None]):
+    """A compiled drafter's tree's `q`, read from its kernel's `[R, M]` / `[R, M, K]` arrays
+    when a node is asked for: a `SparseDist` of the first `q_len` ids where `at` is set, else
+    None. Rule (c)'s layout reads the arrays themselves (`DrawnArrays`), and a walk reads only
+    the nodes it reaches, so most snapshots are never made (building all of them cost a
+    16-row step ~0.1 ms). Equal to the tuple of its nodes' q."""
+
+    __slots__ = ("at", "q_len", "q_ids", "q_probs", "row", "n")
+
+    def __init__(
+        self,
+        at: np.ndarray,
+        q_len: np.ndarray,
+        q_ids: np.ndarray,
+        q_probs: np.ndarray,
+        row: int,
+        n: int,
+    ) -> None:
+        self.at, self.q_len, self.q_ids, self.q_probs = at, q_len, q_ids, q_probs
+        self.row, self.n = row, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, node: int) -> SparseDist | None:  # type: ignore[override]
+        if not 0 <= node < self.n:
+            raise IndexError(node)
+        r = self.row
+        if not self.at[r, node]:
+            return None
+        k = int(self.q_len[r, node])
+        return SparseDist(
+            tuple(self.q_ids[r, node, :k].tolist()), tuple(self.q_probs[r, node, :k].tolist())
+        )
+
+    def __iter__(self) -> Iterator[SparseDist | None]:
+        return (self[i] for i in range(self.n))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(other) == self.n and all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
 
 
 @dataclass(frozen=True)
@@ -63,7 +113,8 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # parents[0] == -1
     sampled: tuple[bool, ...]  # node i was drawn from q[parents[i]] (else deterministic)
-    q: tuple[SparseDist | None, ...]  # per node: what its sampled children were drawn from
+    # per node: what its sampled children were drawn from (a compiled drafter's: `DrawnQ`)
+    q: Sequence[SparseDist | None]
     # the same, as a compiled drafter's arrays (None: laid out from the fields above)
     arrays: DrawnArrays | None = field(default=None, compare=False, repr=False)
     depths: tuple[int, ...] = field(init=False)

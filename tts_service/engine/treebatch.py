@@ -387,6 +387,8 @@ def step_verdict(
     return verdict(tb, logits, store_probs(logits, cfg), k, uv)
 
 
+_EVERY_CHILD_DRAWN = np.zeros((0, 0), np.bool_)  # a `DrawnBatch` without `sampled`, to numba
+
 WALK_COMPILED = importlib.util.find_spec("numba") is not None
 """`walk_sparse_all` runs compiled (`engine.walk_compiled`); else in array operations."""
 
@@ -414,12 +416,12 @@ class GatheredNodes:
 
 @dataclass(frozen=True)
 class _Children:
-    """The children of M nodes by rank `[M, J]` (slot in the parent's support, drawn or not,
-    real or pad) and each node's q on its support `[M, K]`."""
+    """The children of M nodes by rank `[M, J]` (node index in its tree, -1 past the last;
+    slot in the parent's support; drawn or not) and each node's q on its support `[M, K]`."""
 
+    node: np.ndarray
     slot: np.ndarray
     drawn: np.ndarray
-    real: np.ndarray
     q: np.ndarray
 
 
@@ -436,8 +438,6 @@ class SparseLayout:
     lens: np.ndarray  # [W * N] int64
     parents: np.ndarray  # [M]: b * N + node of each node with children
     kids: _Children
-    kid_at: list[int]  # where each child sits in the [M, J] grid
-    kid_node: list[int]  # b * N + its node index
 
     @staticmethod
     def of(trees: Sequence[DraftTree], n: int, bucket: bool = False) -> SparseLayout:
@@ -471,7 +471,7 @@ class SparseLayout:
                             slot[x] = len(sup)
                             sup.append(x)
                         kid_slot.append(slot[x])
-                        kid_node.append(b * n + c)
+                        kid_node.append(c)
                         kid_drawn.append(tree.sampled[c])
                     if q is not None:
                         q_rows.append(m)
@@ -492,30 +492,25 @@ class SparseLayout:
         if q_rows:
             q[q_rows] = _padded(np.asarray(q_flat), np.asarray(q_lens), k, fill=0.0)
 
-        def grid(vals: list, dtype: type) -> np.ndarray:
-            out = np.zeros(len(parents) * ranks, dtype=dtype)
+        def grid(vals: list, dtype: type, fill: int = 0) -> np.ndarray:
+            out = np.full(len(parents) * ranks, fill, dtype=dtype)
             out[kid_at] = vals
             return out.reshape(len(parents), ranks)
 
-        real = grid([True] * len(kid_at), bool)
-        kids = _Children(grid(kid_slot, np.int64), grid(kid_drawn, bool), real, q)
+        kids = _Children(
+            grid(kid_node, np.int64, -1), grid(kid_slot, np.int64), grid(kid_drawn, bool), q
+        )
         return SparseLayout(
-            trees,
-            n,
-            ids.reshape(len(trees), n, k),
-            size,
-            np.asarray(parents, dtype=np.int64),
-            kids,
-            kid_at,
-            kid_node,
+            trees, n, ids.reshape(len(trees), n, k), size, np.asarray(parents, np.int64), kids
         )
 
     @staticmethod
     def _of_arrays(trees: Sequence[DraftTree], n: int, bucket: bool) -> SparseLayout:
         """`of` for trees that carry their compiled drafter's arrays (`tree.DrawnArrays`), which
         hold every node's support (its q's ids, or its deterministic children's tokens) and
-        each child's place in it: the same layout in array operations, a few per batch the
-        trees were drafted in."""
+        each child's place in it: the same layout, compiled (numba is there: it drafted them),
+        the trees' rows gathered by one call per batch they were drafted in
+        (`walk_compiled.gather_rows`) and laid out by one (`walk_compiled.layout_rows`)."""
         w = len(trees)
         batches: dict[int, tuple[DrawnBatch, list[int], list[int]]] = {}  # id -> (., b, row)
         for b, a in enumerate([t.arrays for t in trees]):
@@ -532,60 +527,21 @@ class SparseLayout:
         q_ids = np.zeros((w, n, width), np.int64)  # a node without q: zeros (its ids read 0)
         q_probs = np.zeros((w, n, width))
         drawn = np.ones((w, n), bool)
-        for batch, at, rows in batches.values():  # a tree's nodes all lie within n
-            m, kw = min(n, batch.parents.shape[1]), batch.q_ids.shape[2]
-            parent[at, :m], slot[at, :m] = batch.parents[rows, :m], batch.slot[rows, :m]
-            if batch.sampled is not None:
-                drawn[at, :m] = batch.sampled[rows, :m]
-            q_len[at, :m] = batch.q_len[rows, :m]
-            q_ids[at, :m, :kw], q_probs[at, :m, :kw] = (
-                batch.q_ids[rows, :m],
-                batch.q_probs[rows, :m],
-            )
-        # the children, by (row, parent, child) as `of` lists them, and their sibling ranks
-        kid_b, kid_c = np.nonzero(parent >= 0)
-        kid_p = parent[kid_b, kid_c]
-        order = np.lexsort((kid_c, kid_p, kid_b))
-        kid_b, kid_c, kid_p = kid_b[order], kid_c[order], kid_p[order]
-        group = kid_b * n + kid_p
-        first = np.ones(len(group), bool)  # the first child of its parent
-        first[1:] = group[1:] != group[:-1]
-        at = np.arange(len(group))
-        rank = at - np.maximum.accumulate(np.where(first, at, 0))
-        parents = group[first]
-        ranks = int(rank.max()) + 1 if len(rank) else 0
-        m_of = np.zeros(w * n, np.int64)
-        m_of[parents] = np.arange(len(parents))
-        kid_at = m_of[group] * ranks + rank
-        lens = np.maximum(q_len.ravel(), 0)
-        k = max(int(lens.max()), 1)
-        if bucket:
-            k = 1 << (k - 1).bit_length()
-        # each support's ids, pads repeating its last; k may exceed the drafter's width
-        cols = np.minimum(np.minimum(np.arange(k), width - 1), np.maximum(lens - 1, 0)[:, None])
-        ids = q_ids.reshape(w * n, width)[np.arange(w * n)[:, None], cols]
-        q = np.zeros((len(parents), k))
-        c = min(k, width)
-        q[:, :c] = q_probs.reshape(w * n, width)[parents, :c]
+        # a compiled drafter's trees: numba is there
+        from tts_service.engine.walk_compiled import gather_rows, layout_rows
 
-        def grid(vals: np.ndarray, dtype: type) -> np.ndarray:
-            out = np.zeros(len(parents) * ranks, dtype=dtype)
-            out[kid_at] = vals
-            return out.reshape(len(parents), ranks)
-
-        real = grid(np.ones(len(kid_at), bool), bool)
-        kids = _Children(
-            grid(slot[kid_b, kid_c], np.int64), grid(drawn[kid_b, kid_c], bool), real, q
+        for batch, at, rows in batches.values():
+            sampled = batch.sampled if batch.sampled is not None else _EVERY_CHILD_DRAWN
+            gather_rows(
+                batch.parents, batch.slot, sampled, batch.q_len, batch.q_ids, batch.q_probs,
+                np.array(rows, np.int64), np.array(at, np.int64),
+                parent, slot, drawn, q_len, q_ids, q_probs,
+            )  # fmt: skip
+        ids, lens, parents, kid_node, kid_slot, kid_drawn, q = layout_rows(
+            parent, slot, drawn, q_len, q_ids, q_probs, bucket
         )
         return SparseLayout(
-            trees,
-            n,
-            ids.reshape(w, n, k),
-            lens,
-            parents.astype(np.int64),
-            kids,
-            kid_at.tolist(),
-            (kid_b * n + kid_c).tolist(),
+            trees, n, ids, lens, parents, _Children(kid_node, kid_slot, kid_drawn, q)
         )
 
     def supports(self, walked: Sequence[int], rows: int) -> np.ndarray:
@@ -680,14 +636,12 @@ def walk_sparse_all(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
     kids, m = layout.kids, len(layout.parents)
     m_of = np.full(rows * n, -1, np.int64)
     m_of[layout.parents] = np.arange(m)
-    kid_node = np.full(kids.slot.size, -1, np.int64)
-    kid_node[layout.kid_at] = np.asarray(layout.kid_node, np.int64) % n
     path = np.zeros((rows, n), np.int64)
     plen, bonus = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
     c = np.ascontiguousarray  # the layouts the kernel was compiled for (`walk_compiled.warm`)
     walk_rows(
         c(data, np.float64), c(layout.lens, np.int64), c(layout.ids, np.int64), m_of,
-        kid_node.reshape(kids.slot.shape), c(kids.slot, np.int64), c(kids.drawn, np.bool_),
+        c(kids.node, np.int64), c(kids.slot, np.int64), c(kids.drawn, np.bool_),
         c(kids.q, np.float64), path, plen, bonus,
     )  # fmt: skip
     out = []
@@ -715,9 +669,10 @@ def walk_sparse_arrays(layout: SparseLayout, data: np.ndarray) -> list[Acceptanc
     at = layout.parents
     if len(at):
         accept, values[at], scale[at] = _step_children(values[at], scale[at], mass[at], layout.kids)
-        kid_u = np.ones(accept.size)  # a pad rank is never accepted
-        kid_u[layout.kid_at] = flat[layout.kid_node, k + 2]
-        passed = kid_u.reshape(accept.shape) < accept
+        kid_u = np.ones(accept.shape)  # a pad rank is never accepted
+        real = layout.kids.node >= 0
+        kid_u[real] = flat[((at // n)[:, None] * n + layout.kids.node)[real], k + 2]
+        passed = kid_u < accept
         pick[at] = np.where(passed.any(-1), passed.argmax(-1), -1)
     slot = bonus_slot(values, scale * mass, flat[:, k + 3]).tolist()
     outside, pick = flat[:, k + 1].astype(np.int64).tolist(), pick.tolist()
@@ -746,7 +701,7 @@ def _step_children(
     tried = np.zeros((m, k), dtype=bool)
     accept = np.zeros(kids.slot.shape)
     for j in range(kids.slot.shape[1]):
-        on, x = kids.real[:, j], kids.slot[:, j]
+        on, x = kids.node[:, j] >= 0, kids.slot[:, j]
         total = values.sum(-1) + scale * mass
         norm = np.where(on & (total > _TINY), total, 1.0)
         values, scale = values / norm[:, None], scale / norm

@@ -1,5 +1,6 @@
-"""Rule (c)'s host walk compiled: `verify.walk_sparse` for every walked row of a step in one
-numba call, from the step's one copy back (`treebatch.walk_sparse_all` calls it).
+"""Rule (c)'s host work compiled: `verify.walk_sparse` for every walked row of a step in one
+numba call, from the step's one copy back (`treebatch.walk_sparse_all` calls it), and the
+layout of the walked trees that a compiled drafter drew (`treebatch.SparseLayout.of`).
 
 The walk is the reference's, operation for operation: each node's residual normalised by its
 sum taken in support order, a drawn child's proposal q renormalised without its rejected
@@ -114,8 +115,85 @@ def walk_rows(data, lens, ids, m_of, kid_node, kid_slot, kid_drawn, kid_q, path,
             break
 
 
+@njit(cache=True)
+def gather_rows(
+    parents, slot, sampled, q_len, q_ids, q_probs, rows, at,
+    parent_to, slot_to, drawn_to, q_len_to, q_ids_to, q_probs_to,
+):  # fmt: skip
+    """Rows `rows` of one batch's arrays (`tree.DrawnBatch`'s; `sampled` `[R, 0]`: every child
+    drawn) into rows `at` of `layout_rows`' inputs, their first N nodes (a tree's all lie
+    there) and K ids (the batch's; the rest keep their zeros)."""
+    n = min(parent_to.shape[1], parents.shape[1])
+    k = q_ids.shape[2]
+    for i in range(len(rows)):
+        r, b = rows[i], at[i]
+        for c in range(n):
+            parent_to[b, c], slot_to[b, c], q_len_to[b, c] = parents[r, c], slot[r, c], q_len[r, c]
+            drawn_to[b, c] = sampled[r, c] if sampled.shape[1] else True
+            for j in range(k):
+                q_ids_to[b, c, j], q_probs_to[b, c, j] = q_ids[r, c, j], q_probs[r, c, j]
+
+
+@njit(cache=True)
+def layout_rows(parent, slot, drawn, q_len, q_ids, q_probs, bucket: bool):
+    """`SparseLayout.of` of W trees from their drafter's arrays `[W, N]` / `[W, N, K]`
+    (`tree.DrawnBatch`'s, gathered): every node's support ids `[W, N, k]` (pads repeat its
+    last id; an empty support reads its first stored id, 0) and length `[W * N]`, k its
+    longest (a power of two with `bucket`); the M nodes with children (`b * N + node`), their
+    children by rank `[M, J]` (node index, -1 past the last; slot in the support; drawn) and
+    each such node's q on its support `[M, k]`."""
+    w, n = parent.shape
+    width = q_ids.shape[2]
+    lens = np.empty(w * n, np.int64)
+    count = np.zeros(w * n, np.int64)
+    k = 1
+    for b in range(w):
+        for c in range(n):
+            lens[b * n + c] = max(q_len[b, c], 0)
+            k = max(k, lens[b * n + c])
+            if parent[b, c] >= 0:
+                count[b * n + parent[b, c]] += 1
+    if bucket:
+        size = 1
+        while size < k:
+            size *= 2
+        k = size
+    ids = np.empty((w * n, k), np.int64)
+    for i in range(w * n):
+        b, c = i // n, i % n
+        last = min(width - 1, max(lens[i] - 1, 0))
+        for s in range(k):
+            ids[i, s] = q_ids[b, c, min(s, last)]
+    m_of = np.full(w * n, -1, np.int64)
+    m, ranks = 0, 0
+    for i in range(w * n):
+        if count[i] > 0:
+            m_of[i] = m
+            m += 1
+            ranks = max(ranks, count[i])
+    parents = np.empty(m, np.int64)
+    q = np.zeros((m, k))
+    for i in range(w * n):
+        if m_of[i] >= 0:
+            parents[m_of[i]] = i
+            for s in range(min(k, width)):
+                q[m_of[i], s] = q_probs[i // n, i % n, s]
+    kid_node = np.full((m, ranks), -1, np.int64)
+    kid_slot = np.zeros((m, ranks), np.int64)
+    kid_drawn = np.zeros((m, ranks), np.bool_)
+    filled = np.zeros(m, np.int64)
+    for b in range(w):
+        for c in range(n):  # a parent's children in node order: their ranks
+            if parent[b, c] >= 0:
+                g = m_of[b * n + parent[b, c]]
+                j = filled[g]
+                filled[g] += 1
+                kid_node[g, j], kid_slot[g, j], kid_drawn[g, j] = c, slot[b, c], drawn[b, c]
+    return ids.reshape(w, n, k), lens, parents, kid_node, kid_slot, kid_drawn, q
+
+
 def warm() -> None:
-    """Compile (or load) the kernel once, on a one-node tree."""
+    """Compile (or load) the kernels once, on a one-node tree."""
     data = np.zeros((1, 1, 5))
     data[0, 0, 0], data[0, 0, 1] = 1.0, 0.0
     one, none = np.ones(1, np.int64), np.full(1, -1, np.int64)
@@ -125,8 +203,12 @@ def warm() -> None:
         data, one, np.zeros((1, 1, 1), np.int64), none, grid, grid, grid.astype(np.bool_), q,
         path, plen, bonus,
     )  # fmt: skip
+    one, ids, probs = np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1))
+    drawn, at = np.ones((1, 1), np.bool_), np.zeros(1, np.int64)
+    gather_rows(one - 1, one, drawn, one, ids, probs, at, at, one, one, drawn, one, ids, probs)
+    layout_rows(one - 1, one, drawn, one, ids, probs, False)
 
 
 if __name__ == "__main__":
     warm()
-    print("the rule (c) walk compiled")
+    print("the rule (c) walk and layout compiled")
