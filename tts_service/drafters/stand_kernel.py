@@ -37,6 +37,7 @@ from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
 from tts_service.drafters.stand_compiled import gumbel_order, noise_windows
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.engine import walk_compiled
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, DrawnQ
 from tts_service.engine.verify import Acceptance
@@ -834,6 +835,7 @@ def warm() -> int:
     topk = NodeTopK(np.zeros((tree.size, 2), np.int64), np.full((tree.size, 2), 0.5))
     later = drafter.observe(tree, Acceptance((), (), 0), topk)
     later()
+    walk_compiled.warm()  # what lays out and walks its drawn children on a GPU
     return tree.size
 
 
