@@ -122,15 +122,14 @@ def gather_rows(
 ):  # fmt: skip
     """Rows `rows` of one batch's arrays (`tree.DrawnBatch`'s; `sampled` `[R, 0]`: every child
     drawn) into rows `at` of `layout_rows`' inputs, their first N nodes (a tree's all lie
-    there) and K ids (the batch's; the rest keep their zeros)."""
+    there) and each node's support (past it the batch holds zeros, as the inputs do)."""
     n = min(parent_to.shape[1], parents.shape[1])
-    k = q_ids.shape[2]
     for i in range(len(rows)):
         r, b = rows[i], at[i]
         for c in range(n):
             parent_to[b, c], slot_to[b, c], q_len_to[b, c] = parents[r, c], slot[r, c], q_len[r, c]
             drawn_to[b, c] = sampled[r, c] if sampled.shape[1] else True
-            for j in range(k):
+            for j in range(q_len[r, c]):
                 q_ids_to[b, c, j], q_probs_to[b, c, j] = q_ids[r, c, j], q_probs[r, c, j]
 
 
