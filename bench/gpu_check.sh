@@ -8,8 +8,8 @@
 # acceptance eager, `device-repeat-kv`, the baseline attention, `step-kernels`, a verify step's
 # kernels, plain against trees, bench.step_kernels, and `acceptance-cost`, p and the verdict
 # over a 152k vocabulary, bench.acceptance_cost, on request) and measured beside predicted
-# (bench.device --predict); `host-drawn`, on request: `stand-dyn`'s drawn children against
-# deterministic ones on the device's host path.
+# (bench.device --predict); `host-drawn`: `stand-dyn`'s drawn children against deterministic
+# ones on the device's host path, at T = 1.0 and 0.6 (whether `auto` should draw on a GPU).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host host-graph host-cost device runner-replay runner-replay-served predict} "
+steps=" ${STEPS:-cuda-tests host host-graph host-drawn host-cost device runner-replay runner-replay-served predict} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -47,10 +47,12 @@ step() {  # step NAME SECONDS COMMAND...
         --nodes 0 8 --steps 30 --json "$out/host-gpu-graph.json"
     step host-cost 60 $py -m bench.host --device cuda --speculation cost --rows 16 64 --nodes 8 \
         --method stand stand-dyn --steps 30 --json "$out/host-gpu-cost.json"
-    for drawn in false true; do  # drawn children against deterministic ones, on request
-        step host-drawn 40 $py -m bench.host --device cuda --graph-acceptance --rows 1 16 64 \
-            --nodes 8 --method stand-dyn --temperature 1.0 --set drawn=$drawn --steps 30 \
-            --json "$out/host-gpu-drawn-$drawn.json"
+    for t in 1.0 0.6; do  # drawn children against deterministic ones (`auto` on a GPU)
+        for drawn in false true; do
+            step host-drawn 40 $py -m bench.host --device cuda --graph-acceptance \
+                --rows 1 16 64 --nodes 8 --method stand-dyn --temperature $t --set drawn=$drawn \
+                --steps 30 --json "$out/host-gpu-drawn-$drawn-t$t.json"
+        done
     done
     step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
