@@ -12,7 +12,7 @@
 # ones on the device's host path, at T = 1.0 and 0.6 (whether `auto` should draw on a GPU).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
-#   bash bench/gpu_check.sh [OUT_DIR]      # 5-10 minutes on one H100/H200
+#   bash bench/gpu_check.sh [OUT_DIR]      # 6-11 minutes on one H100/H200
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
 #   STEPS="cuda-tests host host-graph runner-replay runner-replay-eager" bash bench/gpu_check.sh
 #                                       # the captured acceptance against the eager one, alone

@@ -439,10 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     problems = fold(read_problems(args.log), args.vocab)
     # the compiled kernels loaded before any cell, as a GPU runner host has them before its
-    # first step (`Generator.load` preloads them): else their load (~0.2 s, numba's cache)
-    # lands in whichever measured step first walks or drafts with them
-    for module in (STAND, STAND_DYN):
-        if importlib.util.find_spec("numba") is not None:
+    # first step (`Generator.load` preloads them; a CPU runner loads them at its first compiled
+    # draft): else their load (~0.2 s, numba's cache) lands in whichever measured step first
+    # walks or drafts with them
+    if importlib.util.find_spec("numba") is not None:
+        for module in (STAND, STAND_DYN):
             importlib.import_module(module).warm()
     # the log is the stand-in's data, not the engine's: keep its ~10^6 objects out of the
     # cyclic collector, whose full passes over them (~100 ms each, wherever the allocation

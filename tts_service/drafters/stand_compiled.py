@@ -267,7 +267,7 @@ class StandGroup:
                 tuple(tokens[r][:n]),
                 tuple(parents[r][:n]),
                 tuple(drawn[r][:n]),
-                DrawnQ(has_q, qn, qids, qp, r, n),
+                DrawnQ(has_q, qn, qids, qp, r, n) if stochastic[r] else (None,) * n,
                 DrawnArrays(drawn_batch, r) if stochastic[r] else None,
             )
             m.contexts = (ctx[r, :n], clen[r, :n])
@@ -340,7 +340,7 @@ def warm() -> int:
     tree = drafter.draft(DraftContext([1, 2, 3], 2, 8))
     topk = NodeTopK(np.zeros((tree.size, 2), np.int64), np.full((tree.size, 2), 0.5))
     drafter.observe(tree, Acceptance((), (), 0), topk)()
-    walk_compiled.warm()  # what verifies its drawn children on a GPU (`walk_sparse_all`)
+    walk_compiled.warm()  # what lays out and walks its drawn children on a GPU
     return tree.size
 
 

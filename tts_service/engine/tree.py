@@ -36,7 +36,8 @@ class DrawnQ(Sequence[SparseDist | None]):
     when a node is asked for: a `SparseDist` of the first `q_len` ids where `at` is set, else
     None. Rule (c)'s layout reads the arrays themselves (`DrawnArrays`), and a walk reads only
     the nodes it reaches, so most snapshots are never made (building all of them cost a
-    16-row step ~0.1 ms). Equal to the tuple of its nodes' q."""
+    16-row step ~0.1 ms). Indexed by node (negative from the end, as a tuple); equal to the
+    tuple of its nodes' q."""
 
     __slots__ = ("at", "q_len", "q_ids", "q_probs", "row", "n")
 
@@ -56,6 +57,8 @@ class DrawnQ(Sequence[SparseDist | None]):
         return self.n
 
     def __getitem__(self, node: int) -> SparseDist | None:  # type: ignore[override]
+        if node < 0:
+            node += self.n
         if not 0 <= node < self.n:
             raise IndexError(node)
         r = self.row
@@ -70,7 +73,7 @@ class DrawnQ(Sequence[SparseDist | None]):
         return (self[i] for i in range(self.n))
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
+        if not isinstance(other, tuple | DrawnQ):
             return NotImplemented
         return len(other) == self.n and all(a == b for a, b in zip(self, other, strict=True))
 
@@ -99,8 +102,8 @@ class DrawnBatch:
 class DrawnArrays:
     """A tree whose children were drawn from their parent's `q` by a compiled drafter (some of
     them, where the batch says which): row `row` of the batch it was drafted in. What
-    `treebatch.SparseLayout.of` lays out in a few array operations per batch instead of a loop
-    over every tree's nodes."""
+    `treebatch.SparseLayout.of` lays out compiled, one call per batch and one for the step
+    (`walk_compiled.gather_rows`, `layout_rows`), instead of a loop over every tree's nodes."""
 
     batch: DrawnBatch
     row: int

@@ -387,8 +387,6 @@ def step_verdict(
     return verdict(tb, logits, store_probs(logits, cfg), k, uv)
 
 
-_EVERY_CHILD_DRAWN = np.zeros((0, 0), np.bool_)  # a `DrawnBatch` without `sampled`, to numba
-
 WALK_COMPILED = importlib.util.find_spec("numba") is not None
 """`walk_sparse_all` runs compiled (`engine.walk_compiled`); else in array operations."""
 
@@ -423,6 +421,9 @@ class _Children:
     slot: np.ndarray
     drawn: np.ndarray
     q: np.ndarray
+
+
+_EVERY_CHILD_DRAWN = np.zeros((0, 0), np.bool_)  # a `DrawnBatch` without `sampled`, to numba
 
 
 @dataclass(frozen=True)

@@ -120,16 +120,16 @@ def gather_rows(
     parents, slot, sampled, q_len, q_ids, q_probs, rows, at,
     parent_to, slot_to, drawn_to, q_len_to, q_ids_to, q_probs_to,
 ):  # fmt: skip
-    """Rows `rows` of one batch's arrays (`tree.DrawnBatch`'s; `sampled` `[R, 0]`: every child
+    """Rows `rows` of one batch's arrays (`tree.DrawnBatch`'s; `sampled` `[*, 0]`: every child
     drawn) into rows `at` of `layout_rows`' inputs, their first N nodes (a tree's all lie
     there) and each node's support (past it the batch holds zeros, as the inputs do)."""
-    n = min(parent_to.shape[1], parents.shape[1])
+    n, k = min(parent_to.shape[1], parents.shape[1]), q_ids.shape[2]
     for i in range(len(rows)):
         r, b = rows[i], at[i]
         for c in range(n):
             parent_to[b, c], slot_to[b, c], q_len_to[b, c] = parents[r, c], slot[r, c], q_len[r, c]
             drawn_to[b, c] = sampled[r, c] if sampled.shape[1] else True
-            for j in range(q_len[r, c]):
+            for j in range(min(q_len[r, c], k)):  # numba checks no bounds
                 q_ids_to[b, c, j], q_probs_to[b, c, j] = q_ids[r, c, j], q_probs[r, c, j]
 
 
@@ -202,10 +202,10 @@ def warm() -> None:
         data, one, np.zeros((1, 1, 1), np.int64), none, grid, grid, grid.astype(np.bool_), q,
         path, plen, bonus,
     )  # fmt: skip
-    one, ids, probs = np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1))
-    drawn, at = np.ones((1, 1), np.bool_), np.zeros(1, np.int64)
-    gather_rows(one - 1, one, drawn, one, ids, probs, at, at, one, one, drawn, one, ids, probs)
-    layout_rows(one - 1, one, drawn, one, ids, probs, False)
+    z, ids, probs = np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1))
+    drawn, at = np.ones((1, 1), np.bool_), np.zeros(1, np.int64)  # a one-node tree, all zeros
+    gather_rows(z - 1, z, drawn, z, ids, probs, at, at, z, z, drawn, z, ids, probs)
+    layout_rows(z - 1, z, drawn, z, ids, probs, False)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,25 @@ def test_noise_buffer_values_are_never_used_twice():
     assert noise.refills == 14  # ceil(40 / 3 takes per buffer)
 
 
+def test_a_window_holds_the_next_buffer_only_where_a_step_could_read_past_this_one():
+    """`GumbelNoise.window` (the compiled drafters' read): where the buffer holds `need` more
+    values the next buffer is neither returned nor drawn; one short, it is, and the values a
+    compiled step then reads are those `take` hands out."""
+    noise, twin = GumbelNoise(size=10, seed=3), GumbelNoise(size=10, seed=3)
+    rest, left, ahead = noise.window(4)  # an empty buffer: the next one is the first
+    assert (len(rest), left, len(ahead)) == (0, 0, 4)
+    noise.advance(True, 4)
+    assert twin.take(4) == ahead.tolist()
+    rest, left, ahead = noise.window(6)  # 6 left, 6 needed: enough
+    assert (len(rest), left, len(ahead), noise.ahead) == (6, 6, 0, None)
+    assert rest.tolist() == twin.take(6)
+    rest, left, ahead = noise.window(7)  # one short: the next buffer, from the same stream
+    assert (len(rest), left, len(ahead)) == (6, 6, 7)
+    noise.advance(True, 7)
+    assert ahead.tolist() == twin.take(7)  # the next buffer's first, as `take` hands them out
+    assert noise.refills == twin.refills == 2
+
+
 def _store_with(context, ids, probs) -> InMemoryNgramStore:
     s = InMemoryNgramStore()
     s.add([NgramRow(tuple(context), tuple(ids), tuple(probs))])

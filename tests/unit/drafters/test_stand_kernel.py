@@ -152,11 +152,14 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     """Trees with drawn children beside deterministic ones (calibration lines at random, so
     which plan wins varies per node) lay out from the kernel's arrays (`tree.DrawnArrays`: a
     drawing node's support is its q, any other's its children's tokens) exactly as the loop over
-    their nodes does, field for field; two problems' batches in one step."""
+    their nodes does, field for field; two problems' batches in one step, and a third of
+    `stand`'s (every child drawn, no `sampled` array, ids as wide as the store's top-k)."""
+    from tts_service.drafters.stand import StandDrafterConfig
+    from tts_service.drafters.stand_compiled import CompiledStand, new_group
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(13)
-    mixed = 0
+    mixed = stand_trees = 0
     for trial in range(20):
         trees = []
         for _ in range(2):  # two problems' batches
@@ -172,12 +175,19 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
                 row.start([])
             ctxs = [DraftContext([rng.randrange(8) for _ in range(6)], 1, 24) for _ in rows]
             trees += group.draft_all(rows, ctxs)
+        stand_cfg = StandDrafterConfig(tree="stand-625", num_nodes=rng.choice([4, 24]))
+        stand_group = new_group(stand_cfg)
+        stand_group.bind(store.compiled())
+        stand_rows = [CompiledStand(stand_cfg, store, stand_group, seed=trial) for _ in range(2)]
+        trees += stand_group.draft_all(stand_rows, ctxs[:2])
         trees = [t for t in trees if any(t.sampled)]  # the rows rule (c) walks
         assert all(t.arrays is not None for t in trees)
         mixed += sum(not all(t.sampled[1:]) for t in trees)
+        stand_trees += sum(t.arrays.batch.sampled is None for t in trees)  # type: ignore[union-attr]
         n = max(t.size for t in trees) + rng.randrange(0, 3)
         assert_arrays_lay_out_as_the_trees(trees[::-1], n, bucket)
     assert mixed > 10  # trees with drawn and deterministic children both
+    assert stand_trees > 10
 
 
 def test_rows_of_one_group_draw_their_own_noise_through_refills():

@@ -64,7 +64,8 @@ def test_drawn_q_reads_its_row_of_the_arrays_and_equals_the_tuple_of_its_nodes()
     q = DrawnQ(at, q_len, q_ids, q_probs, 0, 3)  # row 0's first 3 nodes
     want = (SparseDist((0, 1), (0.0, 0.01)), None, SparseDist((10, 11, 12), (0.1, 0.11, 0.12)))
     assert len(q) == 3 and tuple(q) == want and q == want and want == q
-    assert q[1] is None and q != want[:2] and q != (None,) * 3
+    assert q[1] is None and q[-1] == want[2] and q != want[:2] and q != (None,) * 3
+    assert q != list(want)  # as a tuple is not equal to a list
     with pytest.raises(IndexError):
         q[3]  # past the tree's nodes, though the arrays hold more
     tree = DraftTree((7, 1, 2), (-1, 0, 0), (False, True, True), q)
