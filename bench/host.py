@@ -341,6 +341,7 @@ def measure(
         gc.callbacks.remove(on_pass)
     wall = time.perf_counter() - t0 - (dec.join_s - join0)
     done = dec.phases.steps - steps0
+    measured_rows = dec.forwards.row_forwards - rows0  # rows drafted for, summed over steps
     split = {k: (dec.phases.seconds[k] - phases0[k]) * 1e3 / done for k in PHASES}
     forward_ms, overlap_ms = split.pop("forward"), split.pop("overlap")
     graph_ms = (replay_seconds(dec) - replay0) * 1e3 / done
@@ -372,6 +373,8 @@ def measure(
         "host_ms_per_step": round(host_ms, 3),
         "overlap_ms_per_step": round(overlap_ms, 3),
         "split_ms": {k: round(v, 3) for k, v in split.items()},
+        # issue 31's drafting budget (<= 40 us a row-step at 8 nodes), over the measured steps
+        "draft_us_per_row_step": round(split["draft"] * 1e3 * done / measured_rows, 1),
         "standin_forward_ms": round(forward_ms, 3),
         "graph_acceptance": graph_acceptance,
         "graph_ms": round(graph_ms, 3),
@@ -479,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{rec['host_ms_per_step']:8.2f} ms/step  {rec['ops_per_step']:6.0f} ops "
                     f"({rec['leave_ops_per_step']:.0f} in leaves)  "
                     f"AL {rec['acceptance_length']:.2f} "
-                    f"[{split}]",
+                    f"draft {rec['draft_us_per_row_step']:.0f} us/row [{split}]",
                     flush=True,
                 )
                 load = os.getloadavg()[0]
