@@ -13,9 +13,10 @@ def test_the_host_benchmark_measures_a_cell_at_a_models_depth():
         host.measure(problems, 64, 2, 4, "stand", 24, 0.6, layers=layers) for layers in (1, 12)
     )
     assert deep.keys() >= {"rows", "nodes", "method", "host_ms_per_step", "ops_per_step"}
-    # drafting per row-step (issue 31's budget): the step's drafting over its 1-2 rows
+    # drafting per row-step (issue 31's budget): the step's drafting over its 1-2 rows; the
+    # split is rounded to the microsecond (+-0.5 us), the per-row figure to 0.1 us
     step_us = deep["split_ms"]["draft"] * 1e3
-    assert 0 < step_us / 2 - 0.1 <= deep["draft_us_per_row_step"] <= step_us + 0.1
+    assert 0 < step_us / 2 - 0.3 <= deep["draft_us_per_row_step"] <= step_us + 0.6
     assert (deep["layers"], shallow["layers"]) == (12, 1)
     assert deep["host_ms_per_step"] > 0 and deep["acceptance_length"] >= 1.0
     assert deep["ops_per_step"] < shallow["ops_per_step"] + 20  # per-layer copies: +66
