@@ -428,12 +428,14 @@ def logged_requests(
     problems: Sequence[LoggedProblem],
     cfg: DrafterConfig,
     wrap: Callable[[Drafter], Drafter] | None = None,
+    new_store: Callable[[], NgramStore] = InMemoryNgramStore,
 ) -> list[TrajectoryRequest]:
     """One greedy request per non-empty logged response, as long as the response (problem i is
-    `str(i)`, response r its index and seed); a problem's requests share one store."""
+    `str(i)`, response r its index and seed); a problem's requests share one store, made by
+    `new_store`."""
     requests = []
     for i, problem in enumerate(problems):
-        store = InMemoryNgramStore()
+        store = new_store()
         for r, response in enumerate(problem.responses):
             if not response:
                 continue
@@ -449,15 +451,17 @@ def replay(
     max_nodes: int = MAX_NODES,
     vocab_size: int | None = None,
     wrap: Callable[[Drafter], Drafter] | None = None,
+    new_store: Callable[[], NgramStore] = InMemoryNgramStore,
 ) -> ReplayReport:
     """Replay every response of every problem, one after another (each drafts from what the
     earlier ones of its problem stored, as `max_rows = 1` runs live), through the one runner
     over the log; `max_nodes` caps every step's tree, as the engine does. `wrap` wraps every
-    trajectory's drafter (tree calibration's counters)."""
+    trajectory's drafter (tree calibration's counters); `new_store` makes each problem's store
+    (a `TieredStore` over a global one, as `store.global_scope` does)."""
     target = LoggedTarget(problems, vocab_size)
     runner = TrajectoryRunner(target, 1, "fixed", token_budget=max_nodes + 1)
     start = time.perf_counter()
-    run = runner.run(logged_requests(problems, cfg, wrap))
+    run = runner.run(logged_requests(problems, cfg, wrap, new_store))
     report = ReplayReport(seconds=time.perf_counter() - start)
     for res in sorted(run.results, key=lambda x: (int(x.request.problem_id), x.request.index)):
         report.add(res.request.index, res.output.stats)
