@@ -49,8 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
-import importlib
-import importlib.util
 import json
 import os
 import time
@@ -66,7 +64,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.methods import with_fields
 from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
 from store.memory import InMemoryNgramStore
-from tts_service.drafters.kernels import STAND, STAND_DYN
+from tts_service.drafters.kernels import STAND, STAND_DYN, preload
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine import collector
 from tts_service.engine.allocate import SpeculationPlanner
@@ -445,9 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     # first step (`Generator.load` preloads them; a CPU runner loads them at its first compiled
     # draft): else their load (~0.2 s, numba's cache) lands in whichever measured step first
     # walks or drafts with them
-    if importlib.util.find_spec("numba") is not None:
-        for module in (STAND, STAND_DYN):
-            importlib.import_module(module).warm()
+    for module in (STAND, STAND_DYN):
+        if (loading := preload(module)) is not None:  # None: no numba
+            loading.join()
     # the log is the stand-in's data, not the engine's: keep its ~10^6 objects out of the
     # cyclic collector, whose full passes over them (~100 ms each, wherever the allocation
     # count happens to trigger one) otherwise land in some cells' measured steps
