@@ -49,13 +49,7 @@ def leave_one_out(
     pooled = ReplayReport()
     for i, problem in enumerate(problems):
         others = [p for j, p in enumerate(problems) if j != i] + list(extra)
-        rep = replay([problem], cfg, nodes, new_store=over_global(others, cfg, nodes))
-        for key in ("steps", "tokens", "tree_nodes", "seconds"):
-            setattr(pooled, key, getattr(pooled, key) + getattr(rep, key))
-        for index, (tokens, steps) in rep.by_index.items():
-            slot = pooled.by_index.setdefault(index, [0, 0])
-            slot[0] += tokens
-            slot[1] += steps
+        pooled.merge(replay([problem], cfg, nodes, new_store=over_global(others, cfg, nodes)))
     return pooled
 
 

@@ -194,7 +194,21 @@ class ReplayReport:
         slot = self.by_index.setdefault(index, [0, 0])
         slot[0] += stats.new_tokens
         slot[1] += stats.target_forwards
-        depth = stats.accepted_at_depth
+        self._add_depths(stats.accepted_at_depth)
+
+    def merge(self, other: ReplayReport) -> None:
+        """Another replay's report pooled into this one (problems replayed separately)."""
+        self.steps += other.steps
+        self.tokens += other.tokens
+        self.tree_nodes += other.tree_nodes
+        self.seconds += other.seconds
+        for index, (tokens, steps) in other.by_index.items():
+            slot = self.by_index.setdefault(index, [0, 0])
+            slot[0] += tokens
+            slot[1] += steps
+        self._add_depths(other.accepted_at_depth)
+
+    def _add_depths(self, depth: Sequence[int]) -> None:
         self.accepted_at_depth.extend([0] * (len(depth) - len(self.accepted_at_depth)))
         for d, c in enumerate(depth):
             self.accepted_at_depth[d] += c

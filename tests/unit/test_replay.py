@@ -71,6 +71,19 @@ def test_stand_replay_on_a_hand_made_repeat():
     assert (report.tokens, report.steps) == (6, 4)
 
 
+def test_merged_reports_of_separate_replays_equal_one_replay_of_their_problems():
+    """Each problem has its own store, so replaying them apart and pooling is the same replay."""
+    one_hot = [[[3], [4], [5]], [[1.0], [1.0], [1.0]]]
+    a = LoggedProblem("a", [1, 2], [[3, 4, 5], [3, 4, 5]], [one_hot[0]] * 2, [one_hot[1]] * 2)
+    b = LoggedProblem("b", [5, 6, 7, 8], [[5, 6, 7, 8, 5, 6, 7]])
+    cfg = StandDrafterConfig(tree="stand-625", num_nodes=8)
+    whole, pooled = replay([a, b], cfg, vocab_size=16), replay([a], cfg, vocab_size=16)
+    pooled.merge(replay([b], cfg, vocab_size=16))
+    for report in (whole, pooled):
+        report.seconds = 0.0
+    assert pooled == whole and pooled.steps < pooled.tokens  # something was accepted
+
+
 def test_a_drafter_that_fails_in_replay_fails_the_replay_with_its_own_error():
     """The runner's failure path resets replay's decoder as it resets the engine's: the
     drafter's error reaches the caller, not one from the reset."""
