@@ -37,6 +37,7 @@ class TrajectoryRecord:
     stats: dict
     actor: str
     node: str = ""  # the Ray node that decoded it (empty outside Ray)
+    run_nonce: int | None = None  # what salted its verify stream (None: plain decoding)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,16 +106,23 @@ class GeneratorActor:
             dropped.close()  # outside the lock: it may wait for Redis
         return store
 
-    def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
+    def run(
+        self, job_id: str, problem_id: str, question: str, indices: list[int], attempt: int = 0
+    ) -> list[dict]:
         """Decode trajectories `indices` of a problem (seeds: sampling.seed + index).
 
         Calls may arrive concurrently (the pool keeps several in flight): their trajectories
-        share the host's one continuously batched runner."""
+        share the host's one continuously batched runner. A retry (`attempt` > 0) draws a new
+        run nonce: the failed attempt's rows may have taught the problem's store with the
+        configured one (each record says which nonce it ran with)."""
         cfg = self.cfg
         ids = self.host.generator.encode(question, chat=cfg.chat)
         store = self._store(job_id, problem_id)
+        sampling = cfg.sampling
+        if attempt:
+            sampling = sampling.model_copy(update={"run_nonce": None})
         report = self.host.trajectories(
-            problem_id, ids, indices, cfg.sampling, cfg.drafter, store, cfg.log_trajectories
+            problem_id, ids, indices, sampling, cfg.drafter, store, cfg.log_trajectories
         )
         records = []
         for res in report.results:
@@ -129,6 +137,7 @@ class GeneratorActor:
                 o.stats.to_dict(),
                 self.name,
                 self.node,
+                None if res.request.drafter.kind == "plain" else res.request.run_nonce,
             ).to_dict()
             if res.top_ids is not None:  # only when logging: the replay format needs them
                 rec["prompt_ids"] = ids

@@ -299,7 +299,7 @@ class TrajectoryPool:
             index = (turn + chunk.attempts) % len(self.actors)
             turn += 1
             ref = _leader(self.actors[index]).run.remote(
-                self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices
+                self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices, chunk.attempts
             )
             in_flight[ref] = (chunk, index)
         return turn

@@ -111,9 +111,11 @@ class TensorParallelRank:
         ids = self.generator.encode(prompt, chat)
         return self.host.generate(ids, drafter, sampling).to_dict()
 
-    def run(self, job_id: str, problem_id: str, question: str, indices: list[int]) -> list[dict]:
+    def run(
+        self, job_id: str, problem_id: str, question: str, indices: list[int], attempt: int = 0
+    ) -> list[dict]:
         """Rank 0 of a job's replica: `GeneratorActor.run` (the pool's call)."""
-        return self.worker.run(job_id, problem_id, question, indices)
+        return self.worker.run(job_id, problem_id, question, indices, attempt)
 
     def close_stores(self) -> None:
         """Rank 0 of a job's replica: `GeneratorActor.close`."""

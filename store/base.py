@@ -106,6 +106,12 @@ class NgramStore(Protocol):
     def clear(self) -> None:
         """Forget this store's own scope (a tiered store keeps the shared global one)."""
 
+    def claim(self, verify_key: int) -> bool:
+        """Record that a row verified with `verify_key` (`streams.stream_seed`) drafts from and
+        writes to this store; False if one already did, in this scope or one it reads (then
+        the row must not run: its drafts would depend on its own verifier's uniforms). Claims
+        outlive `clear` in-process; in Redis they share the scope's keys and TTL."""
+
 
 @runtime_checkable
 class IndexedStore(Protocol):

@@ -39,6 +39,12 @@ class InMemoryNgramStore:
         self._misses = 0
         self._evictions = 0
         self._index: StoreIndex | None = None
+        self._claims: set[int] = set()
+
+    def claim(self, verify_key: int) -> bool:
+        fresh = verify_key not in self._claims
+        self._claims.add(verify_key)
+        return fresh
 
     def compiled(self) -> StoreIndex | None:
         """This store as arrays (`store.index`), for compiled drafting; None with merge="sum".
@@ -149,6 +155,12 @@ class TieredStore:
     def flush(self) -> None:
         self.problem.flush()
         self.global_.flush()
+
+    def claim(self, verify_key: int) -> bool:
+        """Claimed in both scopes: a global tier outlives the problems (and the runs) it
+        teaches."""
+        fresh = self.problem.claim(verify_key)
+        return self.global_.claim(verify_key) and fresh
 
     def close(self) -> None:
         """Close the problem scope only: the global one is shared by the next problems (and

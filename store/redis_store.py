@@ -249,7 +249,9 @@ class RedisLogitNgramStore:
             duplicate_updates=0,  # resent after a timeout, found already stored
             lost_updates=0,  # will never be stored: dropped from the full queue, or at close
             replication_waits=0,  # round trips whose batches no replica held in time: resent
+            unchecked_claims=0,  # verify keys claimed while Redis was unreachable
         )
+        self._claims: set[int] = set()  # verify keys claimed through this client
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -390,6 +392,26 @@ class RedisLogitNgramStore:
         self._pending.clear()
         self._unacked.clear()
         delete_scope(self.node(), self.scope.prefix)
+
+    def claim(self, verify_key: int) -> bool:
+        """SADD to the scope's claims (every process and run that shares the scope sees them).
+        A server that cannot be reached is counted (`unchecked_claims`) and the claim checked
+        in-process only: the row then drafts from this process's cache alone, until Redis is
+        back (docs/design.md, "Random streams")."""
+        fresh = verify_key not in self._claims
+        self._claims.add(verify_key)
+        key = f"{self.scope.prefix}_claims"
+        try:
+            pipe = self.node().pipeline(transaction=False)
+            pipe.sadd(key, verify_key)
+            if self.scope.ttl_s:
+                pipe.expire(key, self.scope.ttl_s)
+            added = pipe.execute()[0]
+        except ERRORS as e:
+            self._counts["unchecked_claims"] += 1
+            log.warning("Redis claim not checked (%s): checked in this process only", e)
+            return fresh
+        return fresh and int(added) == 1
 
     def warm(self, chunk: int = 1000) -> int:
         """Load the scope's most recently written entries into the local cache, so a new actor

@@ -18,6 +18,7 @@ from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import GenerationOutput, GenerationResult
+from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
 from tts_service.models import LoadedModel, encode_prompt, load_model, resolve_device
 
@@ -114,11 +115,11 @@ class Generator:
         learned across every run on this generator."""
         return self._slots.setdefault(cfg.model_dump_json(), SlotStats())
 
-    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, params: SamplingParams) -> Drafter:
         """A drafter for one trajectory or batch row: each has its own per-sequence state (PLD's
         index, the last tree); successor tables are shared by the generator, the spine index
         and GT's on-path statistics by the problem (one per store)."""
-        return self.drafters.build(cfg, store, seed)
+        return self.drafters.build(cfg, store, params)
 
     @property
     def context_limit(self) -> int | None:

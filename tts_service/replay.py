@@ -425,8 +425,8 @@ class LoggedTarget:
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         pass  # a logged trajectory fitted when it was decoded
 
-    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
-        return self.drafters.build(cfg, store, seed)
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, params: SamplingParams) -> Drafter:
+        return self.drafters.build(cfg, store, params)
 
     def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
         return self.slots

@@ -44,6 +44,7 @@ from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import ForwardStats, summarize
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.streams import new_run_nonce, row_salt
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -56,7 +57,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class TrajectoryRequest:
     """One trajectory to decode: trajectory `index` of problem `problem_id`, seeded by
-    `sampling.seed` (the host's convention: the problem's seed + index)."""
+    `sampling.seed` (the host's convention: the problem's seed + index) and, where it drafts,
+    salted by `run_nonce` (`streams.row_salt`; None: a fresh nonce for this row alone)."""
 
     problem_id: str
     index: int
@@ -67,6 +69,15 @@ class TrajectoryRequest:
     record: bool = False  # keep the target's top-k at every token (trajectory logs)
     on_commit: OnCommit | None = None  # sees every step's tokens; False cancels the row
     wrap: Callable[[Drafter], Drafter] | None = None  # around the row's drafter (calibration)
+    run_nonce: int | None = None
+
+    def params(self) -> SamplingParams:
+        """The engine's sampling parameters: a drafting row's verify stream salted by its run,
+        problem and index, so that no two rows whose drafters share state share uniforms."""
+        if self.drafter.kind == "plain":
+            return SamplingParams.of(self.sampling)
+        nonce = new_run_nonce() if self.run_nonce is None else self.run_nonce
+        return SamplingParams.of(self.sampling, row_salt(nonce, self.problem_id, self.index))
 
 
 class RunnerModel(Protocol):
@@ -81,7 +92,7 @@ class RunnerModel(Protocol):
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         """Raise ValueError when the request cannot run (too long for the context)."""
 
-    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, seed: int) -> Drafter:
+    def row_drafter(self, cfg: DrafterConfig, store: NgramStore, params: SamplingParams) -> Drafter:
         """A fresh drafter for one row, sharing what its model and problem share."""
 
     def slot_stats(self, cfg: DrafterConfig) -> SlotStats:
@@ -201,17 +212,20 @@ def trajectory_requests(
     on_commit: Callable[[int], OnCommit | None] | None = None,
 ) -> list[TrajectoryRequest]:
     """Trajectories `indices` of one problem, the one seeding convention: trajectory i samples
-    with `sampling.seed + i`. `on_commit(i)` gives trajectory i's step callback."""
+    with `sampling.seed + i`, its drafts verified under `sampling.run_nonce` (drawn here when
+    None). `on_commit(i)` gives trajectory i's step callback."""
+    nonce = new_run_nonce() if sampling.run_nonce is None else sampling.run_nonce
     return [
         TrajectoryRequest(
             problem_id,
             i,
             prompt_ids,
-            sampling.model_copy(update={"seed": sampling.seed + i}),
+            sampling.model_copy(update={"seed": sampling.seed + i, "run_nonce": nonce}),
             drafter,
             store,
             record,
             None if on_commit is None else on_commit(i),
+            run_nonce=nonce,
         )
         for i in indices
     ]
@@ -480,12 +494,12 @@ class TrajectoryRunner:
     def _row(self, sub: Submission, req: TrajectoryRequest) -> TrajectoryRow:
         gen = self.generator
         gen.check_fits(req.prompt_ids, req.sampling)
-        drafter = gen.row_drafter(req.drafter, req.store, req.sampling.seed)
+        params = req.params()
+        drafter = gen.row_drafter(req.drafter, req.store, params)
         if req.wrap is not None:
             drafter = req.wrap(drafter)
         if req.record:
             drafter = TrajectoryRecorder(drafter)
-        params = SamplingParams.of(req.sampling)
         return TrajectoryRow(
             list(req.prompt_ids),
             drafter,

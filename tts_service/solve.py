@@ -1,7 +1,9 @@
 """Best-of-N for one or many problems: N trajectories per problem, sharing the problem's store,
 all decoded by the one trajectory runner.
 
-Trajectory i of a problem samples with seed `seed + i`. With `max_rows = 1` trajectories run
+Trajectory i of a problem samples with seed `seed + i`; every trajectory of a run has the run's
+nonce (`SamplingConfig.run_nonce`, drawn here when none is given), recorded in the output so
+that the run can be reproduced. With `max_rows = 1` trajectories run
 one after another, so the i-th drafts from everything the earlier ones stored (STAND's
 setting); with more rows they decode continuously batched, a finished row's slot going to the
 next waiting trajectory of the same problem or the next one.
@@ -19,6 +21,7 @@ from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.decode import GenerationOutput, OnCommit
 from tts_service.engine.metrics import acceptance_length
+from tts_service.engine.streams import new_run_nonce
 from tts_service.generation import Generator
 from tts_service.runner import (
     RunReport,
@@ -49,9 +52,11 @@ class Trajectory:
     output: GenerationOutput
     top_ids: list[list[int]] | None = None  # per token: the target's top-k (when logging)
     top_probs: list[list[float]] | None = None
+    run_nonce: int | None = None  # what salted its verify stream (None: plain decoding)
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "seed": self.seed, **self.output.to_dict()}
+        out = {"index": self.index, "seed": self.seed, **self.output.to_dict()}
+        return out if self.run_nonce is None else {"run_nonce": self.run_nonce, **out}
 
 
 @dataclass(frozen=True)
@@ -105,12 +110,14 @@ class SolveRun:
 
     problems: list[SolveResult]
     report: RunReport
+    run_nonce: int | None = None  # what its drafting rows were salted with
 
     def stats(self) -> dict:
         return self.report.summary()
 
     def to_dict(self, task: str | None = None) -> dict:
         return {
+            "run_nonce": self.run_nonce,
             "problems": [p.to_dict(task) for p in self.problems],
             "stats": self.stats(),
         }
@@ -135,6 +142,8 @@ def solve_problems(
     if len(results) != len(problems):
         raise ValueError("problem ids must be unique")
     each = None if on_commit is None else (lambda _i: on_commit)
+    if sampling.run_nonce is None:  # one nonce for the run, recorded with it
+        sampling = sampling.model_copy(update={"run_nonce": new_run_nonce()})
     requests = [
         req
         for p in problems
@@ -145,7 +154,10 @@ def solve_problems(
 
     def collect(res: TrajectoryResult) -> None:
         req = res.request
-        traj = Trajectory(req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs)
+        nonce = None if req.drafter.kind == "plain" else req.run_nonce
+        traj = Trajectory(
+            req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs, nonce
+        )
         results[req.problem_id].trajectories.append(traj)
         if on_trajectory is not None:
             on_trajectory(req.problem_id, traj)
@@ -159,7 +171,8 @@ def solve_problems(
         res = results[p.problem_id]
         res.trajectories.sort(key=lambda t: t.index)
         res.store_stats = p.store.stats()
-    return SolveRun([results[p.problem_id] for p in problems], report)
+    nonce = None if drafter.kind == "plain" else sampling.run_nonce  # plain rows are unsalted
+    return SolveRun([results[p.problem_id] for p in problems], report, nonce)
 
 
 def solve(

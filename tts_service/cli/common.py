@@ -107,6 +107,7 @@ def add_common_flags(p: argparse.ArgumentParser, model: type[BaseModel]) -> None
     for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
         add_field(p, model, f"sampling.{name}", preset.get("sampling", {}))
     add_field(p, model, "sampling.stop", preset.get("sampling", {}), action="append")  # repeatable
+    add_field(p, model, "sampling.run_nonce", preset.get("sampling", {}), type=int)
     p.add_argument(
         "--num-nodes",
         type=int,
@@ -141,7 +142,7 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
     if args.model is not None:
         model["name"] = args.model
     sampling = dict(preset.get("sampling", {}))
-    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop"):
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "run_nonce", "stop"):
         if getattr(args, key) is not None:
             sampling[key] = tuple(args.stop) if key == "stop" else getattr(args, key)
     given = {k: v for k, v in extra.items() if v is not None}  # the rest: the schema's defaults

@@ -141,6 +141,7 @@ def _solve_with(
     from actors.host import RunnerHost
     from store.factory import problem_id
     from store.redis_store import StoreUnavailableError
+    from tts_service.drafters.registry import VerifyKeyReusedError
     from tts_service.generation import InputTooLongError
     from tts_service.solve import ProblemInput, solve_problems
 
@@ -169,6 +170,8 @@ def _solve_with(
             host.close()
     except InputTooLongError as e:
         raise UsageError(f"question: {e}") from e
+    except VerifyKeyReusedError as e:
+        raise UsageError(f"--run-nonce: {e}") from e
     finally:
         progress.bar.close()
     return problems, solved

@@ -32,6 +32,14 @@ class SamplingConfig(StrictConfig):
         "checked when the prompt is known).",
     )
     seed: int = Field(0, ge=0, description="Seeds the trajectory's sampling and drafting streams.")
+    run_nonce: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="Salts the verify streams of rows whose drafters read shared state (every "
+        "speculative method but plain's), so no two rows share verify uniforms: drawn per run "
+        "and recorded in its output when None; give a recorded one to reproduce that run.",
+    )
     stop: tuple[str, ...] = Field(
         (), description="Stop strings: the output ends before the first of them to appear."
     )

@@ -23,6 +23,8 @@ from pydantic import BaseModel, Field
 
 from tts_service.drafters.base import Drafter
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
+from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.streams import Stream, drafter_seed, stream_seed
 
 if TYPE_CHECKING:
     from store.base import NgramStore
@@ -201,19 +203,52 @@ def build_drafter(cfg: Any, env: DraftEnv) -> Drafter:
     return KINDS[cfg.kind].build(cfg, env)
 
 
+class VerifyKeyReusedError(ValueError):
+    """A row's verify stream already taught state its drafter would read: its drafts would
+    depend on the uniforms that verify them (docs/design.md, "Random streams")."""
+
+
 class RowDrafters:
     """One drafter per trajectory (its own per-sequence state: PLD's index, the last tree),
-    over what one loaded model's drafters share (successor tables, the hot start) and what one
-    problem's share (the spine index, GT's on-path statistics: one per store, gone with it).
-    The live model (`generation.Generator`) and replay (`replay.LoggedTarget`) each hold one."""
+    over what one loaded model's drafters share (successor tables, the hot start, calibration)
+    and what one problem's share (the spine index, GT's on-path statistics: one per store,
+    gone with it). The live model (`generation.Generator`) and replay (`replay.LoggedTarget`)
+    each hold one.
+
+    It is also the ledger that keeps drafts independent of their verification: every drafting
+    row's verify key is claimed here (the model's state, and whatever else the model holds:
+    the allocator's slot statistics) and in the row's store (its problem, its global tier,
+    across runs when the store persists); a key either has seen is refused."""
 
     def __init__(self, vocab_size: int, cost: VerifyCostSource | None) -> None:
         self.vocab_size, self.cost = vocab_size, cost
         self.per_model: dict = {}
         self.per_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.verify_keys: set[int] = set()  # of every drafting row built over this model
 
-    def build(self, cfg: Any, store: NgramStore, seed: int) -> Drafter:
-        """The drafter of one trajectory of `store`'s problem, seeded by the trajectory."""
+    def build(self, cfg: Any, store: NgramStore, params: SamplingParams) -> Drafter:
+        """The drafter of one trajectory of `store`'s problem, seeded by the trajectory.
+
+        Raises:
+            VerifyKeyReusedError: a drafting row's verify key (seed and salt) was claimed
+                before, here or in the store.
+        """
+        if cfg.kind != "plain":  # plain drafts nothing: no draft can depend on its uniforms
+            self._claim(stream_seed(params.seed, Stream.VERIFY, params.salt), store, params)
         problem = self.per_store.setdefault(store, {})
+        seed = drafter_seed(params.seed, params.salt)
         env = DraftEnv(self.vocab_size, store, seed, self.cost, self.per_model, problem)
         return build_drafter(cfg, env)
+
+    def _claim(self, key: int, store: NgramStore, params: SamplingParams) -> None:
+        where = "this model's drafters" if key in self.verify_keys else None
+        if where is None and not store.claim(key):
+            where = "the problem's store"
+        if where is not None:
+            raise VerifyKeyReusedError(
+                f"a row verified with the same uniforms (seed {params.seed}, salt "
+                f"{params.salt or 'none'}) already taught {where}: a draft from it would depend "
+                "on the numbers that verify it. Leave sampling.run_nonce unset (every run draws "
+                "its own), or reproduce a run against a fresh store and a fresh process"
+            )
+        self.verify_keys.add(key)

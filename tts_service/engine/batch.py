@@ -100,7 +100,7 @@ class Row:
         if not self.prompt_ids:  # the last prompt token is the first step's root
             raise ValueError("prompt_ids must not be empty")
         self.tokens = list(self.prompt_ids)
-        self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY)
+        self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY, self.cfg.salt)
 
     def commit(self, tree: DraftTree, acc: Acceptance) -> tuple[int, Acceptance]:
         """Commit a verified step's tokens up to the row's stop and count the step; returns how

@@ -7,7 +7,7 @@ plain decoding can never disagree on temperature, top-k, top-p or min-p (docs/de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -27,17 +27,20 @@ class SamplingParams:
     seed: int = 0  # seeds the trajectory's sampling and drafting streams
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    salt: str = ""  # the verify stream's salt beside the seed (`streams.row_salt`)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @classmethod
-    def of(cls, cfg: Any) -> SamplingParams:
-        """The engine's copy of a validated config (any object with these attributes)."""
+    def of(cls, cfg: Any, salt: str = "") -> SamplingParams:
+        """The engine's copy of a validated config (any object with these attributes but
+        `salt`), salted with `salt` (the runner's `streams.row_salt`)."""
         if isinstance(cfg, cls):
-            return cfg
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+            return cfg if cfg.salt == salt else replace(cfg, salt=salt)
+        kept = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.name != "salt"}
+        return cls(**kept, salt=salt)
 
 
 def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:

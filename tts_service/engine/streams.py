@@ -12,11 +12,20 @@ If both came from `manual_seed(seed)` they would be the same numbers: the unifor
 the root's first child would be the one that set the Gumbel key of the top candidate, and
 whether a draft is accepted would depend on which token was drafted. Each stream's seed is
 therefore a hash of (trajectory seed, domain); every caller gets its generators here.
+
+A row whose drafter reads state beyond its own row (a problem's store, the per-model
+calibration and successor tables, the global tier) also has a *salt*, `row_salt(run nonce,
+problem, trajectory)`: no such state may have been written by a row verified with the same
+uniforms, or a draft would depend on the numbers that verify it. The run nonce is drawn per run
+(`new_run_nonce`) unless the user pins it to reproduce a run, and `drafters.registry.RowDrafters`
+refuses a verify key that the model's or the store's state has already seen (docs/design.md,
+"Random streams").
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from enum import Enum
 
@@ -29,10 +38,33 @@ class Stream(Enum):
     VERIFY = "verify"
 
 
-def stream_seed(seed: int, stream: Stream) -> int:
-    """A 63-bit seed for `stream` of the trajectory seeded with `seed` (any int)."""
-    digest = hashlib.blake2b(f"tts-service/{stream.value}/{seed}".encode(), digest_size=8)
+def stream_seed(seed: int, stream: Stream, salt: str = "") -> int:
+    """A 63-bit seed for `stream` of the trajectory seeded with `seed` (any int) and salted
+    with `salt` (`row_salt`; empty for a row that reads no shared state: plain decoding)."""
+    name = f"tts-service/{stream.value}/{seed}" + (f"/{salt}" if salt else "")
+    digest = hashlib.blake2b(name.encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def drafter_seed(seed: int, salt: str) -> int:
+    """The seed a row's drafter derives its draft stream from (`DraftEnv.seed`): the
+    trajectory's own where unsalted, else a hash of both. Rows that share drafter state must not
+    share draft noise either: whether a row draws its children from q may hang on what another
+    row's draws taught the calibration, and a drawn child must be a draw from q independent of
+    that choice."""
+    return seed if not salt else stream_seed(seed, Stream.DRAFT, salt)
+
+
+def new_run_nonce() -> int:
+    """A fresh run nonce: 63 random bits, so two runs' salts never meet (by chance, 2^-63)."""
+    return secrets.randbits(63)
+
+
+def row_salt(run_nonce: int, problem_id: str, index: int) -> str:
+    """The salt of trajectory `index` of `problem_id` in the run `run_nonce`: unique among the
+    rows of every run whose state a drafter may read, where seeds repeat (trajectory i of every
+    problem has the job's seed + i, and a re-run or a Serve request may pass the same seed)."""
+    return f"{run_nonce}/{len(problem_id)}:{problem_id}/{index}"
 
 
 def stream_generator(seed: int, stream: Stream, device: torch.device | str = "cpu"):

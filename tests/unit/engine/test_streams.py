@@ -12,7 +12,14 @@ from store.memory import InMemoryNgramStore
 from tts_service.drafters.base import DraftContext
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.drafters.stand import StandDrafterConfig
-from tts_service.engine.streams import Stream, stream_generator, stream_seed
+from tts_service.engine.streams import (
+    Stream,
+    drafter_seed,
+    new_run_nonce,
+    row_salt,
+    stream_generator,
+    stream_seed,
+)
 from tts_service.engine.verify import verify_sampling
 
 
@@ -86,3 +93,19 @@ def test_a_shared_stream_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(stand, "GumbelNoise", SharedNoise)
     monkeypatch.setattr(stand_compiled, "GumbelNoise", SharedNoise)
     assert _pvalue(_root_tokens(lambda s: s, lambda s: s, 4000)) < 1e-6
+
+
+def test_salted_streams_never_meet_each_other_or_the_seed_alone():
+    """Rows of two problems, two runs and every index share seeds, never keys."""
+    salts = [row_salt(n, p, i) for n in (0, 1) for p in ("a", "b", "a/1") for i in range(50)]
+    keys = {stream_seed(s, Stream.VERIFY, salt) for s in range(50) for salt in salts}
+    assert len(keys) == 50 * len(salts)
+    assert not keys & {stream_seed(s, Stream.VERIFY) for s in range(50)}
+    assert row_salt(1, "a/1", 2) != row_salt(1, "a", 12)  # the id's length delimits it
+
+
+def test_a_drafting_rows_draft_seed_is_salted_a_plain_rows_is_its_own():
+    assert drafter_seed(7, "") == 7
+    salted = {drafter_seed(7, row_salt(1, p, 0)) for p in ("a", "b")}
+    assert len(salted) == 2 and 7 not in salted
+    assert new_run_nonce() != new_run_nonce()

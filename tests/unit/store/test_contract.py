@@ -169,3 +169,15 @@ def test_contract_tiered_store_prefers_the_problem_scope_and_writes_both(backend
     first.flush()
     second = backend.reader(first)  # next problem: the global scope persists
     assert set(_fetched(second, [5]).ids) == {1, 2}
+
+
+def test_contract_a_verify_key_is_claimed_once_wherever_the_scope_is_read(backend):
+    """`claim`: the first claim of a key is fresh, every later one is not, through any store
+    over the same scope (another connection, the next problem over a shared global tier)."""
+    store = backend.open()
+    assert store.claim(11) and store.claim(12)
+    assert not store.claim(11)
+    reader = backend.reader(store)
+    assert not reader.claim(12)
+    assert reader.claim(13)
+    assert not store.claim(13)
