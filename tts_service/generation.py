@@ -131,6 +131,13 @@ class Generator:
         return limit
 
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+        """Raise ValueError unless the request can join a batch: its ids in the vocabulary
+        (one bad id in a shared forward would fail every row beside it) and its length within
+        the context (`InputTooLongError`)."""
+        vocab = self.loaded.model.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is not in the vocabulary (0 to {vocab - 1})")
         limit = self.context_limit
         if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
             raise InputTooLongError(

@@ -405,15 +405,15 @@ class TrajectoryRunner:
     def tick(self) -> None:
         """Drop skipped rows, fill free rows from the queue, run one step."""
         decoder = self.decoder
-        dropped = [r for r in self._rows() if r.submission.skipped(r.request)]
+        dropped = [r for r in self._rows() if self._gone(r)]
         decoder.drop(list(dropped))
         for row in dropped:
-            row.submission.settle(None)
+            self._leave(row, None)
         joining: list[TrajectoryRow] = []
         while (i := self._next(joining)) is not None:
             sub, req = self.queue[i]
             del self.queue[i]
-            if sub.skipped(req):
+            if sub.skipped(req) or sub.error is not None:
                 sub.settle(None)
                 continue
             try:
@@ -440,9 +440,24 @@ class TrajectoryRunner:
         finished = cast(list[TrajectoryRow], decoder.step(nodes, self._observe, fill))
         self._account(batch, nodes, decoder.forwards, before)
         for row in finished:
-            row.submission.settle(self._result(row))
+            self._leave(row, None if row.error is not None else self._result(row))
         if self.planner is not None and self.planner.surface is not None:
             self.planner.surface.save(every_s=0.0 if self.idle else 30.0)
+
+    @staticmethod
+    def _gone(row: TrajectoryRow) -> bool:
+        """Whether a running row leaves before the next step: skipped (early stop, a client
+        gone), failed itself (`Row.error`), or its submission failed through another row."""
+        sub = row.submission
+        return row.error is not None or sub.error is not None or sub.skipped(row.request)
+
+    @staticmethod
+    def _leave(row: TrajectoryRow, result: TrajectoryResult | None) -> None:
+        """A row left the batch: a row that failed fails its submission alone (the request it
+        belongs to), every other row goes on; else it settles (with its result, or None)."""
+        if row.error is not None:
+            row.submission.finish(row.error)
+        row.submission.settle(result)
 
     def _rows(self) -> list[TrajectoryRow]:
         """The batch's rows (the runner joins only its own)."""

@@ -7,9 +7,9 @@ tier). If row B verified with row A's uniforms and drafted from what A's verific
 B's draft would depend on B's own verifier draws, and its tokens would leave p.
 
 Each test runs row A, then row B with the same prompt and seed over identically filled stores
-(two stored candidates at q near 0.5, seen often), on a model whose drafter state is fresh for each pair
-(a new process), A verified and observed before B drafts (`max_rows=1`), at T = 1.0, and
-tests B's first token against p (chi-square). What A's verification taught the calibration
+(two stored candidates at q near 0.5, seen often), on a model whose drafter state is fresh for
+each pair (a new process), A verified and observed before B drafts (`max_rows=1`), at T = 1.0,
+and tests B's first token against p (chi-square). What A's verification taught the calibration
 decides whether B draws its children from q; with A's uniforms (and A's draft noise) that
 decision says which way B's own draws fall. The negative control forces the old behaviour
 (rows keyed by their seed alone, no ledger) and must fail (p ~ 1e-12), so the harness cannot

@@ -31,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.drafters.base import (
     OBSERVE_TAIL,
+    Deferred,
     DeferredObservations,
     DraftContext,
     Drafter,
@@ -95,6 +96,7 @@ class Row:
     verify_key: int = field(init=False)  # the verifier's stream (`streams.counter_uniforms`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     joined_at: float = 0.0
+    error: Exception | None = None  # its drafter or stop rule failed: it leaves, alone
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:  # the last prompt token is the first step's root
@@ -117,6 +119,20 @@ class Row:
 
 
 StepObserver = Callable[[Row, DraftTree, Acceptance], None]
+
+
+def _guarded(row: Row, later: Deferred) -> Deferred:
+    """`later`, failing its row alone (`Row.error`) if it raises."""
+
+    def run() -> None:
+        try:
+            later()
+        except Exception as e:  # noqa: BLE001 - the row's own failure, reported with it
+            row.error = e
+
+    return run
+
+
 Uniforms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `streams.node_uniforms`'s (u, v, w)
 
 
@@ -458,27 +474,45 @@ class BatchDecoder:
         """Every row's drafter observes the step; what it defers is kept for the next forward.
         `plain`: on a plain step, each row's length before it (its root's context)."""
         for b, (row, tree, v) in enumerate(zip(batch, trees, verified, strict=True)):
-            if plain is not None:
-                n = plain[b]
-                later = row.drafter.observe_root(row.tokens[max(0, n - OBSERVE_TAIL) : n], v.top)
-            else:
-                later = row.drafter.observe(tree, v.acc, v.top)
-                if observe is not None:
-                    observe(row, tree, v.acc)
-            self.deferred.add(later)
+            if row.error is not None:
+                continue
+            try:
+                if plain is not None:
+                    n = plain[b]
+                    tail = row.tokens[max(0, n - OBSERVE_TAIL) : n]
+                    later = row.drafter.observe_root(tail, v.top)
+                else:
+                    later = row.drafter.observe(tree, v.acc, v.top)
+                    if observe is not None:
+                        observe(row, tree, v.acc)
+            except Exception as e:  # noqa: BLE001 - a row still in the batch: the runner drops it
+                row.error, later = e, None
+            self.deferred.add(None if later is None else _guarded(row, later))
 
     def flush_observations(self) -> None:
         """Run the observation the drafters deferred (in the order they deferred it)."""
         self.deferred.run()
 
     def _draft(self, batch: list[Row], max_nodes: int, fill: bool) -> list[DraftTree]:
-        """Every row's tree: its drafter's, or the root alone on a plain step."""
+        """Every row's tree: its drafter's, or the root alone on a plain step. A drafter that
+        raises fails its own row (`Row.error`: it takes this step plain, then leaves); the
+        others draft again, each alone, so one bad row never fails the batch."""
         if max_nodes == 0:
             return [DraftTree.root_only(r.tokens[-1]) for r in batch]
         ctxs = [
             DraftContext(r.tokens, len(r.prompt_ids), max_nodes, r.cfg.greedy, fill) for r in batch
         ]
-        return draft_all([r.drafter for r in batch], ctxs)
+        try:
+            return draft_all([r.drafter for r in batch], ctxs)
+        except Exception:  # find the row(s) at fault
+            trees = []
+            for row, ctx in zip(batch, ctxs, strict=True):
+                try:
+                    trees += draft_all([row.drafter], [ctx])
+                except Exception as e:  # noqa: BLE001 - the row's own failure, reported with it
+                    row.error = e
+                    trees.append(DraftTree.root_only(row.tokens[-1]))
+            return trees
 
     def _accept(
         self, batch: list[Row], trees: list[DraftTree], verified: list[Verified]
@@ -487,8 +521,11 @@ class BatchDecoder:
         (root + accepted path) and the tokens committed in all."""
         keeps, total = [], 0
         for row, tree, v in zip(batch, trees, verified, strict=True):
-            keeps.append([0, *v.acc.path])
-            committed, v.acc = row.commit(tree, v.acc)
+            try:
+                committed, v.acc = row.commit(tree, v.acc)
+            except Exception as e:  # noqa: BLE001 - its stop rule failed: it leaves, alone
+                row.error, committed = e, 0
+            keeps.append([0] if row.error is not None else [0, *v.acc.path])
             total += committed
         return keeps, total
 
@@ -502,9 +539,9 @@ class BatchDecoder:
         else:
             keep = np.array([k + [-1] * (m - len(k)) for k in keeps], dtype=np.int64)
             self.cache.keep_region(start, keep)
-        finished = [r for r in batch if r.rule.finish is not None]
-        if finished:  # finished rows leave the batch
-            self._keep_rows([b for b, r in enumerate(batch) if r.rule.finish is None])
+        finished = [r for r in batch if r.rule.finish is not None or r.error is not None]
+        if finished:  # finished (and failed) rows leave the batch
+            self._keep_rows([b for b, r in enumerate(batch) if r not in finished])
         # a row holds its tokens but the root in the cache: its entries, counted on the host (a
         # count read back from the device would be a second synchronisation per step)
         entries = max((len(r.tokens) - 1 for r in self.active), default=0)

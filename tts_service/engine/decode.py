@@ -121,6 +121,7 @@ def plain_generate(
 ) -> GenerationResult:
     """Reference autoregressive decoding with a KV cache: one forward per token."""
     start = time.perf_counter()
+    cfg = SamplingParams.of(cfg)
     key = stream_seed(cfg.seed, Stream.VERIFY, cfg.salt)
     rule, stats = StopRule(cfg, eos_ids, decode, on_commit), GenerationStats()
     cache = _new_cache(model)

@@ -34,13 +34,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def of(cls, cfg: Any, salt: str = "") -> SamplingParams:
+    def of(cls, cfg: Any, salt: str | None = None) -> SamplingParams:
         """The engine's copy of a validated config (any object with these attributes but
-        `salt`), salted with `salt` (the runner's `streams.row_salt`)."""
+        `salt`), salted with `salt` (the runner's `streams.row_salt`; None: as it is)."""
         if isinstance(cfg, cls):
-            return cfg if cfg.salt == salt else replace(cfg, salt=salt)
+            return cfg if salt is None or cfg.salt == salt else replace(cfg, salt=salt)
         kept = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.name != "salt"}
-        return cls(**kept, salt=salt)
+        return cls(**kept, salt=salt or "")
 
 
 def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:

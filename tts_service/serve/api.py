@@ -153,6 +153,16 @@ def _is_id(x: object) -> bool:
     return type(x) is int and 0 <= x < 2**31
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (JSON's escapes can carry a lone surrogate, which the
+    tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class CompletionRequest(_Request):
     """`prompt`: a string, a list of strings, a list of token ids or a list of such lists;
     every prompt gets `n` choices (choice index = prompt's position × n + its own index).
@@ -166,18 +176,23 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, v: object) -> object:
-        """One message naming what is wrong (the union's own would name its four members)."""
-        if isinstance(v, str) or (isinstance(v, list) and v and _is_id(v[0])):
+        """One message naming what is wrong (the union's own would name its four members).
+        Every id is checked, whatever its place: a bad one must never reach a shared forward."""
+        if isinstance(v, str) or (isinstance(v, list) and v and type(v[0]) is int):
             prompts = [v]
         elif isinstance(v, list) and v:
             prompts = v
         else:
             raise ValueError("a string, a list of strings, of token ids, or of token id lists")
         for i, p in enumerate(prompts):
+            if not isinstance(p, str | list):
+                raise ValueError(f"prompt {i}: a string or a list of token ids")
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             if isinstance(p, list) and not all(_is_id(t) for t in p):
                 raise ValueError(f"prompt {i}: token ids are integers from 0 to 2**31 - 1")
+            if isinstance(p, str) and not _is_unicode(p):
+                raise ValueError(f"prompt {i}: not valid Unicode (a lone surrogate)")
             if type(p) is not type(prompts[0]):
                 raise ValueError("prompts of one kind: all strings or all token id lists")
         return v
@@ -233,7 +248,8 @@ class SolveHttpRequest(BaseModel):
 
 
 class ApiError(Exception):
-    """An error with its HTTP status and the field it is about."""
+    """An error with its HTTP status, the field it is about and the headers it carries
+    (a 429's `Retry-After`)."""
 
     def __init__(
         self,
@@ -241,9 +257,11 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {

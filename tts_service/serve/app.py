@@ -45,11 +45,17 @@ from tts_service.serve.engine import ServeEngine
 from tts_service.serve.metrics import CONTENT_TYPE, MetricsHub
 
 fastapi_app = FastAPI(title="tts-service", docs_url=None, redoc_url=None)
+RETRY_AFTER_S = 1  # a 429's Retry-After: requests here take seconds, a slot frees as fast
+
+
+def _server_error(e: Exception) -> ApiError:
+    """A request that failed on its own (its rows only: the batch went on without them)."""
+    return ApiError(500, f"generation failed: {e}", None, "server_error")
 
 
 @fastapi_app.exception_handler(ApiError)
 async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -124,7 +130,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             except ApiError as e:  # headers are sent: report in-band, as OpenAI does
                 yield f"data: {json.dumps(e.body())}\n\n"
             except Exception as e:
-                err = ApiError(500, f"generation failed: {e}", None, "server_error")
+                err = _server_error(e)
                 yield f"data: {json.dumps(err.body())}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -186,6 +192,7 @@ class TTSServer:
                 f"(max_queued_requests = {self.cfg.max_queued_requests}); retry later",
                 None,
                 "rate_limit_exceeded",
+                {"Retry-After": str(RETRY_AFTER_S)},
             )
         self.inflight += 1
         self.hub.queue.remote(1)
@@ -268,6 +275,9 @@ class TTSServer:
         except asyncio.CancelledError:  # the client went away: Serve cancels its handler
             self._count_gone(route, started)
             raise
+        except Exception as e:  # the request's own failure: a counted 500, never a bare one
+            await self._count(route, 500, started)
+            raise _server_error(e) from e
         trajectories = result.get("tts", {}).get("trajectories", [])
         await self._count(route, _status(result), started, result.get("usage"), trajectories)
         return result
@@ -339,6 +349,9 @@ class TTSServer:
         except asyncio.CancelledError:
             self._count_gone("solve", started)
             raise
+        except Exception as e:
+            await self._count("solve", 500, started)
+            raise _server_error(e) from e
         trajectories = result.get("stats", {}).get("trajectories", [])
         await self._count("solve", _status(result), started, result.get("usage"), trajectories)
         return result

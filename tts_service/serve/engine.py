@@ -306,9 +306,10 @@ class ServeEngine:
                 raise ApiError(400, f"prompt: prompt {i} encodes to no tokens", "prompt")
             return ids
         vocab = self.generator.loaded.model.config.vocab_size
-        if max(prompt) >= vocab:
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
             raise ApiError(
-                400, f"prompt: prompt {i} has token id {max(prompt)} (vocab {vocab})", "prompt"
+                400, f"prompt: prompt {i} has token id {bad} (ids are 0 to {vocab - 1})", "prompt"
             )
         return list(prompt)
 
