@@ -137,7 +137,7 @@ class GeneratorActor:
                 o.stats.to_dict(),
                 self.name,
                 self.node,
-                None if res.request.drafter.kind == "plain" else res.request.run_nonce,
+                res.request.run_nonce if res.request.salted else None,
             ).to_dict()
             if res.top_ids is not None:  # only when logging: the replay format needs them
                 rec["prompt_ids"] = ids

@@ -247,7 +247,9 @@ def requests(
             params = SamplingParams(
                 temperature, max_new_tokens=len(response), seed=r, ignore_eos=True
             )
-            out.append(TrajectoryRequest(str(i), r, problem.prompt_ids, params, cfg, store))
+            out.append(
+                TrajectoryRequest(str(i), r, problem.prompt_ids, params, cfg, store, run_nonce=0)
+            )
     return out
 
 

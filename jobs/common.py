@@ -208,7 +208,7 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
 
         try:
             check_store(cfg.store, cfg.store.url)
-        except StoreUnavailableError as e:
+        except (StoreUnavailableError, ValueError) as e:  # down, or a malformed URL
             raise JobInputError(f"store.url: {e}") from e
         yield cfg.store.url
         return

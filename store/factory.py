@@ -13,7 +13,13 @@ from urllib.parse import urlsplit
 from store.base import NgramStore
 from store.config import StoreConfig
 from store.memory import InMemoryNgramStore, TieredStore
-from store.redis_store import RedisLogitNgramStore, RedisScope, ping
+from store.redis_store import (
+    CLUSTER_SCHEME,
+    RedisLogitNgramStore,
+    RedisScope,
+    cluster_nodes,
+    ping,
+)
 
 
 def problem_id(prompt_ids: Sequence[int]) -> str:
@@ -64,7 +70,10 @@ def open_store(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> 
 
 def check_store(cfg: StoreConfig, url: str | None) -> None:
     """Fail fast (StoreUnavailableError) if `url` names a Redis that does not answer and no
-    fallback was asked for; the in-process store always answers."""
+    fallback was asked for, and (ValueError) on a malformed cluster URL, fallback or not; the
+    in-process store always answers."""
+    if url is not None and urlsplit(url).scheme == CLUSTER_SCHEME:
+        cluster_nodes(url)
     if url is not None and not cfg.fallback:
         ping(url)
 

@@ -130,20 +130,26 @@ def client_from_url(url: str) -> Client:
     """A client for `url`: `redis+cluster://[:password@]host:port[,host:port...]` is a
     Redis Cluster reached through any of its nodes; anything else is one server."""
     timeouts = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
-    parts = urlsplit(url)
-    if parts.scheme != CLUSTER_SCHEME:
+    if urlsplit(url).scheme != CLUSTER_SCHEME:
         return redis.Redis.from_url(url, **timeouts)
-    auth, _, hosts = parts.netloc.rpartition("@")
-    nodes = []
-    for host in hosts.split(","):
-        name, _, port = host.strip().rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"store URL {url!r}: expected host:port, not {host!r}")
-        nodes.append(ClusterNode(name, int(port)))
+    auth, nodes = cluster_nodes(url)
     user, _, password = auth.partition(":")
     return RedisCluster(
         startup_nodes=nodes, username=user or None, password=password or None, **timeouts
     )
+
+
+def cluster_nodes(url: str) -> tuple[str, list[ClusterNode]]:
+    """A `redis+cluster://` URL's credentials and nodes. Raises ValueError naming what is
+    malformed (checked before any model loads, with or without a fallback)."""
+    auth, _, hosts = urlsplit(url).netloc.rpartition("@")
+    nodes = []
+    for host in hosts.split(","):
+        name, _, port = host.strip().rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"store URL {url!r}: expected host:port, not {host!r}")
+        nodes.append(ClusterNode(name, int(port)))
+    return auth, nodes
 
 
 def ping(url: str) -> None:

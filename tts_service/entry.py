@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import sys
+
 from tts_service import startup
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--version"]:  # answered before the CLI's imports (torch among them)
+        from importlib.metadata import version
+
+        print(f"tts {version('tts-service')}")
+        return 0
     with startup.held():
         from tts_service.cli import main as cli
 

@@ -71,10 +71,17 @@ class TrajectoryRequest:
     wrap: Callable[[Drafter], Drafter] | None = None  # around the row's drafter (calibration)
     run_nonce: int | None = None
 
+    @property
+    def salted(self) -> bool:
+        """Whether its streams are salted: it drafts and it samples (a plain row drafts
+        nothing, and under greedy no uniform decides anything)."""
+        return self.drafter.kind != "plain" and self.sampling.temperature != 0
+
     def params(self) -> SamplingParams:
-        """The engine's sampling parameters: a drafting row's verify stream salted by its run,
-        problem and index, so that no two rows whose drafters share state share uniforms."""
-        if self.drafter.kind == "plain":
+        """The engine's sampling parameters: a row that drafts and samples has its streams
+        salted by its run, problem and index, so that no two rows whose drafters share state
+        share uniforms."""
+        if not self.salted:
             return SamplingParams.of(self.sampling)
         nonce = new_run_nonce() if self.run_nonce is None else self.run_nonce
         return SamplingParams.of(self.sampling, row_salt(nonce, self.problem_id, self.index))

@@ -154,7 +154,7 @@ def solve_problems(
 
     def collect(res: TrajectoryResult) -> None:
         req = res.request
-        nonce = None if req.drafter.kind == "plain" else req.run_nonce
+        nonce = req.run_nonce if req.salted else None
         traj = Trajectory(
             req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs, nonce
         )
@@ -171,7 +171,8 @@ def solve_problems(
         res = results[p.problem_id]
         res.trajectories.sort(key=lambda t: t.index)
         res.store_stats = p.store.stats()
-    nonce = None if drafter.kind == "plain" else sampling.run_nonce  # plain rows are unsalted
+    salted = drafter.kind != "plain" and not sampling.greedy  # else nothing uses the nonce
+    nonce = sampling.run_nonce if salted else None
     return SolveRun([results[p.problem_id] for p in problems], report, nonce)
 
 

@@ -72,6 +72,47 @@ def call(url: str, body=None, raw: bytes | None = None, kind: str = "application
         return e.code, e.read().decode()
 
 
+def call_with_headers(url: str, body: dict) -> tuple[int, str, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+POISON = [  # each must be a 400 and touch nobody else's request
+    b'{"prompt": [-1], "max_tokens": 4}',
+    b'{"prompt": [-3, 5, 6], "max_tokens": 4}',
+    b'{"prompt": [5, 6, 100000000], "max_tokens": 4}',
+    b'{"prompt": [[5, 6], [-7]], "max_tokens": 4}',
+    b'{"prompt": [], "max_tokens": 4}',
+    b'{"prompt": "\\ud800", "max_tokens": 4}',
+    b'{"prompt": ["ok", "\\udfff"], "max_tokens": 4}',
+]
+
+
+def test_poison_requests_are_400s_and_their_neighbours_decode_as_alone(servers):
+    """Bad prompts sent while good requests decode: each bad one is a 400 naming `prompt`,
+    every good one is a 200 with the greedy tokens it gets alone."""
+    base, _ = servers
+    good = {"prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 24, "temperature": 0}
+    status, alone = call(base + "/v1/completions", good)
+    assert status == 200, alone
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(call, base + "/v1/completions", good) for _ in range(6)]
+        bads = [pool.submit(call, base + "/v1/completions", None, raw) for raw in POISON * 2]
+        for bad in bads:
+            status, text = bad.result()
+            assert status == 400 and _openai_error(text)["param"] == "prompt", text
+        for g in goods:
+            status, text = g.result()
+            assert status == 200, text
+            assert json.loads(text)["choices"][0]["text"] == json.loads(alone)["choices"][0]["text"]
+
+
 def _openai_error(text: str) -> dict:
     err = json.loads(text)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -254,9 +295,12 @@ def test_a_full_queue_is_429_and_the_deadline_is_504(servers):
     worker.start()
     refused = None
     for _ in range(200):  # the long request is admitted within moments; then the queue is full
-        status, text = call(tight + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        status, text, headers = call_with_headers(
+            tight + "/v1/completions", {"prompt": "hi", "max_tokens": 1}
+        )
         if status == 429:
             refused = _openai_error(text)
+            assert int(headers["Retry-After"]) >= 1
             break
         time.sleep(0.05)
     worker.join(timeout=300)

@@ -23,7 +23,10 @@ read (a replay, a calibration or a log that follows a job runs long, the collect
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = Parser(prog="tts", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tts {version('tts-service')}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.add_parser(sub)

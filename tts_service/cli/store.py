@@ -36,7 +36,7 @@ def store_server(cfg: StoreConfig) -> Iterator[str | None]:
 
         try:
             check_store(cfg, cfg.url)
-        except StoreUnavailableError as e:
+        except (StoreUnavailableError, ValueError) as e:  # down, or a malformed URL
             raise UsageError(f"--store: {e}") from e
         yield cfg.url
         return

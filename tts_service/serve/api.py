@@ -285,6 +285,9 @@ NO_OP_VALUES: dict[str, tuple] = {
     "min_tokens": (None, 0),
     "store": (None, False),
     "parallel_tool_calls": (None, True, False),  # no tools: nothing to run in parallel
+    "reasoning_effort": (None,),  # a reasoning budget would change what is generated
+    "verbosity": (None,),
+    "service_tier": (None, "auto", "default"),  # one tier here
 }
 
 

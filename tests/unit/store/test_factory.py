@@ -7,7 +7,7 @@ import pytest
 
 from store.base import NgramRow
 from store.config import StoreConfig
-from store.factory import open_global_store, open_problem_store, open_store
+from store.factory import check_store, open_global_store, open_problem_store, open_store
 from store.local_server import free_port
 from store.memory import InMemoryNgramStore
 from store.redis_store import RedisLogitNgramStore
@@ -33,3 +33,14 @@ def test_factory_global_scope_is_shared_by_the_problems_that_ask_for_it():
     second = open_problem_store(cfg, None, "p2", glob)
     assert second.lookup([4]).ids == (8,)  # learned by p1, read through the global scope
     assert open_problem_store(cfg, None, "p3").lookup([4]) is None  # no global: nothing
+
+
+@pytest.mark.parametrize(
+    "url", ["redis+cluster://h:70000", "redis+cluster://hx", "redis+cluster://:1"]
+)
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_malformed_cluster_url_is_named_before_anything_connects(url, fallback):
+    """The edges turn it into exit 2 (`tts solve --store`) or a job input error, never a
+    traceback; with a fallback too, which would otherwise fail at the first connect."""
+    with pytest.raises(ValueError, match="expected host:port"):
+        check_store(StoreConfig(fallback=fallback), url)
