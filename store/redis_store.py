@@ -401,11 +401,14 @@ class RedisLogitNgramStore:
 
     def claim(self, verify_key: int) -> bool:
         """SADD to the scope's claims (every process and run that shares the scope sees them).
-        A server that cannot be reached is counted (`unchecked_claims`) and the claim checked
-        in-process only: the row then drafts from this process's cache alone, until Redis is
-        back (docs/design.md, "Random streams")."""
+        A server that cannot be reached, or is known to be down, is counted (`unchecked_claims`)
+        and the claim checked in-process only, never waited on: the row then drafts from this
+        process's cache until Redis is back (docs/design.md, "Random streams")."""
         fresh = verify_key not in self._claims
         self._claims.add(verify_key)
+        if self._degraded_since is not None:  # never wait on a server known to be down
+            self._counts["unchecked_claims"] += 1
+            return fresh
         key = f"{self.scope.prefix}_claims"
         try:
             pipe = self.node().pipeline(transaction=False)
@@ -416,6 +419,8 @@ class RedisLogitNgramStore:
         except ERRORS as e:
             self._counts["unchecked_claims"] += 1
             log.warning("Redis claim not checked (%s): checked in this process only", e)
+            self._reroute()
+            self._degrade()  # the next round trip retries after retry_s, as writes do
             return fresh
         return fresh and int(added) == 1
 

@@ -57,8 +57,10 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class TrajectoryRequest:
     """One trajectory to decode: trajectory `index` of problem `problem_id`, seeded by
-    `sampling.seed` (the host's convention: the problem's seed + index) and, where it drafts,
-    salted by `run_nonce` (`streams.row_salt`; None: a fresh nonce for this row alone)."""
+    `sampling.seed` (the host's convention: the problem's seed + index) and, where it drafts
+    and samples, salted by `run_nonce` (`streams.row_salt`): the edges' requests come from
+    `trajectory_requests`, which draws one per call; one built here keeps 0 (replay, the
+    benchmarks, tests: deterministic), and the ledger refuses a key it repeats."""
 
     problem_id: str
     index: int
@@ -69,7 +71,7 @@ class TrajectoryRequest:
     record: bool = False  # keep the target's top-k at every token (trajectory logs)
     on_commit: OnCommit | None = None  # sees every step's tokens; False cancels the row
     wrap: Callable[[Drafter], Drafter] | None = None  # around the row's drafter (calibration)
-    run_nonce: int | None = None
+    run_nonce: int = 0  # `trajectory_requests` draws one per call; a repeat here is refused
 
     @property
     def salted(self) -> bool:
@@ -83,8 +85,9 @@ class TrajectoryRequest:
         share uniforms."""
         if not self.salted:
             return SamplingParams.of(self.sampling)
-        nonce = new_run_nonce() if self.run_nonce is None else self.run_nonce
-        return SamplingParams.of(self.sampling, row_salt(nonce, self.problem_id, self.index))
+        return SamplingParams.of(
+            self.sampling, row_salt(self.run_nonce, self.problem_id, self.index)
+        )
 
 
 class RunnerModel(Protocol):

@@ -314,3 +314,44 @@ def test_replicas_the_cluster_cannot_hold_fail_in_bounded_time(
     assert "within 5s" in message and "CPU 4 in all" in message
     assert "the cluster has CPU 2" in message
     assert not (tmp_path / "out" / "trajectories.jsonl").exists()
+
+
+README_RAY_START = (
+    "ray start --head --num-cpus=2 --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1"
+)
+
+
+def test_the_readmes_one_machine_ray_start_listens_on_loopback_only():
+    """The README's `ray start` for one machine, word for word (with `--block`, so that this
+    test stops it by its PID, and a private RAY_TMPDIR), in the environment the README gives:
+    every listening socket of its process tree is on 127.0.0.1."""
+    readme = (REPO / "README.md").read_text()
+    assert f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 {README_RAY_START}" in readme
+    tmp = tempfile.mkdtemp(prefix="tts-ray-", dir="/tmp")
+    env = _env(RAY_TMPDIR=tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    ray = str(Path(sys.executable).with_name("ray"))
+    proc = subprocess.Popen(
+        [ray, *README_RAY_START.split()[1:], "--block", "--disable-usage-stats"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = {name for name, _, _ in _listening(_tree(proc.pid))}
+            if {"gcs_server", "raylet"} <= names:
+                break
+            time.sleep(1.0)
+        time.sleep(5.0)  # the dashboard and the agents come up after the raylet
+        _assert_loopback_only(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

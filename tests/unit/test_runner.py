@@ -17,7 +17,7 @@ from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.generation import Generator
 from tts_service.models import LoadedModel
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+from tts_service.runner import TrajectoryRequest, TrajectoryRunner, trajectory_requests
 from tts_service.solve import ProblemInput, solve_problems
 
 VOCAB = 64
@@ -500,3 +500,25 @@ def test_a_failed_join_into_an_empty_batch_leaves_no_stale_cache_rows(tiny_model
     for res in report.results:
         ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
         assert res.output.token_ids == ref.token_ids
+
+
+def test_requests_with_equal_seeds_never_share_a_salted_stream():
+    """What Serve does per request and a job per call: `trajectory_requests` with no nonce
+    draws one, so equal explicit seeds (concurrent or repeated requests) get other uniforms;
+    a pinned nonce gives the same ones again (what reproducing a run needs)."""
+    cfg, store = DRAFTER_CONFIGS["stand"], InMemoryNgramStore()
+    sampling = SamplingConfig(temperature=0.7, seed=3)
+    keys = [
+        r.params().salt
+        for _ in range(2)
+        for r in trajectory_requests("q", [1, 2], range(2), sampling, cfg, store)
+    ]
+    assert len(set(keys)) == 4
+    pinned = sampling.model_copy(update={"run_nonce": 5})
+    again = [
+        [r.params().salt for r in trajectory_requests("q", [1, 2], range(2), pinned, cfg, store)]
+        for _ in range(2)
+    ]
+    assert again[0] == again[1] and len(set(again[0])) == 2
+    greedy = sampling.model_copy(update={"temperature": 0.0})
+    assert {r.params().salt for r in trajectory_requests("q", [1], [0], greedy, cfg, store)} == {""}

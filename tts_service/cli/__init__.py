@@ -36,6 +36,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = make_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the flags as typed
         if args.func.__module__ not in HOSTS:
             startup.settle()
         return args.func(args)

@@ -182,8 +182,17 @@ def drafter_flags(args: argparse.Namespace, kind: str, method: str) -> dict:
     return out
 
 
-def check_tensor_parallel(req: GenerateRequest | SolveRequest | ServeConfig) -> None:
-    """Refuse, before anything loads, ranks that do not divide the model's heads."""
+def typed_flag(args: argparse.Namespace, *names: str) -> str:
+    """Which of a flag's `names` the user typed (its first if none): errors name that one."""
+    typed = [a.split("=", 1)[0] for a in getattr(args, "argv", [])]
+    return next((n for n in names if n in typed), names[0])
+
+
+def check_tensor_parallel(
+    req: GenerateRequest | SolveRequest | ServeConfig, flag: str = "--tensor-parallel"
+) -> None:
+    """Refuse, before anything loads, ranks that do not divide the model's heads (the error
+    names `flag`, as typed)."""
     if req.tensor_parallel == 1:
         return
     from tts_service.models import ModelNotFoundError
@@ -194,7 +203,7 @@ def check_tensor_parallel(req: GenerateRequest | SolveRequest | ServeConfig) -> 
     except ModelNotFoundError as e:
         raise UsageError(f"--model: {e}") from e
     except (OSError, ValueError) as e:
-        raise UsageError(f"--tensor-parallel: {e}") from e
+        raise UsageError(f"{flag}: {e}") from e
 
 
 def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):

@@ -20,6 +20,7 @@ from tts_service.cli.common import (
     add_field,
     check_tensor_parallel,
     field_error,
+    typed_flag,
     with_default,
 )
 from tts_service.config import ModelConfig, load_yaml
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             "decode; bound it with --max-num-seqs and --max-model-len"
         )
     data, cfg = serve_config(args)
-    check_tensor_parallel(cfg)
+    check_tensor_parallel(cfg, typed_flag(args, "--tensor-parallel", "--tensor-parallel-size"))
     app = (data.get("applications") or [{}])[0]
     name = app.get("name", "tts")
     from store.factory import check_store

@@ -235,6 +235,7 @@ class ServeEngine:
             min_p=default.get("min_p", req.min_p),
             max_new_tokens=max_new,
             seed=self._seed() if req.seed is None else req.seed,
+            run_nonce=self._run_nonce(),
             stop=tuple(req.stop)
             if isinstance(req, CompletionRequest | ChatCompletionRequest)
             else (),
@@ -244,6 +245,16 @@ class ServeEngine:
 
     def _seed(self) -> int:
         return self.seeds.randrange(2**31) if self.seeds is not None else secrets.randbelow(2**31)
+
+    def _run_nonce(self) -> int | None:
+        """Each request is a run of its own (`streams.row_salt`): a fresh nonce (None: drawn
+        with its requests), or with the replica's `--seed` and an in-process store the next of
+        its seeded sequence, so that a replica started alike answers the same requests alike,
+        as vLLM's `--seed` does (one process's nonces never repeat, and its state is its own).
+        Over a Redis store, shared by replicas started alike, always a fresh one."""
+        if self.seeds is None or self.cfg.store.url is not None:
+            return None
+        return self.seeds.getrandbits(63)
 
     def _fit(self, ids: list[int], sampling: SamplingConfig, field: str) -> None:
         try:

@@ -58,3 +58,15 @@ def test_generation_config_and_strict_fields_flags():
     assert cfg.generation_config == "vllm" and cfg.reject_unknown_fields
     _, cfg = serve_config(parse())
     assert cfg.generation_config == "auto" and not cfg.reject_unknown_fields
+
+
+def test_an_error_names_the_tensor_parallel_flag_as_typed():
+    from tts_service.cli.common import typed_flag
+
+    args = parse("--tensor-parallel-size", "3")
+    args.argv = ["serve", "--tensor-parallel-size", "3"]
+    assert (
+        typed_flag(args, "--tensor-parallel", "--tensor-parallel-size") == "--tensor-parallel-size"
+    )
+    args.argv = ["serve", "--tensor-parallel=3"]
+    assert typed_flag(args, "--tensor-parallel", "--tensor-parallel-size") == "--tensor-parallel"
