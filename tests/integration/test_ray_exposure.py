@@ -223,6 +223,18 @@ def test_tts_serve_listens_on_loopback_only(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- beside a `ray start` cluster
 
 
+def _stop_ray_start(proc: subprocess.Popen, tmp: str) -> None:
+    """A `ray start --block` stopped by its PID (never `ray stop`), then its RAY_TMPDIR."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is still there
+    proc.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A 2-CPU `ray start --head` cluster, as another user of the machine might run one: it
@@ -264,14 +276,7 @@ def ray_cluster():
         assert recorded.is_file(), f"ray start --head did not come up (exit {proc.poll()})"
         yield tmp, recorded.read_text().strip()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is still there
-        proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_ray_start(proc, tmp)
 
 
 def test_a_job_beside_a_running_cluster_starts_its_own_ray(ray_cluster, tiny_model_dir, tmp_path):
@@ -347,11 +352,4 @@ def test_the_readmes_one_machine_ray_start_listens_on_loopback_only():
         time.sleep(5.0)  # the dashboard and the agents come up after the raylet
         _assert_loopback_only(proc.pid)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_ray_start(proc, tmp)
