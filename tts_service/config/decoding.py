@@ -36,9 +36,9 @@ class SamplingConfig(StrictConfig):
         None,
         ge=0,
         lt=2**63,
-        description="Salts the verify streams of rows whose drafters read shared state (every "
-        "speculative method but plain's), so no two rows share verify uniforms: drawn per run "
-        "and recorded in its output when None; give a recorded one to reproduce that run.",
+        description="Salts the random streams of rows that draft and sample, so that no two "
+        "rows whose drafters share state share uniforms: drawn per run and recorded in its "
+        "output when unset; give a recorded one to reproduce that run over a fresh store.",
     )
     stop: tuple[str, ...] = Field(
         (), description="Stop strings: the output ends before the first of them to appear."
