@@ -233,7 +233,7 @@ class RowDrafters:
             VerifyKeyReusedError: a drafting row's verify key (seed and salt) was claimed
                 before, here or in the store.
         """
-        if cfg.kind != "plain" and not params.greedy:  # else no draft can hang on a uniform
+        if params.salt:  # a row that drafts and samples (`TrajectoryRequest.salted`)
             self._claim(stream_seed(params.seed, Stream.VERIFY, params.salt), store, params)
         problem = self.per_store.setdefault(store, {})
         seed = drafter_seed(params.seed, params.salt)

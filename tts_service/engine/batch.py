@@ -102,9 +102,8 @@ class Row:
         if not self.prompt_ids:  # the last prompt token is the first step's root
             raise ValueError("prompt_ids must not be empty")
         self.tokens = list(self.prompt_ids)
-        self.cfg = SamplingParams.of(
-            self.cfg
-        )  # the engine's frozen copy (callers may pass a config)
+        # the engine's frozen copy (callers may pass a config)
+        self.cfg = SamplingParams.of(self.cfg)
         self.verify_key = stream_seed(self.cfg.seed, Stream.VERIFY, self.cfg.salt)
 
     def commit(self, tree: DraftTree, acc: Acceptance) -> tuple[int, Acceptance]:
