@@ -170,11 +170,19 @@ class RunnerHost:
         return self.loop.between_steps(work) if self.loop is not None else work()
 
     def generate(
-        self, prompt_ids: list[int], drafter: DrafterConfig, sampling: SamplingConfig
+        self,
+        prompt_ids: list[int],
+        drafter: DrafterConfig,
+        sampling: SamplingConfig,
+        on_commit: Callable[[Sequence[int]], bool] | None = None,
     ) -> GenerationOutput:
         """One generation (`tts generate`): one row, drafting from this host's scratch store
-        (and what the model's drafters share: the successor tables carry over)."""
+        (and what the model's drafters share: the successor tables carry over);
+        `on_commit(tokens)` sees its steps."""
+        steps = None if on_commit is None else lambda _i: on_commit
         report = self.run(
-            trajectory_requests("generate", prompt_ids, [0], sampling, drafter, self.scratch)
+            trajectory_requests(
+                "generate", prompt_ids, [0], sampling, drafter, self.scratch, on_commit=steps
+            )
         )
         return report.results[0].output

@@ -426,6 +426,37 @@ def create_placement_groups(
     return groups
 
 
+def check_placeable(
+    bundles: list[dict[str, float]], timeout_s: float, stop: Callable[[], bool]
+) -> bool:
+    """Whether Ray places `bundles` on one node (STRICT_PACK) within `timeout_s`: reserved,
+    then released (a deployment that follows reserves its own). Checked every second, so a
+    caller told to stop (`stop()` true) returns False within one.
+
+    Raises:
+        PlacementError: not placed in time: what was asked and what the cluster has.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not group.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if stop():
+                return False
+            if time.monotonic() >= deadline:
+                asked = {k: sum(b.get(k, 0) for b in bundles) for k in bundles[0]}
+                raise PlacementError(
+                    f"{len(bundles)} bundles of {_amounts(bundles[0])} on one node "
+                    f"(STRICT_PACK) were not placed within {timeout_s:g} s; the cluster has "
+                    f"{_amounts(ray.cluster_resources(), asked)}; {_missing(asked, asked)}"
+                )
+        return True
+    finally:
+        remove_placement_group(group)
+
+
 def _missing(bundle: dict[str, float], asked: dict[str, float]) -> str:
     """What keeps the plan from placing: a resource no node has enough of for one bundle or
     the cluster lacks in total (missing whatever runs), else what other work holds."""

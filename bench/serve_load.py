@@ -1,7 +1,7 @@
 """Serve under load (issue 32): concurrent OpenAI clients against one `tts serve` replica.
 
     python -m bench.serve_load [--clients 1 8 32 64] [--methods plain auto] [--max-tokens 64]
-        [--solve-clients 1 4] [--solve-n 8] [--out runs/serve_load.jsonl]
+        [--solve-clients 1 4] [--solve-n 8] [--poison-every 1] [--out runs/serve_load.jsonl]
 
 It starts a private Ray on 127.0.0.1 and the app `tts serve` builds (`build_app`, SmolLM2 as
 `configs/serve.yaml` names it, on this CPU, one replica, the default admission limits), then
@@ -11,7 +11,10 @@ level) runs `clients` threads that each send chat requests back to back (the hel
 then `/v1/solve` with n = `--solve-n` the same way. Per cell it reports throughput (completion
 tokens over the cell's wall time), p50/p99/max latency, the HTTP statuses, and the rows in
 the replica's batch (`tts_rows_running`, sampled every 0.5 s while requests run: mean and
-max). One JSON line per cell goes to `--out` as it finishes.
+max). One JSON line per cell goes to `--out` as it finishes. With `--poison-every S`, each chat
+cell runs twice, clean and with one poison request (`POISON`: ids out of the vocabulary, a lone
+surrogate, no token) every S seconds, in turn: every poison must be a 4xx, every other request
+a 200, at the clean run's throughput.
 """
 
 from __future__ import annotations
@@ -51,9 +54,28 @@ def rows_running(base: str) -> int:
     return 0
 
 
-def cell(base: str, route: str, bodies: list[dict], clients: int) -> dict:
-    """`bodies` sent by `clients` threads back to back; rows sampled meanwhile."""
+POISON = (
+    {"prompt": [-1], "max_tokens": 4},  # a negative id
+    {"prompt": [10**9, 5], "max_tokens": 4},  # an id past the vocabulary
+    {"prompt": "\ud800", "max_tokens": 4},  # a lone surrogate
+    {"prompt": [], "max_tokens": 4},  # no token at all
+)
+"""Requests that must be refused (4xx) alone: `--poison-every` sends them among the clients'."""
+
+
+def poisoner(base: str, every_s: float, done: threading.Event, statuses: list[int]) -> None:
+    """One poison request every `every_s` seconds until `done`, the kinds in turn."""
+    for body in itertools.cycle(POISON):
+        if done.wait(every_s):
+            return
+        statuses.append(post(base + "/v1/completions", body)[0])
+
+
+def cell(base: str, route: str, bodies: list[dict], clients: int, poison_s: float = 0) -> dict:
+    """`bodies` sent by `clients` threads back to back; rows sampled meanwhile; with
+    `poison_s`, a poison request that often beside them."""
     samples: list[int] = []
+    poisoned: list[int] = []
     done = threading.Event()
 
     def watch() -> None:
@@ -61,14 +83,18 @@ def cell(base: str, route: str, bodies: list[dict], clients: int) -> dict:
             samples.append(rows_running(base))
             time.sleep(0.5)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    threads = [threading.Thread(target=watch)]
+    if poison_s:
+        threads.append(threading.Thread(target=poisoner, args=(base, poison_s, done, poisoned)))
+    for t in threads:
+        t.start()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(lambda b: post(base + route, b), bodies))
     wall = time.perf_counter() - t0
     done.set()
-    watcher.join()
+    for t in threads:
+        t.join()
     latencies = sorted(s for _, _, s in replies)
     tokens = sum(r.get("usage", {}).get("completion_tokens", 0) for _, r, _ in replies)
     busy = [s for s in samples if s] or [0]
@@ -85,6 +111,7 @@ def cell(base: str, route: str, bodies: list[dict], clients: int) -> dict:
         "max_s": round(latencies[-1], 2),
         "mean_rows_running": round(statistics.mean(busy), 2),
         "max_rows_running": max(busy),
+        "poison_statuses": {str(k): poisoned.count(k) for k in sorted(set(poisoned))},
     }
 
 
@@ -96,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solve-clients", type=int, nargs="*", default=[1, 4])
     ap.add_argument("--solve-n", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("runs/serve_load.jsonl"))
+    ap.add_argument(
+        "--poison-every",
+        type=float,
+        default=0,
+        help="seconds: each chat cell also runs with one poison request this often (clean and "
+        "poisoned in turn; default 0: clean only)",
+    )
     args = ap.parse_args(argv)
 
     from ray import serve
@@ -141,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 for i in range(max(clients, 4))
             ]
-            stats = cell(base, "/v1/chat/completions", bodies, clients)
-            record({"route": "chat", "method": method, "clients": clients, **stats})
+            runs = [0.0, args.poison_every] if args.poison_every else [0.0]
+            for poison_s in runs if level % 2 == 0 else runs[::-1]:
+                stats = cell(base, "/v1/chat/completions", bodies, clients, poison_s)
+                rec = {"route": "chat", "method": method, "clients": clients, **stats}
+                record({**rec, "poison_every_s": poison_s})
     for clients in args.solve_clients:
         for method in args.methods:
             bodies = [

@@ -151,10 +151,30 @@ def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) 
         "graded": len(graded),
         "total_tokens": tokens,
         "mean_acceptance_length": acceptance_length(tokens, forwards),
+        "plain_steps": sum(
+            r["stats"].get("plain_steps", 0) for s in states.values() for r in s.records.values()
+        ),
+        "row_forwards": forwards,
         **{k: timing[k] for k in TIMING_KEYS},
         "method": method_name(cfg.drafter),
         "n": cfg.n,
     }
+
+
+def plain_steps_line(summary: dict, cfg: JobConfig) -> str | None:
+    """Why a drafting method ran most of its steps plain, when it did (`auto` at the quick
+    start's 32 rows on a CPU): in a few words, for the summary."""
+    if cfg.drafter.kind == "plain" or summary["plain_steps"] * 2 <= summary["row_forwards"]:
+        return None
+    share = summary["plain_steps"] / summary["row_forwards"]
+    if getattr(cfg.drafter, "sizing", None) == "gt" or cfg.drafter.kind == "gtcp":
+        why = (
+            "its measured verify cost on this device, at these rows a step, paid for no draft "
+            "(the GT rule); fewer rows a step (--set max_rows=N) or a GPU drafts more"
+        )
+    else:
+        why = "the store held no continuation to draft"
+    return f"[job] {summary['method']} ran {share:.0%} of its steps plain: {why}"
 
 
 def problem_result(state, cfg: JobConfig) -> dict:
@@ -247,6 +267,8 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path, started: float | Non
     summary = summarize(states, cfg, progress, started)
     summary["retries"] = retries
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if line := plain_steps_line(summary, cfg):
+        print(line, flush=True)
     print(f"[job] done: {json.dumps(summary)}", flush=True)
     return summary
 

@@ -14,7 +14,10 @@ def main() -> int:
 
         print(f"tts {version('tts-service')}")
         return 0
-    with startup.held():
-        from tts_service.cli import main as cli
+    try:
+        with startup.held():
+            from tts_service.cli import main as cli
 
-        return cli()
+            return cli()
+    finally:
+        startup.exiting()

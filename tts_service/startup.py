@@ -67,3 +67,10 @@ def release() -> None:
     if _held:
         gc.enable()
         _held = False
+
+
+def exiting() -> None:
+    """The process is ending: freeze every object, so that the interpreter's last collection
+    at exit scans none of them (the OS takes the memory back). Without it `tts --help` spent
+    ~0.15 s of its ~0.8 s in that collection, over the objects of the imports its flags need."""
+    gc.freeze()

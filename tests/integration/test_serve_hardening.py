@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,7 +32,7 @@ PAST_DEADLINE = {**LONG, "n": 64, "max_tokens": 400, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def servers(ray_local, tiny_model_dir):
     """Two apps on one Serve instance: the defaults in strict mode (an unknown field is a 400),
-    and one with a 1-request queue and a 2 s deadline."""
+    and one with a 1-request queue, a 2 s deadline and 1 s for a body to arrive."""
     from ray import serve
 
     from tts_service.serve.app import build_app
@@ -53,6 +55,7 @@ def servers(ray_local, tiny_model_dir):
         max_tokens_cap=400,
         max_queued_requests=1,
         request_timeout_s=2.0,
+        body_timeout_s=1.0,
     )
     serve.run(build_app(tight), name="tts-tight", route_prefix="/tight")
     base = f"http://127.0.0.1:{port}"
@@ -414,3 +417,43 @@ def test_concurrent_requests_share_one_batch(servers):
     watcher.join()
     assert all(status == 200 for status, _ in replies), replies[0]
     assert most >= 12
+
+
+def _half_sent(url: str, text: str) -> socket.socket:
+    """A connection that sent `text` (part of a request) and then nothing."""
+    where = urllib.parse.urlsplit(url)
+    sock = socket.create_connection((where.hostname, where.port), timeout=60)
+    sock.sendall(text.encode())
+    return sock
+
+
+def test_a_body_that_never_arrives_is_408_and_holds_no_slot(servers):
+    _, tight = servers
+    url = f"{tight}/v1/chat/completions"
+    path = urllib.parse.urlsplit(url).path
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # more than the app's Serve slots (2 * max_queued_requests + 8 = 10): without a bound on
+    # the body, the request below would wait behind them for as long as they stay
+    slow = [_half_sent(url, head + 'Content-Length: 200\r\n\r\n{"messages": ') for _ in range(14)]
+    try:
+        status, text = call(url, CHAT)
+        assert status == 200, text
+        for sock in slow:  # each answered within the socket's 60 s (its bound is 1 s)
+            reply = b"".join(iter(lambda s=sock: s.recv(4096), b"")).decode()  # to its close
+            assert reply.startswith("HTTP/1.1 408"), reply
+            assert "body_timeout_s = 1 s" in reply
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_clients_that_never_finish_their_headers_hold_no_slot(servers):
+    _, tight = servers
+    url = f"{tight}/v1/chat/completions"
+    stalled = [_half_sent(url, "POST /tight/v1/chat/completions HTTP/1.1\r\nHo") for _ in range(50)]
+    try:
+        status, text = call(url, CHAT)
+        assert status == 200, text
+    finally:
+        for sock in stalled:
+            sock.close()

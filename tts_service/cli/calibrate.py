@@ -7,12 +7,12 @@ import json
 
 from pydantic import ValidationError
 
-from tts_service.cli.common import UsageError, add_field, field_error, load, with_default
+from tts_service.cli.common import add_field, field_error, load, with_default
+from tts_service.cli.usage import UsageError
 from tts_service.schemas import CalibrateTreeRequest
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    cal = sub.add_parser("calibrate-tree", help="data-driven STAND tree (625 nodes -> best K)")
+def add_arguments(cal: argparse.ArgumentParser) -> None:
     cal.add_argument(
         "--prompts",
         default="configs/calibration.jsonl",

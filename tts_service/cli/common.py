@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from tts_service.cli.usage import UsageError
 from tts_service.config import load_yaml
 from tts_service.drafters.registry import (
     DEFAULT_METHOD,
@@ -23,15 +24,6 @@ from tts_service.drafters.registry import (
 from tts_service.schemas import CalibrateTreeRequest, GenerateRequest, ServeConfig, SolveRequest
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line, exit code 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
 
 
 FLAG_OF_FIELD = {"url": "store"}

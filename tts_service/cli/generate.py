@@ -5,21 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Sequence
 
 from tts_service.cli.common import (
-    UsageError,
     add_common_flags,
     add_field,
     check_tensor_parallel,
     load,
     request,
 )
+from tts_service.cli.usage import UsageError
 from tts_service.schemas import GenerateRequest
-from tts_service.timing import phase, process_started, with_setup
+from tts_service.textstream import StableText
+from tts_service.timing import phase, process_started, status, with_setup
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser("generate", help="one generation with a speculative method")
+def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", help="the prompt text")
     add_common_flags(gen, GenerateRequest)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -35,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from tts_service.generation import InputTooLongError
 
+    shown = None
     try:
         if req.tensor_parallel > 1:
             result = _generate_tensor_parallel(req)
@@ -45,16 +48,27 @@ def run(args: argparse.Namespace) -> int:
                 gen = load(req)
             host = RunnerHost(gen, max_rows=1)
             ids = gen.encode(req.prompt, req.chat)
-            result = host.generate(ids, req.drafter, req.sampling).to_dict()
+            shown = None if args.json else StableText(gen.decode, req.sampling.stop)
+            steps = None if shown is None else lambda tokens: _show(shown, tokens)
+            result = host.generate(ids, req.drafter, req.sampling, steps).to_dict()
     except InputTooLongError as e:
         raise UsageError(f"prompt: {e}") from e
     result["stats"] = with_setup(result["stats"], process_started())
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
-    else:
-        print(result["text"])
+    else:  # the text printed as it committed (all at the end on tensor-parallel ranks)
+        print(result["text"] if shown is None else shown.finish(result["text"]))
         print(json.dumps(result["stats"]), file=sys.stderr)
     return 0
+
+
+def _show(text: StableText, tokens: Sequence[int]) -> bool:
+    """Print a step's final text as it commits (the first token announced on stderr)."""
+    if not text.ids:
+        status(f"[tts] first token after {time.perf_counter() - process_started():.1f} s")
+    sys.stdout.write(text.commit(tokens))
+    sys.stdout.flush()
+    return True
 
 
 def _generate_tensor_parallel(req: GenerateRequest) -> dict:

@@ -11,17 +11,13 @@ import os
 import shlex
 from pathlib import Path
 
-from tts_service.cli.common import UsageError
+from tts_service.cli.usage import UsageError
 
 ENTRYPOINT_HINT = "-- python -m jobs.best_of_n --problems p.jsonl --out $PWD/results/job1"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    job = sub.add_parser(
-        "job",
-        help="submit and follow best-of-N Ray jobs",
-        description="Submit and follow Ray jobs (a thin wrapper over Ray's JobSubmissionClient).",
-    )
+def add_arguments(job: argparse.ArgumentParser) -> None:
+    job.description = "Submit and follow Ray jobs (a thin wrapper over Ray's JobSubmissionClient)."
     actions = job.add_subparsers(dest="action", required=True, parser_class=type(job))
     submit = _action(actions, "submit", "submit ENTRYPOINT (after --); prints the job id")
     submit.add_argument(

@@ -8,13 +8,13 @@ import sys
 
 from pydantic import ValidationError
 
-from tts_service.cli.common import UsageError, field_error
+from tts_service.cli.common import field_error
+from tts_service.cli.usage import UsageError
 from tts_service.drafters.registry import REPLAY_METHODS
 from tts_service.schemas import ReplayRequest
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    rep = sub.add_parser("replay", help="acceptance length of a drafter on a trajectory log")
+def add_arguments(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("--method", required=True, help=", ".join(REPLAY_METHODS))
     rep.add_argument("--trajectories", required=True, help="JSONL trajectory log (.gz too)")
     rep.add_argument("--tree", help="tree shape name or JSON path (static-tree methods)")

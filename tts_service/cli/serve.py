@@ -33,13 +33,10 @@ SERVE_PRESET = DEFAULT_PRESET.with_name("serve.yaml")
 DTYPES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings of ours
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    srv = sub.add_parser(
-        "serve",
-        help="the OpenAI-compatible HTTP endpoint on Ray Serve",
-        description="The OpenAI-compatible HTTP endpoint on Ray Serve, with `vllm serve`'s "
-        "flags for what it shares. Flags override the config file; the defaults shown are "
-        "configs/serve.yaml's.",
+def add_arguments(srv: argparse.ArgumentParser) -> None:
+    srv.description = (
+        "The OpenAI-compatible HTTP endpoint on Ray Serve, with `vllm serve`'s flags for what "
+        "it shares. Flags override the config file; the defaults shown are configs/serve.yaml's."
     )
     preset = load_yaml(SERVE_PRESET)
     args = (preset.get("applications") or [{}])[0].get("args", {})
@@ -68,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=with_default(ServeConfig.model_fields["api_key"].description, None)
         + " (or $TTS_API_KEY, which keeps it out of the process list)",
     )
+    add_field(server, ServeConfig, "allow_unauthenticated", args, action="store_true", default=None)
     add_field(server, ServeConfig, "reject_unknown_fields", args, action="store_true", default=None)
     engine = srv.add_argument_group("engine")
     add_field(engine, ServeConfig, "max_rows", args, flag="--max-num-seqs", type=int)
@@ -102,6 +100,7 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "seed": args.seed,
         "chat_template": args.chat_template,
         "reject_unknown_fields": args.reject_unknown_fields,
+        "allow_unauthenticated": args.allow_unauthenticated,
         "generation_config": args.generation_config,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
@@ -130,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
             "decode; bound it with --max-num-seqs and --max-model-len"
         )
     data, cfg = serve_config(args)
-    check_tensor_parallel(cfg, typed_flag(args, "--tensor-parallel", "--tensor-parallel-size"))
+    flag = typed_flag(args, "--tensor-parallel", "--tensor-parallel-size")
+    check_tensor_parallel(cfg, flag)
     app = (data.get("applications") or [{}])[0]
-    name = app.get("name", "tts")
     from store.factory import check_store
     from store.redis_store import StoreUnavailableError
 
@@ -143,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from actors.cluster import cluster_address, connect
-    from tts_service.serve.app import build_app
 
     private = cluster_address() is None
     with phase("tts: starting Ray", "tts: Ray ready"):
@@ -152,10 +150,12 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
+    name = app.get("name", "tts")
     try:
+        if cfg.tensor_parallel > 1:
+            _check_placeable(cfg, flag, stop)
         with phase(f"tts: deploying {cfg.model.name} (its replicas load it)", "tts: deployed"):
-            serve.start(http_options={"host": cfg.host, "port": cfg.port})
-            serve.run(build_app(cfg), name=name, route_prefix=app.get("route_prefix", "/"))
+            _deploy(cfg, name, app.get("route_prefix", "/"), stop)
         print(
             f"tts: serving {cfg.model.name} at http://{cfg.host}:{cfg.port}/v1 "
             "(SIGTERM or Ctrl-C stops)",
@@ -163,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         stop.wait()
+    except Stopped:
+        pass
     finally:
         print("tts: stopping", file=sys.stderr, flush=True)
         if private:  # the Serve instance and the Ray are this command's own
@@ -173,3 +175,49 @@ def run(args: argparse.Namespace) -> int:
         else:  # a shared cluster: only this application
             serve.delete(name)
     return 0
+
+
+class Stopped(Exception):
+    """SIGTERM or Ctrl-C arrived while the command waited for Ray."""
+
+
+def _check_placeable(cfg: ServeConfig, flag: str, stop: threading.Event) -> None:
+    """Refuse (exit 2) a tensor-parallel replica whose ranks the cluster cannot place on one
+    node within `placement_timeout_s`, naming `flag` as typed and what the cluster has (Serve
+    itself would wait for ever)."""
+    from actors.placement import PlacementError, check_placeable
+    from tts_service.serve.app import replica_bundles
+
+    ranks = cfg.tensor_parallel
+    with phase(f"tts: placing the {ranks} ranks of a replica on one node", "tts: placed"):
+        try:
+            if not check_placeable(replica_bundles(cfg), cfg.placement_timeout_s, stop.is_set):
+                raise Stopped
+        except PlacementError as e:
+            raise UsageError(f"{flag} {ranks}: {e}") from e
+
+
+def _deploy(cfg: ServeConfig, name: str, route_prefix: str, stop: threading.Event) -> None:
+    """Deploy the application (its replicas load the model: minutes on a CPU) in a thread of
+    its own, so that SIGTERM or Ctrl-C meanwhile stops the command within a second."""
+    from ray import serve
+
+    from tts_service.serve.app import build_app
+
+    done, failed = threading.Event(), []
+
+    def deploy() -> None:
+        try:
+            serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            serve.run(build_app(cfg), name=name, route_prefix=route_prefix)
+        except BaseException as e:  # raised again in the command's thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=deploy, name="tts-deploy", daemon=True).start()
+    while not done.wait(0.25):
+        if stop.is_set():
+            raise Stopped
+    if failed:
+        raise failed[0]

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from tts_service.cli.common import (
-    UsageError,
     add_common_flags,
     add_field,
     check_tensor_parallel,
@@ -24,6 +23,7 @@ from tts_service.cli.common import (
     request,
 )
 from tts_service.cli.store import store_flags, store_server
+from tts_service.cli.usage import UsageError
 from tts_service.schemas import SolveRequest, read_problems
 from tts_service.timing import phase, process_started, status, with_setup
 
@@ -33,8 +33,7 @@ if TYPE_CHECKING:
     from tts_service.solve import Trajectory
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    sol = sub.add_parser("solve", help="best-of-N trajectories sharing one n-gram store")
+def add_arguments(sol: argparse.ArgumentParser) -> None:
     sol.add_argument("question", nargs="?", help="the problem text (or --problems FILE)")
     add_field(sol, SolveRequest, "problems")
     add_field(sol, SolveRequest, "task")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from store.config import StoreConfig
-from tts_service.cli.common import UsageError
+from tts_service.cli.usage import UsageError
 
 
 def store_flags(args: argparse.Namespace) -> dict:
@@ -53,8 +53,7 @@ def store_server(cfg: StoreConfig) -> Iterator[str | None]:
         server.stop()
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    sto = sub.add_parser("store", help="look at or clean the Redis n-gram store")
+def add_arguments(sto: argparse.ArgumentParser) -> None:
     actions = sto.add_subparsers(dest="action", required=True, parser_class=type(sto))
     for name, text in (
         ("stats", "entries, memory and eviction policy of a scope (all: every scope)"),

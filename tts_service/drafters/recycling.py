@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
 from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
@@ -18,6 +17,9 @@ from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
+
+if TYPE_CHECKING:  # torch where a table is made: the CLI's parser imports this module
+    import torch
 
 
 class RecyclingDrafterConfig(StrictConfig):
@@ -41,9 +43,9 @@ class TokenRecyclingDrafter:
         self.cfg = cfg
         self.shape = load_tree_shape(resolve_tree_path(cfg.tree))
         self.num_nodes = cfg.num_nodes
-        if table is None:
-            table = torch.full((vocab_size, cfg.k), -1, dtype=torch.long)  # -1 = unknown
-        self.table = table  # may be shared: batch rows and trajectories write one table
+        self.table = (
+            empty_successors(cfg, vocab_size) if table is None else table
+        )  # may be shared: batch rows and trajectories write one table
 
     def start(self, prompt_ids: list[int]) -> None:
         """Hot start: the table carries over from earlier trajectories."""
@@ -73,21 +75,32 @@ class TokenRecyclingDrafter:
         return ShapedTree(builder.build(), tuple(shape_ids))
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> None:
+        import torch
+
         if topk.has(0):
             k = min(self.cfg.k, topk.ids.shape[1])
             self.table[tokens[-1], :k] = torch.from_numpy(topk.ids[0, :k])
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> None:
+        import torch
+
         k = min(self.cfg.k, topk.ids.shape[1])
         rows = list(range(tree.size)) if topk.known is None else list(topk.known)
         at = torch.tensor([tree.tokens[v] for v in rows], dtype=torch.long)
         self.table[at, :k] = torch.from_numpy(topk.ids[rows, :k])
 
 
+def empty_successors(cfg: RecyclingDrafterConfig, vocab_size: int) -> torch.Tensor:
+    """`[V, k]` successor ids, -1 where none is known yet."""
+    import torch
+
+    return torch.full((vocab_size, cfg.k), -1, dtype=torch.long)
+
+
 SUCCESSORS: Shared[RecyclingDrafterConfig, torch.Tensor] = Shared(
     "recycling.successors",
     "model",
-    lambda cfg, vocab: torch.full((vocab, cfg.k), -1, dtype=torch.long),  # -1: none known yet
+    empty_successors,
     key=lambda cfg: cfg.k,
 )
 """The successor table, one per loaded model and width: the hot start."""

@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-import torch
-
 from tts_service.engine.tree import DraftTree, pack
 
-if TYPE_CHECKING:  # transformers only where a model is timed: drafters import this module
+if TYPE_CHECKING:  # torch and transformers only where a model is timed: drafters import this
+    import torch
     from transformers import PreTrainedModel
 
 Curve = TypeVar("Curve")
@@ -127,10 +126,11 @@ def worth_growing(
 def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (timings on a GPU are otherwise launch times)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
 def measure_verify_cost(
     model: PreTrainedModel,
     context_len: int,
@@ -143,6 +143,16 @@ def measure_verify_cost(
     The trees are chains packed exactly like a real verify step (4-D mask, explicit positions);
     sizes are interleaved across repeats so drift hits them all alike, and the median is kept.
     """
+    import torch
+
+    with torch.inference_mode():
+        return _measure_verify_cost(model, context_len, sizes, repeats, seed)
+
+
+def _measure_verify_cost(
+    model: PreTrainedModel, context_len: int, sizes: Sequence[int], repeats: int, seed: int
+) -> VerifyCost:
+    import torch
     from transformers import DynamicCache
 
     device = model.device

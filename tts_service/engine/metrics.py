@@ -29,6 +29,7 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0  # verify forwards that committed tokens (prefill excluded)
     tree_nodes: int = 0  # draft nodes sent to the target, root excluded
+    plain_steps: int = 0  # forwards that sent no draft (nothing found, or not worth its cost)
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: steps accepting >= d
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -37,6 +38,7 @@ class GenerationStats:
     def record_step(self, num_nodes: int, num_accepted: int, num_committed: int) -> None:
         self.target_forwards += 1
         self.tree_nodes += num_nodes
+        self.plain_steps += num_nodes == 0
         self.new_tokens += num_committed
         if len(self.accepted_at_depth) < num_accepted:
             self.accepted_at_depth.extend([0] * (num_accepted - len(self.accepted_at_depth)))
@@ -57,6 +59,7 @@ class GenerationStats:
             "target_forwards": self.target_forwards,
             "acceptance_length": round(self.acceptance_length, 4),
             "tree_nodes": self.tree_nodes,
+            "plain_steps": self.plain_steps,
             "accepted_at_depth": list(self.accepted_at_depth),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
@@ -162,6 +165,7 @@ def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: f
         "mean_rows_per_forward": round(forwards.mean_rows_per_forward, 3),
         "acceptance_length": round(acceptance_length(new_tokens, row_forwards), 4),
         "tree_nodes": sum(r.tree_nodes for r in rows),
+        "plain_steps": sum(r.plain_steps for r in rows),
         "accepted_at_depth": depth,
         "draft_s": round(forwards.draft_s, 4),
         "forward_s": round(forwards.forward_s, 4),

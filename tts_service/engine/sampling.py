@@ -8,9 +8,10 @@ plain decoding can never disagree on temperature, top-k, top-p or min-p (docs/de
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch where tensors are made: the CLI's parser imports this module
+    import torch
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ def target_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     Returns:
         `[n, V]` float64 probabilities; each row sums to 1.
     """
+    import torch
+
     if cfg.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
     # one [n, V] float64 copy, worked on in place (on a CPU each further copy of a 49k
@@ -85,6 +88,8 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
     `IN_PLACE_ENTRIES` on (`x` is returned), where a fresh tensor of a vocabulary at every tree
     node costs as much in new pages as the arithmetic. Smaller ones, and any on a GPU (memory
     cached, traffic the cost), take the fused kernel, in fewer ops."""
+    import torch
+
     if x.device.type != "cpu" or x.numel() < IN_PLACE_ENTRIES:
         return torch.softmax(x, dim=-1)
     return x.sub_(x.amax(-1, keepdim=True)).exp_().div_(x.sum(-1, keepdim=True))
@@ -92,6 +97,8 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
 
 def store_probs(logits: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """The distribution drafters learn from: `p` when sampling, softmax(logits) under greedy."""
+    import torch
+
     if cfg.greedy:
         return softmax_(logits.to(torch.float64, copy=True))
     return target_probs(logits, cfg)
@@ -103,6 +110,8 @@ def sample(p: torch.Tensor, generator: torch.Generator) -> int:
 
     Exact, and ~20x cheaper than `torch.multinomial` on a 49k float64 vocabulary on a CPU
     (which showed up as 6% of a batched step). Ids with zero probability are never drawn."""
+    import torch
+
     cdf = torch.cumsum(p, dim=-1)
     u = torch.rand((), generator=generator, dtype=cdf.dtype, device=generator.device)
     idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))

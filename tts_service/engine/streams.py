@@ -28,9 +28,12 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch where tensors are made: the CLI's parser imports this module
+    import torch
 
 
 class Stream(Enum):
@@ -69,6 +72,8 @@ def row_salt(run_nonce: int, problem_id: str, index: int) -> str:
 
 def stream_generator(seed: int, stream: Stream, device: torch.device | str = "cpu"):
     """A fresh `torch.Generator` on `device` for `stream` of trajectory `seed`."""
+    import torch
+
     return torch.Generator(device=device).manual_seed(stream_seed(seed, stream))
 
 
@@ -123,5 +128,7 @@ def node_uniforms(
     residual on the device; w, the host's draw of recursive rejection sampling). A plain step's
     bonus (`decode.plain_generate`) is v of node 0 at the same counter. One copy, split on the
     device without strided views."""
+    import torch
+
     u, v, w = torch.from_numpy(node_uniform_block(keys, counters, nodes)).to(device).split(nodes, 1)
     return u, v, w

@@ -15,9 +15,12 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch where tensors are made: the CLI's parser imports this module
+    import torch
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ class TreeBuilder:
 
 def ancestor_mask(parents: tuple[int, ...] | list[int]) -> torch.Tensor:
     """`[n, n]` bool: entry (i, j) is True iff j is i or an ancestor of i."""
+    import torch
+
     n = len(parents)
     anc = torch.eye(n, dtype=torch.bool)
     for i in range(1, n):
@@ -212,6 +217,8 @@ def pack(
         mask is silently wrong with eager attention, see
         docs/design.md, "Draft trees and the attention mask").
     """
+    import torch
+
     n = tree.size
     allowed = torch.cat(
         [torch.ones(n, prefix_len, dtype=torch.bool), ancestor_mask(tree.parents)], dim=1

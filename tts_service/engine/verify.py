@@ -28,12 +28,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from tts_service.engine.sampling import sample
 from tts_service.engine.tree import DraftTree, SparseDist
+
+if TYPE_CHECKING:  # torch where tensors are made: the CLI's parser imports this module
+    import torch
 
 _TINY = 1e-300
 
@@ -87,6 +88,8 @@ def proposal(
 
     Returns a dense `[V]` float64 tensor on `device` (all zeros if nothing is left).
     """
+    import torch
+
     dense = torch.zeros(vocab_size, dtype=torch.float64, device=device)
     dense[list(q.ids)] = torch.tensor(q.probs, dtype=torch.float64, device=device)
     if excluded:
@@ -106,6 +109,8 @@ def sample_and_match_step(r: torch.Tensor, x: int) -> tuple[float, torch.Tensor]
 
 def rrs_step(r: torch.Tensor, q_i: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
     """Rule (c) for one sampled draft `x ~ q_i`: (acceptance probability, residual on rejection)."""
+    import torch
+
     accept = min(1.0, float(r[x] / q_i[x])) if q_i[x] > 0 else 0.0
     rest = torch.clamp(r - q_i, min=0.0)
     total = rest.sum()
@@ -123,6 +128,8 @@ def verify_node(
     Returns:
         (the accepted child's node index, None) or (None, the residual to draw the bonus from).
     """
+    import torch
+
     r, tried = p, []
     for child in tree.children[node]:
         x = tree.tokens[child]
@@ -167,6 +174,8 @@ def draw_match(tree: DraftTree, p: torch.Tensor, generator: torch.Generator) -> 
     child's acceptance probability is p(x) / (1 - Σ p(x_<i)) and each node's final residual is
     known before the walk: drawing every bonus up front is exact (they use their own uniforms).
     """
+    import torch
+
     n, device = tree.size, p.device
     parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=device)
     drafts = torch.tensor(tree.tokens[1:], dtype=torch.long, device=device)

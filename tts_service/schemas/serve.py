@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from store.config import StoreConfig
 from tts_service.config import MaxRows, ModelConfig, StrictConfig
 from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False
 
 
 class ServeConfig(StrictConfig):
@@ -21,8 +32,6 @@ class ServeConfig(StrictConfig):
         default_factory=dict, description="Per-method drafter fields, as in configs/default.yaml."
     )
     store: StoreConfig = StoreConfig()
-    host: str = Field("127.0.0.1", description="Bind address of the HTTP server.")
-    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
     api_key: str | None = Field(
         None,
         min_length=1,
@@ -30,6 +39,13 @@ class ServeConfig(StrictConfig):
         description="Every route requires `Authorization: Bearer KEY` (vLLM's --api-key); "
         "none: no auth.",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve beyond loopback with no API key: anyone who reaches the port may "
+        "use it (refused otherwise).",
+    )
+    host: str = Field("127.0.0.1", description="Bind address of the HTTP server.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
     route_prefix: str = "/"
     num_replicas: int = Field(1, ge=1)
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config (min/max...).")
@@ -41,10 +57,23 @@ class ServeConfig(StrictConfig):
         description="Ranks of each replica: the replica is rank 0, the others Ray actors in "
         "its STRICT_PACK group (gloo on CPU, NCCL on GPUs).",
     )
+    placement_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long `tts serve` waits for a tensor-parallel replica's ranks to be "
+        "placed on one node, then exits naming what the cluster has.",
+    )
     max_n: int = Field(64, ge=1, le=64)
     max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="Seconds a request's body may take to arrive once its headers have: then "
+        "408, and the request holds no slot.",
+    )
     max_rows: MaxRows | None = Field(None, description="Rows a replica decodes together.")
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still running after this gets 504 (its work stops)."
@@ -76,6 +105,17 @@ class ServeConfig(StrictConfig):
         description="A Jinja chat template, or a file holding one, over the tokenizer's "
         "(vLLM's --chat-template).",
     )
+
+    @field_validator("host")
+    @classmethod
+    def _no_open_door(cls, v: str, info: ValidationInfo) -> str:
+        """Beyond loopback, an API key or an explicit `allow_unauthenticated`."""
+        if is_loopback(v) or info.data.get("api_key") or info.data.get("allow_unauthenticated"):
+            return v
+        raise ValueError(
+            f"{v} is beyond loopback and no API key is set: anyone who reaches it could use "
+            "the server; give --api-key (or $TTS_API_KEY), or --allow-unauthenticated"
+        )
 
     @field_validator("default_method")
     @classmethod

@@ -94,14 +94,26 @@ JSON_BODIES = ("application/json", "application/x-www-form-urlencoded")
 """Content types read as JSON: `curl -d` sends the second by default (vLLM reads it as JSON)."""
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, cfg: ServeConfig) -> bytes:
+    """The request's body, within `max_body_bytes` (413) and `body_timeout_s` (408: a client
+    that sends its headers and then too little holds a Serve slot only that long)."""
+    limit = cfg.max_body_bytes
     kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
     if kind.lower() not in JSON_BODIES:
         raise ApiError(415, f"Content-Type must be application/json, not {kind!r}", "body")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body over {limit} bytes", "body")
-    raw = await request.body()
+    try:
+        raw = await asyncio.wait_for(request.body(), cfg.body_timeout_s)
+    except TimeoutError as e:
+        raise ApiError(
+            408,
+            f"request body not received within body_timeout_s = {cfg.body_timeout_s:g} s",
+            "body",
+            "timeout",
+            {"Connection": "close"},
+        ) from e
     if len(raw) > limit:
         raise ApiError(413, f"request body over {limit} bytes", "body")
     return raw
@@ -239,12 +251,12 @@ class TTSServer:
 
     @fastapi_app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict:
-        raw = await _body(request, self.cfg.max_body_bytes)
+        raw = await _body(request, self.cfg)
         return self.engine.tokenize(parse(TokenizeRequest, raw))
 
     @fastapi_app.post("/detokenize")
     async def detokenize(self, request: Request) -> dict:
-        raw = await _body(request, self.cfg.max_body_bytes)
+        raw = await _body(request, self.cfg)
         return self.engine.detokenize(parse(DetokenizeRequest, raw))
 
     @fastapi_app.get("/metrics")
@@ -261,7 +273,7 @@ class TTSServer:
     async def _complete(self, request: Request, route: str, model_cls) -> object:
         started = time.monotonic()
         try:
-            raw = await _body(request, self.cfg.max_body_bytes)
+            raw = await _body(request, self.cfg)
             req = parse(model_cls, raw, strict=self.cfg.reject_unknown_fields)
             job = self.engine.prepare(req)
             self._admit()
@@ -339,7 +351,7 @@ class TTSServer:
     async def solve(self, request: Request):
         started = time.monotonic()
         try:
-            req = parse(SolveHttpRequest, await _body(request, self.cfg.max_body_bytes))
+            req = parse(SolveHttpRequest, await _body(request, self.cfg))
             job = self.engine.prepare_solve(req)
             self._admit()
             result = await self._run_watched(request, self.engine.solve, job, threading.Event())
@@ -357,6 +369,12 @@ class TTSServer:
         return result
 
 
+def replica_bundles(cfg: ServeConfig) -> list[dict[str, float]]:
+    """A tensor-parallel replica's placement bundles, one per rank, all on one node."""
+    gpu = {"GPU": 1} if cfg.model.device.startswith("cuda") else {}
+    return [{"CPU": cfg.cpus_per_replica, **gpu}] * cfg.tensor_parallel
+
+
 def build_app(cfg: ServeConfig):
     """ServeConfig -> a bound Serve application (replicas, autoscaling, CPUs from config), with
     the one metrics hub they share."""
@@ -371,10 +389,9 @@ def build_app(cfg: ServeConfig):
         "max_queued_requests": 2 * ongoing,
     }
     if cfg.tensor_parallel > 1:  # the replica is rank 0, in bundle 0; its other ranks follow
-        gpu = {"GPU": 1} if cfg.model.device.startswith("cuda") else {}
-        rank = {"CPU": cfg.cpus_per_replica, **gpu}
-        options["ray_actor_options"] |= {"num_gpus": 1} if gpu else {}
-        options["placement_group_bundles"] = [rank] * cfg.tensor_parallel
+        bundles = replica_bundles(cfg)
+        options["ray_actor_options"] |= {"num_gpus": 1} if "GPU" in bundles[0] else {}
+        options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "STRICT_PACK"
     if cfg.autoscaling:
         options["autoscaling_config"] = cfg.autoscaling

@@ -41,6 +41,7 @@ from tts_service.serve.api import (
     now,
 )
 from tts_service.serve.logprobs import LogprobFormat, ScoredTokens
+from tts_service.textstream import StableText
 
 _DRAFTER = TypeAdapter(DrafterConfig)
 HttpRequest = CompletionRequest | ChatCompletionRequest | SolveHttpRequest
@@ -519,12 +520,10 @@ class ChoiceStream:
         decode: Callable[[list[int]], str],
         emit: Callable[[dict | None], None],
     ) -> None:
-        self.job, self.model, self.decode, self.emit = job, model, decode, emit
+        self.job, self.model, self.emit = job, model, emit
         self.id, self.created = new_id("chatcmpl" if job.chat else "cmpl"), now()
-        self.hold = max((len(s) for s in job.sampling.stop), default=0)
-        self.ids: list[list[int]] = [[] for _ in range(job.n)]
+        self.texts = [StableText(decode, job.sampling.stop) for _ in range(job.n)]
         self.final: dict[int, int] = {}  # index -> its output's tokens, once it has ended
-        self.sent = [0] * job.n
 
     def send(self, choices: list[dict], **usage) -> None:
         self.emit(
@@ -550,30 +549,21 @@ class ChoiceStream:
 
     def commit(self, i: int, tokens: Sequence[int]) -> None:
         """Choice i's step: send the text that can no longer change."""
-        self.ids[i].extend(tokens)
-        text = self.decode(self.ids[i])
-        for s in self.job.sampling.stop:  # never stream a stop string or what follows
-            if s in text:
-                text = text[: text.index(s)]
-        safe = len(text) - self.hold
-        while safe > self.sent[i] and text[safe - 1] == "\ufffd":
-            safe -= 1
-        if safe > self.sent[i]:
-            self.chunk(i, text[self.sent[i] : safe], None)
-            self.sent[i] = safe
+        if delta := self.texts[i].commit(tokens):
+            self.chunk(i, delta, None)
 
     def finish(self, res: TrajectoryResult) -> None:
         """Choice i ended: the rest of its text, then its finish chunk."""
         i, out = res.request.index, res.output
         self.final[i] = len(out.token_ids)
-        if len(out.text) > self.sent[i]:
-            self.chunk(i, out.text[self.sent[i] :], None)
+        if rest := self.texts[i].finish(out.text):
+            self.chunk(i, rest, None)
         self.chunk(i, None, "stop" if out.finish_reason == "cancelled" else out.finish_reason)
 
     def end(self) -> dict:
         """The usage (a cancelled stream's: the tokens it decoded), sent last when asked."""
         n = self.job.n
-        usage = self.job.usage(sum(self.final.get(i, len(self.ids[i])) for i in range(n)))
+        usage = self.job.usage(sum(self.final.get(i, len(self.texts[i].ids)) for i in range(n)))
         if self.job.include_usage:
             self.send([], usage=usage)
         return usage

@@ -4,14 +4,14 @@ import argparse
 
 import pytest
 
-from tts_service.cli.common import UsageError
-from tts_service.cli.serve import add_parser, serve_config
+from tts_service.cli.serve import add_arguments, serve_config
+from tts_service.cli.usage import UsageError
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    return parser.parse_args(["serve", *argv])
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def test_vllm_s_flags_set_the_config():
@@ -70,3 +70,19 @@ def test_an_error_names_the_tensor_parallel_flag_as_typed():
     )
     args.argv = ["serve", "--tensor-parallel=3"]
     assert typed_flag(args, "--tensor-parallel", "--tensor-parallel-size") == "--tensor-parallel"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.7", "myhost"])
+def test_binding_beyond_loopback_needs_a_key_or_an_explicit_yes(host, monkeypatch):
+    monkeypatch.delenv("TTS_API_KEY", raising=False)
+    with pytest.raises(UsageError, match=r"^--host: .* beyond loopback .*--allow-unauthenticated"):
+        serve_config(parse("--host", host))
+    assert serve_config(parse("--host", host, "--api-key", "k"))[1].host == host
+    _, cfg = serve_config(parse("--host", host, "--allow-unauthenticated"))
+    assert cfg.host == host and cfg.allow_unauthenticated and cfg.api_key is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_needs_no_key(host, monkeypatch):
+    monkeypatch.delenv("TTS_API_KEY", raising=False)
+    assert serve_config(parse("--host", host))[1].host == host

@@ -68,3 +68,28 @@ def test_from_any_directory_the_preset_is_found_and_an_out_that_is_a_file_exits_
         + str(tmp_path / "results")
         + " is a file"
     )
+
+
+def test_the_summary_says_why_a_drafting_method_ran_mostly_plain():
+    from jobs.best_of_n import plain_steps_line
+    from tts_service.drafters.registry import method_drafter
+    from tts_service.schemas import JobConfig
+
+    auto = JobConfig(drafter=method_drafter("auto", {}, "cpu"))  # stand-dyn, GT-sized
+    summary = {"method": "stand-dyn", "plain_steps": 97, "row_forwards": 100}
+    line = plain_steps_line(summary, auto)
+    assert line.startswith("[job] stand-dyn ran 97% of its steps plain: its measured verify cost")
+    assert plain_steps_line({**summary, "plain_steps": 50}, auto) is None  # half: not mostly
+    fixed = JobConfig(drafter={"kind": "pld"})
+    assert "no continuation" in plain_steps_line({**summary, "method": "pld"}, fixed)
+    plain = JobConfig(drafter={"kind": "plain"})
+    assert plain_steps_line({**summary, "method": "plain"}, plain) is None
+
+
+def test_a_step_without_a_draft_counts_as_plain():
+    from tts_service.engine.metrics import GenerationStats
+
+    stats = GenerationStats()
+    stats.record_step(0, 0, 1)
+    stats.record_step(4, 2, 3)
+    assert stats.to_dict()["plain_steps"] == 1 and stats.target_forwards == 2
