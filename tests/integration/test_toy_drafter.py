@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,12 +82,28 @@ SPEC = DrafterSpec(
 '''
 
 
+FAULTY = TOY.replace('"""Toy: drafts the last token repeated as a chain."""', '"""Faulty."""')
+FAULTY = FAULTY.replace("ToyDrafter", "FaultyDrafter").replace('"toy"', '"faulty"')
+FAULTY = FAULTY.replace(
+    "    def draft(self, ctx: DraftContext) -> DraftTree:\n",
+    "    def draft(self, ctx: DraftContext) -> DraftTree:\n"
+    "        self.drafts = getattr(self, 'drafts', 0) + 1\n"
+    "        if self.drafts >= 2:\n"
+    "            raise RuntimeError('injected fault in a drafter')\n",
+)
+FAULTY = FAULTY.replace(
+    "toy: the last token repeated as a chain", "raises from its second draft on"
+)
+"""The toy, raising from its second draft on: a fault inside one row of a shared batch."""
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """(the model's directory, the environment naming the toy module, a CLI preset timing
     every verify shape) for a process."""
     tmp = tmp_path_factory.mktemp("toy")
     (tmp / "toy_drafter.py").write_text(TOY, encoding="utf-8")
+    (tmp / "faulty_drafter.py").write_text(FAULTY, encoding="utf-8")
     model = tmp / "model"
     save_tiny_model(model, 32, seed=5, scale=4.0, dtype=torch.float64)
     preset = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
@@ -95,7 +112,10 @@ def toy(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
     path = os.pathsep.join(p for p in (str(tmp), str(REPO), env.get("PYTHONPATH")) if p)
     env.update(
-        PYTHONPATH=path, TTS_DRAFTERS="toy_drafter", HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled"
+        PYTHONPATH=path,
+        TTS_DRAFTERS="toy_drafter,faulty_drafter",
+        HF_HUB_OFFLINE="1",
+        RAY_AUTH_MODE="disabled",
     )
     return model, env, tmp / "preset.yaml"
 
@@ -158,9 +178,9 @@ def test_a_job_runs_the_toy_method_losslessly(toy, plain, tmp_path):
     assert got == [(t["index"], t["token_ids"]) for t in plain]
 
 
-def _post(base: str, body: dict) -> tuple[int, dict]:
+def _post(base: str, body: dict, route: str = "/v1/completions") -> tuple[int, dict]:
     req = urllib.request.Request(
-        base + "/v1/completions",
+        base + route,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -171,10 +191,13 @@ def _post(base: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_serve_runs_the_toy_method_losslessly(toy, plain, tmp_path):
+@pytest.fixture(scope="module")
+def served(toy, tmp_path_factory):
+    """A `tts serve` process (its own private Ray) whose default method is the toy: its URL."""
     model, env, _ = toy
+    tmp = tmp_path_factory.mktemp("served")
     port = free_port()
-    config = tmp_path / "serve.yaml"
+    config = tmp / "serve.yaml"
     app = {
         "name": "tts",
         "route_prefix": "/",
@@ -188,13 +211,14 @@ def test_serve_runs_the_toy_method_losslessly(toy, plain, tmp_path):
             },
             "served_model_name": "tiny",
             "default_method": "toy",  # validated against the registry, the toy's included
-            "drafters": {"toy": {"num_nodes": 3}},
+            "drafters": {"toy": {"num_nodes": 3}, "faulty": {"num_nodes": 3}},
             "cpus_per_replica": 1,
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",  # /v1/solve
         },
     }
     http = {"host": "127.0.0.1", "port": port}
     config.write_text(yaml.safe_dump({"http_options": http, "applications": [app]}))
-    log = tmp_path / "serve.log"
+    log = tmp / "serve.log"
     argv = [sys.executable, "-m", "tts_service", "serve", "--config", str(config)]
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -205,15 +229,59 @@ def test_serve_runs_the_toy_method_losslessly(toy, plain, tmp_path):
         while "tts: serving" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        base = f"http://127.0.0.1:{port}"
-        ask = {"prompt": QUESTION, "max_tokens": NEW_TOKENS, "temperature": 0, "n": 2}
-        texts = {}
-        for method in ("toy", None, "plain"):  # None: the default method, the toy
-            body = ask if method is None else {**ask, "spec_method": method}
-            status, reply = _post(base, body)
-            assert status == 200, reply
-            texts[method] = [c["text"] for c in reply["choices"]]
-        assert texts["toy"] == texts[None] == texts["plain"]
-        assert texts["toy"] == [t["text"] for t in plain]
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_served(proc, log)
+
+
+ASK = {"prompt": QUESTION, "max_tokens": NEW_TOKENS, "temperature": 0}
+
+
+def test_serve_runs_the_toy_method_losslessly(served, plain):
+    texts = {}
+    for method in ("toy", None, "plain"):  # None: the default method, the toy
+        body = {**ASK, "n": 2} if method is None else {**ASK, "n": 2, "spec_method": method}
+        status, reply = _post(served, body)
+        assert status == 200, reply
+        texts[method] = [c["text"] for c in reply["choices"]]
+    assert texts["toy"] == texts[None] == texts["plain"]
+    assert texts["toy"] == [t["text"] for t in plain]
+
+
+def _streamed(base: str, body: dict) -> str:
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = [x.decode().strip() for x in r if x.strip()]
+    chunks = [json.loads(x.removeprefix("data: ")) for x in lines if x != "data: [DONE]"]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def _failures(base: str) -> float:
+    from tests.integration.test_serve_metrics import scrape
+
+    key = ("tts_requests_total", (("route", "completions"), ("status", "500")))
+    return scrape(base).get(key, 0.0)
+
+
+def test_a_row_that_raises_fails_its_request_alone(served, plain):
+    """A drafter raising inside a row (its second drafted step) beside a stream, a non-stream and a
+    /v1/solve request, sent together so they share the batch: it is a counted 500, they
+    answer what they answer alone."""
+    before = _failures(served)
+    alone = [t["text"] for t in plain][0]
+    solve = {"question": QUESTION, "n": 2, "max_tokens": NEW_TOKENS, "temperature": 0}
+    with ThreadPoolExecutor(4) as pool:
+        faulty = pool.submit(_post, served, {**ASK, "spec_method": "faulty"})
+        streamed = pool.submit(_streamed, served, ASK)
+        whole = pool.submit(_post, served, ASK)
+        solved = pool.submit(_post, served, solve, "/v1/solve")
+        status, reply = faulty.result()
+        assert status == 500 and "injected fault in a drafter" in reply["error"]["message"]
+        assert streamed.result() == alone
+        assert whole.result()[0] == 200 and whole.result()[1]["choices"][0]["text"] == alone
+        assert solved.result()[0] == 200 and solved.result()[1]["n"] == 2, solved.result()
+    assert _failures(served) == before + 1

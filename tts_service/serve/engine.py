@@ -347,7 +347,10 @@ class ServeEngine:
     def prepare_solve(self, req: SolveHttpRequest) -> Job:
         self.check_model(req.model)
         sampling = self._sampling(req)
-        ids = self.generator.encode(req.question, chat=True)
+        try:
+            ids = self.generator.encode(req.question, chat=True)
+        except ValueError as e:  # no chat template (the model's, nor --chat-template)
+            raise ApiError(400, f"question: {e}", "question") from e
         self._fit(ids, sampling, "question")
         method, drafter = self._drafter(req.method)
         return Job(
