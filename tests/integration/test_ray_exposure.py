@@ -321,22 +321,22 @@ def test_replicas_the_cluster_cannot_hold_fail_in_bounded_time(
     assert not (tmp_path / "out" / "trajectories.jsonl").exists()
 
 
-README_RAY_START = (
+DOCS_RAY_START = (
     "ray start --head --num-cpus=2 --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1"
 )
 
 
-def test_the_readmes_one_machine_ray_start_listens_on_loopback_only():
-    """The README's `ray start` for one machine, word for word (with `--block`, so that this
-    test stops it by its PID, and a private RAY_TMPDIR), in the environment the README gives:
+def test_the_docs_one_machine_ray_start_listens_on_loopback_only():
+    """The jobs manual's `ray start` for one machine, word for word (with `--block`, so that this
+    test stops it by its PID, and a private RAY_TMPDIR), in the environment the manual gives:
     every listening socket of its process tree is on 127.0.0.1."""
-    readme = (REPO / "README.md").read_text()
-    assert f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 {README_RAY_START}" in readme
+    manual = (REPO / "docs" / "jobs.md").read_text()
+    assert f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 {DOCS_RAY_START}" in manual
     tmp = tempfile.mkdtemp(prefix="tts-ray-", dir="/tmp")
     env = _env(RAY_TMPDIR=tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     ray = str(Path(sys.executable).with_name("ray"))
     proc = subprocess.Popen(
-        [ray, *README_RAY_START.split()[1:], "--block", "--disable-usage-stats"],
+        [ray, *DOCS_RAY_START.split()[1:], "--block", "--disable-usage-stats"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

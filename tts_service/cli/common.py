@@ -6,6 +6,7 @@ is imported.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tts_service.drafters.registry import (
     size_field,
 )
 from tts_service.schemas import CalibrateTreeRequest, GenerateRequest, ServeConfig, SolveRequest
+from tts_service.timing import phase
 
 DEFAULT_PRESET = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -124,6 +126,9 @@ def request(args: argparse.Namespace, model_cls: type[BaseModel], extra: dict) -
         raise UsageError(f"--config: {e}") from e
     method = args.method or preset.get("method", DEFAULT_METHOD)
     device = args.device or preset.get("model", {}).get("device", "auto")
+    if device == "auto" and "torch" not in sys.modules:  # the device decides a method's fields
+        with phase("[tts] importing torch (to find the device)", "[tts] torch imported"):
+            import torch  # noqa: F401
     try:
         drafter = method_drafter(method, preset.get("drafters", {}), device)
     except ValueError as e:

@@ -35,24 +35,10 @@ def run(args: argparse.Namespace) -> int:
         GenerateRequest,
         {"prompt": args.prompt, "chat": args.chat, "tensor_parallel": args.tensor_parallel},
     )
-    from tts_service.generation import InputTooLongError
-
-    shown = None
-    try:
-        if req.tensor_parallel > 1:
-            result = _generate_tensor_parallel(req)
-        else:
-            from actors.host import RunnerHost
-
-            with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
-                gen = load(req)
-            host = RunnerHost(gen, max_rows=1)
-            ids = gen.encode(req.prompt, req.chat)
-            shown = None if args.json else StableText(gen.decode, req.sampling.stop)
-            steps = None if shown is None else lambda tokens: _show(shown, tokens)
-            result = host.generate(ids, req.drafter, req.sampling, steps).to_dict()
-    except InputTooLongError as e:
-        raise UsageError(f"prompt: {e}") from e
+    if req.tensor_parallel > 1:
+        result, shown = _generate_tensor_parallel(req), None
+    else:
+        result, shown = _generate(req, stream=not args.json)
     result["stats"] = with_setup(result["stats"], process_started())
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
@@ -60,6 +46,24 @@ def run(args: argparse.Namespace) -> int:
         print(result["text"] if shown is None else shown.finish(result["text"]))
         print(json.dumps(result["stats"]), file=sys.stderr)
     return 0
+
+
+def _generate(req: GenerateRequest, stream: bool) -> tuple[dict, StableText | None]:
+    """One generation in this process: (its result, the text printed as it committed, when
+    `stream`)."""
+    with phase(f"[tts] loading model {req.model.name}", "[tts] model loaded"):
+        gen = load(req)  # the model libraries' imports included
+    from actors.host import RunnerHost
+    from tts_service.generation import InputTooLongError
+
+    host = RunnerHost(gen, max_rows=1)
+    shown = StableText(gen.decode, req.sampling.stop) if stream else None
+    steps = None if shown is None else lambda tokens: _show(shown, tokens)
+    try:
+        ids = gen.encode(req.prompt, req.chat)
+        return host.generate(ids, req.drafter, req.sampling, steps).to_dict(), shown
+    except InputTooLongError as e:
+        raise UsageError(f"prompt: {e}") from e
 
 
 def _show(text: StableText, tokens: Sequence[int]) -> bool:
@@ -86,7 +90,11 @@ def _generate_tensor_parallel(req: GenerateRequest) -> dict:
         f"[tts] loading model {req.model.name} on {req.tensor_parallel} ranks", "[tts] ranks ready"
     ):
         replica = TensorParallelReplica(req.model, req.tensor_parallel)
+    from tts_service.generation import InputTooLongError
+
     try:
         return replica.generate(req.prompt, req.drafter, req.sampling, req.chat)
+    except InputTooLongError as e:
+        raise UsageError(f"prompt: {e}") from e
     finally:
         replica.close()
