@@ -88,6 +88,7 @@ class EvalJob:
     endpoint: Endpoint | None = None
     concurrent: int = 4  # requests in flight at the endpoint
     round_items: int | None = None  # items per interleaving round (None: all in one)
+    typed: str = ""  # the task's name as the user typed it (lm-eval's layout uses it)
 
     @property
     def run_dir(self) -> Path:
@@ -99,14 +100,19 @@ class _Parser(argparse.ArgumentParser):
         raise JobInputError(message)
 
 
-def _tasks(value: str) -> list[TaskName]:
+def _tasks(value: str) -> dict[TaskName, str]:
+    """Our name of each task -> the name as typed (lm-eval's layout uses it: `gpqa_diamond`
+    stays `gpqa_diamond` there)."""
     spelled = [t.strip() for t in value.split(",") if t.strip()]
     names = [task_name(t) for t in spelled]
     bad = [t for t, name in zip(spelled, names, strict=True) if name is None]
     if bad or not names:
         known = ", ".join([*TASK_NAMES, *TASK_ALIASES, "lighteval|aime24|0|0"])
         raise argparse.ArgumentTypeError(f"unknown task {', '.join(bad) or value!r} ({known})")
-    return list(dict.fromkeys(n for n in names if n is not None))
+    typed: dict[TaskName, str] = {}
+    for name, text in zip(names, spelled, strict=True):
+        typed.setdefault(name, text)  # type: ignore[arg-type]
+    return typed
 
 
 def _methods(value: str) -> list[str]:
@@ -248,6 +254,7 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
                 endpoint,
                 args.concurrent,
                 args.round_items,
+                args.tasks[task],
             )
             _check_resumable(job)
             jobs.append(job)
@@ -408,6 +415,7 @@ def _open_run(job: EvalJob) -> dict:
     run_file = job.run_dir / "run.json"
     before = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
     info = dict(job.run_info, sandbox=protections() if job.task == "lcb" else None)
+    info["lm_eval_task"] = job.typed or job.task
     info["sessions"] = before.get("sessions", [])
     run_file.write_text(json.dumps(info, indent=1), encoding="utf-8")
     if info["sandbox"]:

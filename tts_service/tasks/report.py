@@ -377,13 +377,15 @@ def _stderr(e: dict) -> float:
 
 
 def lm_eval_results(report: dict) -> dict[str, dict]:
-    """Per run, its lm-eval task name (`<task>`, or `<task>_<method>` where one task ran with
-    several methods) and its `results` entry in lm-eval's `"<metric>,<filter>"` keys:
-    `exact_match` is pass@1; maj@N and pass@N keep their names."""
+    """Per run, its lm-eval task name (the task as the user typed it, `gpqa_diamond` say, or
+    that and `_<method>` where one task ran with several methods) and its `results` entry in
+    lm-eval's `"<metric>,<filter>"` keys: `exact_match` is pass@1; maj@N and pass@N keep
+    their names."""
     methods = Counter(r["task"] for r in report["runs"])
     out = {}
     for r in report["runs"]:
-        name = r["task"] if methods[r["task"]] == 1 else f"{r['task']}_{r['method']}"
+        typed = r.get("lm_eval_task") or r["task"]
+        name = typed if methods[r["task"]] == 1 else f"{typed}_{r['method']}"
         m, n = r["metrics"], r["metrics"]["n"]
         entry = {"alias": name}
         for key, metric in (

@@ -223,3 +223,20 @@ def test_an_unknown_acceptance_length_is_no_bar_at_zero(tmp_path, monkeypatch):
     al = saved[0].axes[1]
     assert len(al.patches) == 1  # one bar: the run whose acceptance length is known
     assert [t.get_text() for t in al.texts] == ["unknown"]
+
+
+def test_lm_eval_s_names_are_the_tasks_as_typed():
+    runs = [
+        {"task": "gpqa", "method": "auto", "lm_eval_task": "gpqa_diamond", "metrics": None},
+        {"task": "aime24", "method": "auto", "metrics": None},  # a run from before: its name
+    ]
+    metric = {"value": 0.5, "low": 0.4, "high": 0.6}
+    for r in runs:
+        r["metrics"] = {"n": 2, "pass@1": metric, "maj@n": metric, "pass@n": metric}
+    assert set(report.lm_eval_results({"runs": runs})) == {"gpqa_diamond", "aime24"}
+
+
+def test_tasks_keep_the_name_typed_beside_ours():
+    from jobs.evaluate import _tasks
+
+    assert _tasks("gpqa_diamond, aime24,gpqa") == {"gpqa": "gpqa_diamond", "aime24": "aime24"}
