@@ -195,6 +195,10 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     except OSError as e:
         raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     model = (model if shard else model.to(device)).eval()
+    if cfg.forward == "compact":
+        from tts_service.engine.compact import CompactCausalLM
+
+        model = CompactCausalLM(model)  # ValueError: a family it does not cover
     if cfg.tune_matmul and device.type == "cpu":
         cache = cfg.cost_cache_dir
         tune_linear_products(model, matmul_cache_file(cache, model) if cache else None)
@@ -226,6 +230,8 @@ def load_model_shard(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedM
     the initialised default process group calls it), with the tokenizer."""
     from tts_service.engine.tp import load_sharded
 
+    if cfg.forward != "transformers":
+        raise ValueError(f"forward {cfg.forward!r}: not on tensor-parallel ranks")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = model_source(cfg, cache_dir)

@@ -69,6 +69,12 @@ class ModelConfig(StrictConfig):
         "auto", description="auto (cuda if present, else cpu), cpu, cuda or cuda:N."
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    forward: Literal["transformers", "compact"] = Field(
+        "transformers",
+        description="The target's forward: transformers' modelling code, or compact (Llama "
+        "and Qwen2 families: fused QKV and gate-up products over the same weights, "
+        "engine/compact.py; one process, not tensor-parallel ranks).",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
