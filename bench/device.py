@@ -58,6 +58,7 @@ from tts_service.drafters.base import NoDrafter
 from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter, method_drafter
 from tts_service.drafters.stand import StandDrafterConfig
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.cost import sync_device
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.graphs import bucket_of
@@ -515,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="transformers' SDPA (KV repeated per query head) instead of grouped tree attention",
     )
+    ap.add_argument(
+        "--forward",
+        choices=["transformers", "compact"],
+        default="transformers",
+        help="our engine's forward (model.forward); model.generate keeps transformers'",
+    )
     ap.add_argument("--host-json", type=Path, default=pr.HOST_JSON, help="bench.host records")
     ap.add_argument(
         "--acceptance",
@@ -536,8 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     attn = REPEAT_KV if args.repeat_kv else "sdpa"
     model, model_name = build_model(args.model_config, args.model, str(device), dtype, attn)
+    engine = model if args.forward == "transformers" else CompactCausalLM(model)
     if device.type == "cpu":  # as the service loads a model on a CPU (model.tune_matmul)
-        tune_linear_products(model)
+        tune_linear_products(engine)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (64,), generator=gen).tolist()
@@ -549,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_name,
         "dtype": dtype_name,
         "attention": attn,
+        "forward": args.forward,
         "parameters": sum(p.numel() for p in model.parameters()),
         "host": os.uname().nodename,
         "load_average": os.getloadavg()[0],
@@ -568,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     progress("plain decoding, ours and model.generate (interleaved)")
     ours, hf = [], []
     for _ in range(2):
-        ours.append(plain_speed(model, prompt, args.new_tokens))
+        ours.append(plain_speed(engine, prompt, args.new_tokens))
         hf.append(hf_speed(model, prompt, args.new_tokens))
     report["plain_tokens_per_s"] = round(max(ours), 2)
     report["hf_generate_tokens_per_s"] = round(max(hf), 2)
@@ -576,9 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     progress("verify cost surface")
     rows = [int(x) for x in args.rows.split(",")]
     tokens = [int(x) for x in args.tokens.split(",")]
-    report["verify_cost_ms"] = verify_surface(model, rows, tokens, 512)
+    report["verify_cost_ms"] = verify_surface(engine, rows, tokens, 512)
     progress(f"timing replay of {len(problems)} logged problems, best-of-N per batch")
-    replay = {m: timing_replay(model, m, problems) for m in METHODS}
+    replay = {m: timing_replay(engine, m, problems) for m in METHODS}
     report["replay"] = replay
     n = max(len(p.responses) for p in problems)
     length = round(statistics.mean(len(r) for p in problems for r in p.responses))
@@ -587,9 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         replay[m]["vs_hf_n16"] = round(replay[m]["tokens_per_s"] / report["hf_n16_tokens_per_s"], 3)
     progress("greedy speculative vs plain output")
     prompts = [p.prompt_ids for p in problems]
-    mismatch = {dtype_name: greedy_mismatch(model, prompts, 64)}
+    mismatch = {dtype_name: greedy_mismatch(engine, prompts, 64)}
     if dtype != torch.float32:
-        mismatch["float32"] = greedy_mismatch(model.float(), prompts, 64)
+        single = model.float()
+        mismatch["float32"] = greedy_mismatch(
+            single if args.forward == "transformers" else CompactCausalLM(single), prompts, 64
+        )
     report["greedy_mismatch"] = mismatch
     text = json.dumps(report, indent=2)
     print(text)

@@ -12,7 +12,8 @@
 # ones on the device's host path, at T = 1.0 and 0.6 (whether `auto` should draw on a GPU).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
 #
-#   bash bench/gpu_check.sh [OUT_DIR]      # 6-11 minutes on one H100/H200
+#   bash bench/gpu_check.sh [OUT_DIR]      # at most 8 minutes on one H100/H200 (the default steps)
+#   STEPS="host host-graph host-drawn host-cost runner-replay-served predict" bash bench/gpu_check.sh
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
 #   STEPS="cuda-tests host host-graph runner-replay runner-replay-eager" bash bench/gpu_check.sh
 #                                       # the captured acceptance against the eager one, alone
@@ -26,7 +27,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-steps=" ${STEPS:-cuda-tests host host-graph host-drawn host-cost device runner-replay runner-replay-served predict} "
+# default: what decides the GPU engine's targets first (the compact forward against
+# transformers' on the 7B shape, then the live runner), within 8 minutes; the rest on request
+steps=" ${STEPS:-cuda-tests device-compact device runner-replay} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -40,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    step cuda-tests 90 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
+    step cuda-tests 60 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
     step host 130 $py -m bench.host --device cuda --rows 1 16 64 --nodes 0 8 32 --steps 30 \
         --json "$out/host-gpu.json"
     step host-graph 80 $py -m bench.host --device cuda --graph-acceptance --rows 1 16 64 \
@@ -54,7 +57,10 @@ step() {  # step NAME SECONDS COMMAND...
                 --steps 30 --json "$out/host-gpu-drawn-$drawn-t$t.json"
         done
     done
-    step device 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+    step device-compact 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+        --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --forward compact \
+        --json "$out/device-7b-compact.json"
+    step device 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --repeat-kv --json "$out/device-7b-repeat-kv.json"
