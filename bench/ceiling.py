@@ -39,8 +39,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tts_service.config import ModelConfig
-from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.sampling import SamplingParams, target_probs
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, pack
 from tts_service.engine.verify import Acceptance
 from tts_service.models import load_model

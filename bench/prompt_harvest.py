@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from tts_service.config import ModelConfig
-from tts_service.drafters.base import OBSERVE_TAIL, Drafter, NodeTopK
 from tts_service.engine.decode import STORE_TOPK
+from tts_service.engine.seam import OBSERVE_TAIL, Drafter, NodeTopK
 from tts_service.models import load_model
 from tts_service.replay import LoggedProblem, read_log, replay, replay_config
 from tts_service.schemas import ReplayRequest

@@ -1,5 +1,6 @@
 """Every model-free method replayed on one trajectory log at several node caps: the table of
-docs/benchmarks.md §9 (acceptance length, mean tree nodes, per trajectory index).
+docs/benchmarks.md, "Acceptance length in replay and live" (acceptance length, mean tree
+nodes, per trajectory index).
 
     python bench/replay_table.py --trajectories bench/trajectories-heldout-smollm2.jsonl.gz \
         [--methods pld stand ...] [--nodes 8 16 32 80] [--out runs/replay-heldout.jsonl]

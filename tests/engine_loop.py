@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import Drafter
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.decode import GenerationResult, OnCommit, plain_generate
+from tts_service.engine.seam import Drafter
 from tts_service.runner import nodes_per_row
 
 

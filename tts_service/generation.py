@@ -11,7 +11,6 @@ from pathlib import Path
 
 from store.base import NgramStore
 from tts_service.config import ModelConfig, SamplingConfig
-from tts_service.drafters.base import Drafter
 from tts_service.drafters.kernels import STAND_DYN, kernels_of, preload
 from tts_service.drafters.registry import DrafterConfig, RowDrafters
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
@@ -19,6 +18,7 @@ from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import GenerationOutput, GenerationResult
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.seam import Drafter
 from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
 from tts_service.models import LoadedModel, encode_prompt, load_model, resolve_device
 
@@ -63,7 +63,7 @@ class Generator:
         meanwhile (`drafters.kernels`): `drafter`'s, or with none named `auto`'s. On a CPU they
         load at the first compiled draft: a preload there, beside the model's load, made
         `tts solve --method stand` 1.2 s slower, where loading at the first draft cost 0.7
-        (docs/benchmarks.md §14)."""
+        (docs/benchmarks.md, "Start-up")."""
         if resolve_device(cfg.device).type == "cuda":
             module = kernels_of(drafter) if drafter is not None else STAND_DYN
             if module is not None:

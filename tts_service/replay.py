@@ -32,13 +32,6 @@ import numpy as np
 from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import (
-    DeferredObservations,
-    DraftContext,
-    Drafter,
-    NodeTopK,
-    draft_all,
-)
 from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
 from tts_service.engine.allocate import SlotStats
 from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
@@ -47,6 +40,7 @@ from tts_service.engine.decode import GenerationOutput, GenerationResult, OnComm
 from tts_service.engine.kv import fill_holes
 from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.seam import DeferredObservations, DraftContext, Drafter, NodeTopK, draft_all
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance

@@ -30,20 +30,13 @@ from typing import Protocol, TypeVar, cast
 
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import (
-    Deferred,
-    DraftContext,
-    Drafter,
-    DraftGroup,
-    NodeTopK,
-    group_of,
-)
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
 from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import ForwardStats, summarize
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, DraftGroup, NodeTopK, group_of
 from tts_service.engine.streams import new_run_nonce, row_salt
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
@@ -192,7 +185,7 @@ class TrajectoryRecorder:
         return self.inner.draft(ctx)
 
     def grouped(self) -> tuple[DraftGroup, object] | None:
-        """The inner drafter's group, if it drafts in one (`drafters.base.draft_all`)."""
+        """The inner drafter's group, if it drafts in one (`engine.seam.draft_all`)."""
         return group_of(self.inner)
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:

@@ -8,7 +8,7 @@ process holds the collector while it starts (`hold`), and when it is up (a runne
 or a driver's imports done) collects once and freezes what survived (`settle`: `gc.freeze`, as
 vLLM does once its engine is up): frozen objects are never scanned again, so a later full pass
 scans only what came after, and a long decode is not stalled by passes over the model's
-objects. docs/benchmarks.md §14 ("Start-up without collector passes") has the figures.
+objects. docs/benchmarks.md ("Start-up") has the figures.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import DRAFTER_CONFIGS
 from tests.unit.test_runner import make_generator
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import Drafter
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.seam import Drafter
 from tts_service.runner import TrajectoryRequest, TrajectoryRunner
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)

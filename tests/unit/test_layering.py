@@ -9,7 +9,8 @@ edge never
 imports another edge (the CLI is the launcher: it may start Serve and submit jobs). The edges'
 schemas (`tts_service.schemas`) sit between: they embed the drafter registry's configs and
 import nothing of the I/O, the actors or an edge. `tts_service.config` imports no drafter and no
-schema (the drafters import it: the registry derives the config union from them)."""
+schema (the drafters import it: the registry derives the config union from them), and the engine
+imports no drafter: it owns the seam the drafters implement (`tts_service.engine.seam`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ CORE_STORE = ("store.base", "store.config", "store.index", "store.hashtable")
 TOOLS_STORE = CORE_STORE + ("store.memory",)  # tools may open an in-process store
 SCHEMAS = ("tts_service.schemas",)
 CONFIG = ("tts_service.config",)
+ENGINE = ("tts_service.engine",)  # owns the drafter seam (engine/seam.py): drafters import it
 
 
 def _modules() -> dict[str, Path]:
@@ -76,7 +78,7 @@ def _violations(module: str) -> list[str]:
     if _within(module, TOOLS):
         bad += [i for i in imports if _within(i, IO + EDGES + ("actors",) + SCHEMAS)]
         bad += [i for i in imports if _within(i, ("store",)) and not _within(i, TOOLS_STORE)]
-    if _within(module, CONFIG):
+    if _within(module, CONFIG + ENGINE):
         bad += [i for i in imports if _within(i, ("tts_service.drafters",))]
     if _within(module, SCHEMAS):
         bad += [i for i in imports if _within(i, IO + EDGES + ("actors",))]
@@ -152,3 +154,10 @@ def test_the_core_importing_a_tool_or_opening_a_store_is_caught(tmp_path, monkey
     ]
     monkeypatch.setitem(MODULES, "tts_service.replay", bad)  # a tool: in-process stores only
     assert _violations("tts_service.replay") == ["store.factory"]
+
+
+def test_the_engine_importing_a_drafter_is_caught(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from tts_service.drafters.stand import StandDrafter\n")
+    monkeypatch.setitem(MODULES, "tts_service.engine.bad", bad)
+    assert _violations("tts_service.engine.bad") == ["tts_service.drafters.stand"]

@@ -29,9 +29,9 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from tts_service.config import StrictConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 

@@ -28,17 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tts_service.config import resolve_tree_path
-from tts_service.drafters.base import (
-    Deferred,
-    DraftContext,
-    Drafter,
-    NodeTopK,
-    StaticTreeDrafter,
-    shape_prefix,
-)
+from tts_service.drafters.base import StaticTreeDrafter, shape_prefix
 from tts_service.drafters.spec import DraftEnv, Shared
 from tts_service.engine.cost import VerifyCostSource, gt_count
 from tts_service.engine.rates import smoothed_rate
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, select_subtree
 from tts_service.engine.verify import Acceptance
 

@@ -9,9 +9,9 @@ from typing import Literal
 from pydantic import Field
 
 from tts_service.config import StrictConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

@@ -26,8 +26,8 @@ from typing import Literal
 from pydantic import Field
 
 from tts_service.config import StrictConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.spec import DrafterSpec, Method
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
-from tts_service.drafters.base import DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.base import ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
 

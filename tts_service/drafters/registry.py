@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
-from tts_service.drafters.base import Drafter
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.engine.sampling import SamplingParams
+from tts_service.engine.seam import Drafter
 from tts_service.engine.streams import Stream, drafter_seed, stream_seed
 
 if TYPE_CHECKING:
@@ -127,20 +127,21 @@ METHODS: dict[str, Method] = {m.name: m for s in KINDS.values() for m in s.metho
 REPLAY_METHODS: tuple[str, ...] = tuple(m for m, e in METHODS.items() if not e.drafts_with_target)
 """The methods `tts replay` measures: they draft without the model, deterministically."""
 AUTO_METHOD = {"cpu": "stand-dyn", "cuda": "stand-dyn"}
-"""What `auto` runs per device type (docs/benchmarks.md, "Every method" and §9): the same
+"""What `auto` runs per device type (docs/benchmarks.md, "Which method `auto` runs"): the same
 method everywhere; the measured verify cost sizes its trees for the device."""
 AUTO_FIELDS: dict[str, dict[str, Any]] = {"cpu": {"drawn": True, "compiled": False}, "cuda": {}}
-"""`auto`'s drafter fields per device type, beneath the user's preset (docs/benchmarks.md §17):
-on a CPU, children drawn from the stored distribution under sampling (more tokens per forward
-at T = 1.0, the same speed at T = 0.6, nothing under greedy), drafted in Python (the kernels'
-load would cost a CPU run more than they save beside 30-100 ms forwards, and a CPU model load
-imports no numba); on a GPU not yet: drawn rows cost the host more than deterministic ones
-(+0.10–0.15 ms a step at 16 rows on this CPU's host, §14), which by arithmetic they now repay
-at both temperatures, but no GPU session has measured it."""
+"""`auto`'s drafter fields per device type, beneath the user's preset (docs/benchmarks.md,
+"Acceptance length in replay and live"): on a CPU, children drawn from the stored
+distribution under sampling (more tokens per forward at T = 1.0, the same speed at T = 0.6,
+nothing under greedy), drafted in Python (the kernels' load would cost a CPU run more than they
+save beside 30-100 ms forwards, and a CPU model load imports no numba); on a GPU not yet: drawn
+rows cost the host more than deterministic ones (+0.10–0.15 ms a step at 16 rows on this CPU's
+host: "The host path"), which by arithmetic they now repay at both temperatures, but no GPU
+session has measured it."""
 DEVICE_FIELDS: dict[str, dict[str, dict[str, Any]]] = {"stand": {"cpu": {"compiled": False}}}
 """A drafter kind's fields per device type, beneath the user's preset: on a CPU `stand` drafts
 in Python, where its compiled drafter saves ~1% of a step (a forward costs 30-100 ms) and its
-kernels' load cost `tts solve --method stand` 0.7 s (docs/benchmarks.md §14)."""
+kernels' load cost `tts solve --method stand` 0.7 s (docs/benchmarks.md, "Start-up")."""
 METHOD_NAMES: tuple[str, ...] = (*METHODS, "auto")
 DEFAULT_METHOD = "auto"
 """What runs when no one names a method: the CLI, the jobs, Serve's `default_method`."""

@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from store.base import NgramStore
-    from tts_service.drafters.base import Drafter
     from tts_service.engine.cost import VerifyCostSource
+    from tts_service.engine.seam import Drafter
 
 C = TypeVar("C", bound=BaseModel)
 T = TypeVar("T")

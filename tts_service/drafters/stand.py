@@ -24,16 +24,10 @@ from pydantic import Field
 
 from store.base import IndexedStore, NgramRow, NgramStore
 from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
-from tts_service.drafters.base import (
-    Deferred,
-    DraftContext,
-    Drafter,
-    NodeTopK,
-    ShapedTree,
-    shape_prefix,
-)
+from tts_service.drafters.base import ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance

@@ -24,7 +24,7 @@ from numba import njit
 from store.base import NgramRow, NgramStore
 from store.index import StoreIndex, lookup_slot
 from tts_service.config import resolve_tree_path
-from tts_service.drafters.base import Deferred, DraftContext, NodeTopK, ShapedTree, shape_prefix
+from tts_service.drafters.base import ShapedTree, shape_prefix
 from tts_service.drafters.stand import (
     GumbelNoise,
     StandDrafterConfig,
@@ -33,6 +33,7 @@ from tts_service.drafters.stand import (
     learned_nodes,
 )
 from tts_service.engine import walk_compiled
+from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import (
     DraftTree,
     DrawnArrays,

@@ -42,13 +42,13 @@ from pydantic import Field
 
 from store.base import IndexedStore, NgramEntry, NgramStore
 from tts_service.config import Sizing, StrictConfig
-from tts_service.drafters.base import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.rates import smoothed_rate
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import Acceptance, ordered_sum
 
@@ -69,7 +69,7 @@ class StandDynDrafterConfig(StrictConfig):
         True,
         description="Also store the target's distributions at rejected nodes (another "
         "trajectory of the problem may take the branch a row rejected; paired on the tuning "
-        "log, +2.2% tokens per forward at 8 nodes, docs/benchmarks.md §17).",
+        "log, +2.2% tokens per forward at 8 nodes: docs/benchmarks.md, acceptance length).",
     )
     drawn: bool = Field(
         False,

@@ -33,12 +33,12 @@ from numba import njit
 from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
-from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
 from tts_service.drafters.stand_compiled import gumbel_order, noise_windows
 from tts_service.drafters.stand_dyn import StandDynDrafterConfig
 from tts_service.engine import walk_compiled
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
+from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, DrawnQ
 from tts_service.engine.verify import Acceptance
 

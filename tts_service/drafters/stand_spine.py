@@ -24,10 +24,10 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from store.base import NgramStore
-from tts_service.drafters.base import Deferred, DraftContext, NodeTopK
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
+from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

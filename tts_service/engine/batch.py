@@ -29,15 +29,6 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tts_service.drafters.base import (
-    OBSERVE_TAIL,
-    Deferred,
-    DeferredObservations,
-    DraftContext,
-    Drafter,
-    NodeTopK,
-    draft_all,
-)
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.collector import collect_in_shadow
 from tts_service.engine.cost import sync_device
@@ -61,6 +52,15 @@ from tts_service.engine.kv import (
 )
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
 from tts_service.engine.sampling import SamplingParams, store_probs
+from tts_service.engine.seam import (
+    OBSERVE_TAIL,
+    Deferred,
+    DeferredObservations,
+    DraftContext,
+    Drafter,
+    NodeTopK,
+    draft_all,
+)
 from tts_service.engine.streams import Stream, node_uniform_block, node_uniforms, stream_seed
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (

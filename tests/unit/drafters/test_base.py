@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.unit.drafters.test_gt import _stand_store
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.recycling import RecyclingDrafterConfig, TokenRecyclingDrafter
 from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
+from tts_service.engine.seam import DraftContext
 
 
 def _recycling_with_table() -> TokenRecyclingDrafter:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.unit.drafters.test_gt import _topk
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.goose import (
     AdjacencyTable,
     GooseDrafter,
     GooseDrafterConfig,
     spine_tree_budget,
 )
+from tts_service.engine.seam import DraftContext
 from tts_service.engine.verify import Acceptance
 
 

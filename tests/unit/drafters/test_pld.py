@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.pld import PldDrafterConfig, PromptLookupDrafter
+from tts_service.engine.seam import DraftContext
 
 
 def _ctx(tokens: list[int], max_nodes: int = 64) -> DraftContext:

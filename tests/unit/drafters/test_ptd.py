@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.ptd import ProgressiveTree, PtdDrafter, PtdDrafterConfig, merge_trie
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.verify import Acceptance
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from tests.unit.drafters.test_pld import _ctx
-from tts_service.drafters.base import NodeTopK
 from tts_service.drafters.recycling import RecyclingDrafterConfig, TokenRecyclingDrafter
+from tts_service.engine.seam import NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

@@ -15,9 +15,9 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import tiny_llama
 from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.stand import GumbelNoise, StandDrafter, StandDrafterConfig, gumbel_top_k
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 

@@ -9,7 +9,6 @@ import numpy as np
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
-from tts_service.drafters.base import DraftContext, NodeTopK
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
@@ -25,6 +24,7 @@ from tts_service.drafters.stand_dyn import (
     suffix_flags,
 )
 from tts_service.engine.cost import CostModel, VerifyCost
+from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import SparseDist
 from tts_service.engine.verify import Acceptance
 

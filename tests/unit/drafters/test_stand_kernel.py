@@ -16,7 +16,6 @@ from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
 from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_lay_out_as_the_trees
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
@@ -25,6 +24,7 @@ from tts_service.drafters.stand_dyn import (
     compiled_applies,
 )
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
+from tts_service.engine.seam import DraftContext
 
 
 @pytest.mark.parametrize("max_tokens", [1 << 17, 300])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.stand_spine import (
     StandSpineDrafter,
     StandSpineDrafterConfig,
     spine_budget,
 )
+from tts_service.engine.seam import DraftContext
 
 
 def test_spine_budget_front_loads_the_branches():

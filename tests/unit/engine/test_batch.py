@@ -8,9 +8,9 @@ import torch
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
-from tts_service.drafters.base import DraftContext
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.seam import DraftContext
 from tts_service.runner import nodes_per_row
 
 VOCAB = 64

@@ -9,9 +9,9 @@ from scipy.stats import chisquare
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
-from tts_service.drafters.base import DraftContext
 from tts_service.drafters.registry import DraftEnv, build_drafter
 from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.engine.seam import DraftContext
 from tts_service.engine.streams import (
     Stream,
     drafter_seed,
