@@ -97,6 +97,11 @@ class Drafter(Protocol):
         called: the target's top-k (one row) at the root `tokens[-1]`, after `tokens` (the
         context's last `OBSERVE_TAIL` tokens)."""
 
+    def grouped(self) -> tuple[DraftGroup, object] | None:
+        """Optional (a drafter without it drafts alone): (group, member) when this drafter
+        drafts a step together with others in one call (`draft_all`). A wrapper that changes
+        what its inner drafter drafts (GT sizing's subtrees) must not forward it."""
+
 
 class DraftGroup(Protocol):
     """Rows whose drafters share one compiled state draft a step in one call."""
@@ -107,8 +112,8 @@ class DraftGroup(Protocol):
 
 
 def group_of(drafter: object) -> tuple[DraftGroup, object] | None:
-    """(group, member) of a drafter that drafts in a `DraftGroup` (its `grouped()`), else
-    None."""
+    """(group, member) of a drafter that drafts in a `DraftGroup` (its `grouped()`, which the
+    protocol leaves optional), else None."""
     grouped = getattr(drafter, "grouped", None)
     return grouped() if grouped is not None else None
 
