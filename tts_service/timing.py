@@ -53,6 +53,12 @@ def status(line: str) -> None:
     sys.stderr.flush()
 
 
+def first_token() -> None:
+    """The status line that ends the wait before decoding: how long after the process's start
+    the first token committed."""
+    status(f"[tts] first token after {time.perf_counter() - process_started():.1f} s")
+
+
 @contextmanager
 def phase(doing: str, done: str) -> Iterator[None]:
     """`doing ...` as a phase starts and `done in 3.1 s` as it ends, so that no wait is

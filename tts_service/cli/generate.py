@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 
 from tts_service.cli.common import (
@@ -18,7 +17,7 @@ from tts_service.cli.common import (
 from tts_service.cli.usage import UsageError
 from tts_service.schemas import GenerateRequest
 from tts_service.textstream import StableText
-from tts_service.timing import phase, process_started, status, with_setup
+from tts_service.timing import first_token, phase, process_started, with_setup
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
@@ -69,7 +68,7 @@ def _generate(req: GenerateRequest, stream: bool) -> tuple[dict, StableText | No
 def _show(text: StableText, tokens: Sequence[int]) -> bool:
     """Print a step's final text as it commits (the first token announced on stderr)."""
     if not text.ids:
-        status(f"[tts] first token after {time.perf_counter() - process_started():.1f} s")
+        first_token()
     sys.stdout.write(text.commit(tokens))
     sys.stdout.flush()
     return True

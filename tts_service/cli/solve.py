@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +24,7 @@ from tts_service.cli.common import (
 from tts_service.cli.store import store_flags, store_server
 from tts_service.cli.usage import UsageError
 from tts_service.schemas import SolveRequest, read_problems
-from tts_service.timing import phase, process_started, status, with_setup
+from tts_service.timing import first_token, phase, process_started, with_setup
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
@@ -196,7 +195,7 @@ class TokenProgress:
     def commit(self, tokens: Sequence[int]) -> bool:
         """A step's tokens of any trajectory (True: never cancels)."""
         if self.tokens == 0:
-            status(f"[tts] first token after {time.perf_counter() - process_started():.1f} s")
+            first_token()
         self.tokens += len(tokens)
         self.bar.update(len(tokens))
         return True

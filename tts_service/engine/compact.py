@@ -131,15 +131,16 @@ class CompactCausalLM(nn.Module):
     ) -> SimpleNamespace:
         """`attention_mask`: `[R | 1, 1, N, K]` additive (0 attends, finfo.min blocks), K the
         keys the cache returns; None: causal, each new token after every cached one."""
-        x = self.embed(input_ids)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        x, n = self.embed(input_ids), input_ids.shape[1]
+        if position_ids is None or attention_mask is None:  # not the engine's calls: it passes both
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(past, past + input_ids.shape[1], device=x.device)[None]
+            position_ids = torch.arange(past, past + n, device=x.device)[None]
         rotary = self.rotary_emb(x, position_ids)
         if attention_mask is not None:
             mask = attention_mask.to(x.dtype)
         else:
-            mask = causal_mask(input_ids.shape[1], past, x.dtype, x.device)
+            mask = causal_mask(n, past, x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, rotary, mask, past_key_values)
         x = rms_norm(x[:, -logits_to_keep:] if logits_to_keep else x, self.norm, self.eps)
