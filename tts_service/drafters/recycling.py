@@ -44,9 +44,8 @@ class TokenRecyclingDrafter:
         self.cfg = cfg
         self.shape = load_tree_shape(resolve_tree_path(cfg.tree))
         self.num_nodes = cfg.num_nodes
-        self.table = (
-            empty_successors(cfg, vocab_size) if table is None else table
-        )  # may be shared: batch rows and trajectories write one table
+        # may be shared: batch rows and trajectories write one table
+        self.table = empty_successors(cfg, vocab_size) if table is None else table
 
     def start(self, prompt_ids: list[int]) -> None:
         """Hot start: the table carries over from earlier trajectories."""
