@@ -37,28 +37,72 @@ def grouped_sdpa(
     """transformers' attention-function signature: `query` `[R, H, N, D]`, `key`/`value`
     `[R, Hkv, K, D]`, a `[R | 1, 1, N, K]` mask; returns `[R, N, H, D]`."""
     groups = getattr(module, "num_key_value_groups", 1)
-    r, heads, n, _ = query.shape
     mask = attention_mask
     extras = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
     if (
-        groups == 1
-        or mask is None
-        or mask.shape[1] != 1
-        or groups * n > MAX_FOLDED
-        or heads != key.shape[1] * groups
+        not foldable(query, key, mask)
+        or query.shape[1] != key.shape[1] * groups
+        or dropout
         or extras  # what only transformers' path applies (or refuses)
     ):
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout, scaling, is_causal, **kwargs
         )
+    return folded_sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def foldable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `folded_sdpa` serves this call: a GQA model, a mask shared by the heads, and a
+    folded query short enough that the repeated mask costs less than copying the keys."""
+    groups = query.shape[1] // key.shape[1]
+    return (
+        groups > 1
+        and mask is not None
+        and mask.shape[1] == 1
+        and groups * query.shape[2] <= MAX_FOLDED
+    )
+
+
+def folded_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """SDPA of `query` `[R, H, N, D]` over `key`/`value` `[R, Hkv, K, D]` under a
+    `[R | 1, 1, N, K]` mask, each KV head read once; returns `[R, H, N, D]`."""
+    r, heads, n, _ = query.shape
+    groups = heads // key.shape[1]
     # query head h = kv · G + g (repeat_kv's order) becomes query row g · N + i of KV head kv
     folded = query.reshape(r, heads // groups, groups * n, query.shape[-1])
     b, k = mask.shape[0], mask.shape[-1]
     mask = mask[:, :, None].expand(b, 1, groups, n, k).reshape(b, 1, groups * n, k)
     out = torch.nn.functional.scaled_dot_product_attention(
-        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+        folded, key, value, attn_mask=mask, scale=scale
     )
-    return out.reshape(r, heads, n, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(r, heads, n, value.shape[-1])
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """The compact forward's attention, `[R, H, N, D]` out: each KV head read once wherever
+    a fused kernel can (folded under a mask; SDPA's own GQA without one), otherwise
+    transformers' choice, the keys repeated (a long prefill under a mask: on a GPU, SDPA's
+    GQA with a mask falls back to its unfused math kernel)."""
+    groups = query.shape[1] // key.shape[1]
+    if foldable(query, key, mask):
+        return folded_sdpa(query, key, value, mask, scale)
+    if groups > 1 and mask is not None:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+    )
 
 
 AttentionInterface.register(NAME, grouped_sdpa)

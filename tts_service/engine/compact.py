@@ -1,15 +1,16 @@
 """A compact forward for the Llama and Qwen2 families: the loaded model's weights, few kernels.
 
 transformers' modelling code runs about a thousand small kernels a step on a 7B model (per
-layer: three projections for q, k and v, two for gate and up, RMSNorm as five element-wise
-ops, rotary as six), and on a GPU half of a small step is that overhead, not weights nor KV
-(docs/benchmarks.md). Here each layer is: RMSNorm, one fused QKV product (its bias for
-Qwen2), rotary, the cache write, SDPA over each KV head once (`enable_gqa`) under the engine's
-additive mask, the output product, RMSNorm, one fused gate-up product, SiLU-and-multiply, the
-down product: the same arithmetic in fewer, larger kernels, which `torch.compile` can fuse
-further. The model still loads through transformers (config, tokenizer, weights); its rotary
-module makes cos/sin, so every RoPE scaling it knows is kept. Other families keep
-transformers' forward.
+layer: three projections for q, k and v, two for gate and up, RMSNorm as five element-wise ops,
+rotary as six), and on a GPU half of a small step is that overhead, not weights nor KV
+(docs/benchmarks.md). Here each layer is: RMSNorm, one fused QKV product (its bias for Qwen2),
+rotary, the cache write, attention over each KV head once under the engine's additive mask
+(`engine.attention.tree_attention`: on a GPU, SDPA's own GQA under a mask runs its unfused math
+kernel), the output product, RMSNorm, one fused gate-up product, SiLU-and-multiply, the down
+product: the same arithmetic in fewer, larger kernels, which `torch.compile` can fuse further.
+The model still loads through transformers (config, tokenizer, weights); its rotary module
+makes cos/sin, so every RoPE scaling it knows is kept. Other families keep transformers'
+forward.
 
 `CompactCausalLM` is called as the engine calls a transformers model (`ids`, a `[R, 1, N, K]`
 additive mask, explicit positions, a cache with `update(key, value, layer)`,
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+
+from tts_service.engine.attention import tree_attention
 
 FAMILIES = frozenset({"llama", "qwen2"})
 """`config.model_type`s the compact forward covers."""
@@ -85,9 +88,7 @@ class CompactLayer(nn.Module):
         q, k = rotate(q, k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, self.index)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=s.heads != s.kv_heads
-        )
+        out = tree_attention(q, k, v, mask, self.scaling)
         x = x + self.o_proj(out.transpose(1, 2).reshape(rows, n, -1))
         gate, up = self.gate_up(rms_norm(x, self.norm_post, s.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -12,9 +12,10 @@ from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.engine import attention
-from tts_service.engine.attention import NAME, grouped_sdpa, use_grouped_attention
+from tts_service.engine.attention import NAME, grouped_sdpa, tree_attention, use_grouped_attention
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.tree import ancestor_mask
 
 
 class Heads(torch.nn.Module):
@@ -77,3 +78,74 @@ def test_grouped_attention_keeps_greedy_output_identical(name):
         for p, c in zip(prompts, cfgs, strict=True)
     ]
     assert [r.token_ids for r in decode_rows(decoder, rows, 24)] == refs
+
+
+def _reference(q, key, value, mask, scale):
+    """fp64 attention written out: every query head against its KV head's keys repeated."""
+    groups = q.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * scale + (0 if mask is None else mask)
+    return scores.softmax(-1) @ v
+
+
+def _tree_batch(gen, rows, context, parents, pad):
+    """A `[rows, 1, n, context + n]` additive mask as the engine packs one: each row's own
+    context length (`context - hole` valid slots, the rest blocked), then the tree's ancestor
+    mask; the last `pad` nodes of a row are padding, which attend to their own slot only."""
+    n = len(parents)
+    mask = torch.full(
+        (rows, 1, n, context + n), torch.finfo(torch.float64).min, dtype=torch.float64
+    )
+    anc = ancestor_mask(parents)
+    for r in range(rows):
+        hole = int(torch.randint(0, max(context // 2, 1), (1,), generator=gen))
+        mask[r, 0, :, hole:context] = 0.0
+        mask[r, 0, :, context:] = mask[r, 0, :, context:].masked_fill(anc, 0.0)
+        for node in range(n - pad, n):
+            mask[r, 0, node] = torch.finfo(torch.float64).min
+            mask[r, 0, node, context + node] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("context", [1, 5, 2000])
+@pytest.mark.parametrize(
+    "parents",
+    [(0,), (0, 0, 0, 1, 1, 2, 3), (0, 0, 1, 2, 3, 4, 5, 6)],
+    ids=["root", "bushy", "chain"],
+)
+def test_tree_attention_equals_the_reference_in_float64(context, parents):
+    gen = torch.Generator().manual_seed(context + len(parents))
+    rows, kv, groups, d, n = 3, 2, 4, 16, len(parents)
+    pad = 2 if n > 2 else 0
+    q = torch.randn(rows, kv * groups, n, d, generator=gen, dtype=torch.float64)
+    key = torch.randn(rows, kv, context + n, d, generator=gen, dtype=torch.float64)
+    value = torch.randn(rows, kv, context + n, d, generator=gen, dtype=torch.float64)
+    siblings = n > 2 and parents[1] == parents[2]
+    if siblings:  # duplicate siblings: nodes 1 and 2 hold one token at one depth, so one key
+        key[:, :, context + 2] = key[:, :, context + 1]
+        value[:, :, context + 2] = value[:, :, context + 1]
+        q[:, :, 2] = q[:, :, 1]
+    mask = _tree_batch(gen, rows, context, parents, pad)
+    out = tree_attention(q, key, value, mask, 0.25)
+    torch.testing.assert_close(out, _reference(q, key, value, mask, 0.25), rtol=1e-12, atol=1e-12)
+    if siblings:
+        torch.testing.assert_close(out[:, :, 2], out[:, :, 1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_tree_attention_without_a_mask_and_for_long_masked_queries(groups, monkeypatch):
+    """No mask (a plain step: SDPA's own GQA) and a query too long to fold (a prefill: the
+    keys repeated) give the reference too."""
+    gen = torch.Generator().manual_seed(groups)
+    q = torch.randn(2, 2 * groups, 6, 8, generator=gen, dtype=torch.float64)
+    key = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64)
+    value = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64)
+    causal = torch.zeros(1, 1, 6, 6, dtype=torch.float64).masked_fill_(
+        ~torch.ones(6, 6, dtype=torch.bool).tril(), torch.finfo(torch.float64).min
+    )
+    unmasked = tree_attention(q, key, value, None, 0.5)
+    torch.testing.assert_close(unmasked, _reference(q, key, value, None, 0.5))
+    monkeypatch.setattr(attention, "MAX_FOLDED", 4)  # 6 · G > 4: not folded
+    assert not attention.foldable(q, key, causal)
+    long = tree_attention(q, key, value, causal, 0.5)
+    torch.testing.assert_close(long, _reference(q, key, value, causal, 0.5))
