@@ -213,22 +213,37 @@ def verify_surface(model, rows: list[int], tokens: list[int], context: int) -> d
     }
 
 
-def read_log(path: Path, problems: int, max_tokens: int) -> list[LoggedProblem]:
+def read_log(path: Path, problems: int, max_tokens: int, context: int = 0) -> list[LoggedProblem]:
+    """The first `problems` of a trajectory log, responses cut to `max_tokens`; `context` > 0
+    lengthens each prompt to that many tokens (a reasoning-length context, `long_prompt`)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        out = [parse_line(line) for line in f if line.strip()][:problems]
-    if not out:
+        logged = [parse_line(line) for line in f if line.strip()]
+    if not logged[:problems]:
         raise SystemExit(f"no trajectories in {path}")
     return [
         LoggedProblem(
             p.prompt_id,
-            p.prompt_ids,
+            long_prompt(logged, i, context) if context else p.prompt_ids,
             [r[:max_tokens] for r in p.responses],
             None if p.top_ids is None else [t[:max_tokens] for t in p.top_ids],
             None if p.top_probs is None else [t[:max_tokens] for t in p.top_probs],
         )
-        for p in out
+        for i, p in enumerate(logged[:problems])
     ]
+
+
+def long_prompt(logged: list[LoggedProblem], index: int, context: int) -> list[int]:
+    """Problem `index`'s prompt after logged text of the *other* problems (their prompts and
+    responses, in turn), `context` tokens in all: a reasoning-length context whose tokens do
+    not foretell the problem's own responses (a drafter finds no more in it than in real text)."""
+    prompt = logged[index].prompt_ids
+    others = [p for i, p in enumerate(logged) if i != index]
+    text = [t for p in others for seq in (p.prompt_ids, *p.responses) for t in seq]
+    if not text:
+        raise SystemExit("a long context needs a log with more than one problem")
+    need = max(context - len(prompt), 0)
+    return (text * (need // len(text) + 1))[:need] + prompt
 
 
 def replay_runner(
@@ -255,17 +270,19 @@ def timing_replay(
     problems: list[LoggedProblem],
     runner: TrajectoryRunner | None = None,
     graph_acceptance: bool | None = None,
+    phases: StepPhases | None = None,
 ) -> dict:
     """Best-of-N of every logged problem through the live runner (`TrajectoryRunner`: its cost
     surface, allocator and drafters, continuous batching N rows wide) on the real device, with
     acceptance following the log; timed from submission to the last token, as a job waits.
     A fresh runner by default (a first job: surface from its prior, no graphs yet); `runner`,
     one that has served before (a Serve replica's next job: its surface, slot statistics and
-    captured graphs kept)."""
+    captured graphs kept). `phases`: how the steps' phases are clocked (by default on the host,
+    the device's work landing where the host waits for it)."""
     fields = method_drafter(method, {}, "cuda" if model.device.type == "cuda" else "cpu")
     drafter = TypeAdapter(DrafterConfig).validate_python(fields)
     runner = runner or replay_runner(model, problems, graph_acceptance)
-    runner.decoder.phases = StepPhases()
+    runner.decoder.phases = phases or StepPhases()
     graphs = runner.decoder.graphs
     before = (graphs.captures, graphs.eager_steps) if graphs is not None else (0, 0)
     steps_before = runner.planner.steps if runner.planner is not None else 0
@@ -389,10 +406,12 @@ def compare_on_gpu(
     eff: float,
     problems: list[LoggedProblem],
     contexts: tuple[int, ...] = pr.CONTEXTS,
+    keep: Path | None = None,
 ) -> list[dict]:
     """Measured beside predicted on the device at hand (one GPU): plain batch-1 decoding, the
     verify step at every (rows, context) that fits, and timing replay of best-of-16 on the
-    held-out log (real trees, acceptance and host time) at the log's own context."""
+    held-out log (real trees, acceptance and host time) at the log's own context. `keep`: where
+    the records measured so far are written after each (what a cut-short run leaves)."""
     out = []
     prompt = list(range(1, 65))
     plain1 = pr.predict_config(pr.Config(shape, gpu, 1, 1, 128), acceptance, host, eff)[0]
@@ -401,6 +420,8 @@ def compare_on_gpu(
     for cfg in fit:
         out += measured_steps(model, pr.predict_config(cfg, acceptance, host, eff))
         print(json.dumps(out[-1]), flush=True)  # progress, and what a cut-short run keeps
+        if keep is not None:
+            keep.write_text(json.dumps(out, indent=1) + "\n")
         if model.device.type == "cuda":  # the last cache's memory back before the next
             gc.collect()
             torch.cuda.empty_cache()
@@ -418,28 +439,56 @@ def compare_on_gpu(
             }
         )
         print(json.dumps(out[-1]), flush=True)
+        if keep is not None:
+            keep.write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 
+def refitted(records: list[dict], shape: pr.Shape, gpu: pr.Gpu) -> tuple[pr.StepFit, list[dict]]:
+    """The roofline refitted to the measured verify steps (`pr.refit`), and every measured
+    record with what the refitted roofline predicts for it beside: `refit_tokens_per_s` (its
+    acceptance and host time as predicted), `refit_step_ms` where a step was timed, and
+    `refit_error`, measured ÷ refitted − 1 (the target: within ±0.25 everywhere)."""
+    steps = [
+        (r["rows"], r["nodes"] + 1, r["context"], r["measured_step_ms"] / 1e3)
+        for r in records
+        if "measured_step_ms" in r
+    ]
+    fit = pr.refit(shape, gpu, steps)
+    out = []
+    for r in records:
+        step = fit.step_time(shape, gpu, r["rows"], r["nodes"] + 1, r["context"])
+        tokens = r["rows"] * r["acceptance_length"] / (step + r["host_ms"] / 1e3)
+        extra = {"refit_tokens_per_s": round(tokens, 1)}
+        if "measured_step_ms" in r:
+            extra["refit_step_ms"] = round(step * 1e3, 3)
+        extra["refit_error"] = round(r["measured_tokens_per_s"] / tokens - 1, 3)
+        out.append({**r, **extra})
+    return fit, out
+
+
 def side_by_side(rows: list[dict]) -> str:
-    """Predicted against measured, one markdown line per record."""
+    """Predicted (and, once refitted, the refitted prediction) against measured, one markdown
+    line per record."""
     lines = [
-        "| model | rows | context | method | nodes | acceptance | step ms pred / meas | "
-        "tokens/s pred / meas | meas ÷ pred |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | rows | context | method | nodes | acceptance | step ms pred / refit / meas | "
+        "tokens/s pred / refit / meas | meas ÷ pred | meas ÷ refit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         acc = f"{r['acceptance_length']:.2f}"
         if "measured_acceptance_length" in r:
             acc += f" / {r['measured_acceptance_length']:.2f}"
-        step = f"{r['step_ms']:.2f} / " + (
+        step = f"{r['step_ms']:.2f} / {r.get('refit_step_ms', '–')} / " + (
             f"{r['measured_step_ms']:.2f}" if "measured_step_ms" in r else "–"
         )
         ratio = r["measured_tokens_per_s"] / r["tokens_per_s"]
+        refit = r.get("refit_tokens_per_s")
         lines.append(
             f"| {r['model']} | {r['rows']} | {r['context']} | {r['method']} | {r['nodes']} | "
-            f"{acc} | {step} | {r['tokens_per_s']:.0f} / {r['measured_tokens_per_s']:.0f} | "
-            f"{ratio:.2f} |"
+            f"{acc} | {step} | {r['tokens_per_s']:.0f} / {refit or '–'} / "
+            f"{r['measured_tokens_per_s']:.0f} | {ratio:.2f} | "
+            + (f"{r['measured_tokens_per_s'] / refit:.2f} |" if refit else "– |")
         )
     return "\n".join(lines)
 
@@ -485,11 +534,17 @@ def predict_main(args: argparse.Namespace) -> int:
             torch.set_grad_enabled(False)
             print(f"\nmeasured on {name} (predicted for {gpu.name}), qwen2.5-7b random bf16:")
             model, _ = build_model("qwen2.5-7b", None, "cuda", torch.bfloat16)
+            model = CompactCausalLM(model) if args.forward == "compact" else model
             log = read_log(pr.HELDOUT_LOG, 2, 256)
             shape = pr.SHAPES["qwen2.5-7b"]
-            measured = compare_on_gpu(model, shape, gpu, acceptance, host, eff, log)
+            keep = args.json.with_name(args.json.stem + "-measured.json") if args.json else None
+            measured = compare_on_gpu(
+                model, shape, gpu, acceptance, host, eff, log, args.contexts, keep
+            )
+            fit, measured = refitted(measured, shape, gpu)
             print(side_by_side(measured))
-            records += [{**r, "device": name} for r in measured]
+            print(f"refitted: {fit}")
+            records += [{**r, "device": name, "forward": args.forward} for r in measured]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(records, indent=1) + "\n")
@@ -509,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128, help="plain decoding length")
     ap.add_argument("--rows", default="1,4,16", help="verify surface rows")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="verify surface tokens")
+    ap.add_argument("--context", type=int, default=512, help="verify surface: cached tokens a row")
+    ap.add_argument(
+        "--replay-context",
+        type=int,
+        default=0,
+        help="timing replay: prompts lengthened to this many tokens (0: the logged prompts)",
+    )
     ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--predict", action="store_true", help="predicted GPU figures (roofline)")
     ap.add_argument(
@@ -530,6 +592,12 @@ def main(argv: list[str] | None = None) -> int:
         help="{method: {nodes: acceptance length}} from held-out replay",
     )
     ap.add_argument("--replay", action="store_true", help="recompute --acceptance first")
+    ap.add_argument(
+        "--contexts",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=pr.CONTEXTS,
+        help="--predict on a GPU: the contexts whose verify steps are measured (comma-separated)",
+    )
     args = ap.parse_args(argv)
     if args.predict:
         return predict_main(args)
@@ -549,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (64,), generator=gen).tolist()
-    problems = read_log(args.log, args.problems, args.max_tokens)
+    problems = read_log(args.log, args.problems, args.max_tokens, args.replay_context)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict = {
@@ -558,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype_name,
         "attention": attn,
         "forward": args.forward,
+        "surface_context": args.context,
+        "replay_prompt_tokens": [len(p.prompt_ids) for p in problems],
         "parameters": sum(p.numel() for p in model.parameters()),
         "host": os.uname().nodename,
         "load_average": os.getloadavg()[0],
@@ -585,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     progress("verify cost surface")
     rows = [int(x) for x in args.rows.split(",")]
     tokens = [int(x) for x in args.tokens.split(",")]
-    report["verify_cost_ms"] = verify_surface(engine, rows, tokens, 512)
+    report["verify_cost_ms"] = verify_surface(engine, rows, tokens, args.context)
     progress(f"timing replay of {len(problems)} logged problems, best-of-N per batch")
     replay = {m: timing_replay(engine, m, problems) for m in METHODS}
     report["replay"] = replay

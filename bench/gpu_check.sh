@@ -11,6 +11,12 @@
 # (bench.device --predict); `host-drawn`: `stand-dyn`'s drawn children against deterministic
 # ones on the device's host path, at T = 1.0 and 0.6 (whether `auto` should draw on a GPU).
 # Everything goes to OUT_DIR (default runs/gpu): one log, and each step's JSON as it is measured.
+# The default steps answer the GPU engine's targets (docs/gpu.md) in at most 8 minutes, with the
+# compact forward: `device-compact` (plain decoding of one sequence against the HBM bound, the
+# verify surface at 4k tokens of context), `runner-long` (best-of-16 through the live runner at
+# 4k-token prompts: plain, `auto`, `stand`, and each step's phases and kernels), `predict-compact`
+# (measured beside predicted, the roofline refitted); then `bench.gpu_summary` writes
+# OUT_DIR/summary.json, one record per target.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # at most 8 minutes on one H100/H200 (the default steps)
 #   STEPS="host host-graph host-drawn host-cost runner-replay-served predict" bash bench/gpu_check.sh
@@ -27,9 +33,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE
 export TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 
-# default: what decides the GPU engine's targets first (the compact forward against
-# transformers' on the 7B shape, then the live runner), within 8 minutes; the rest on request
-steps=" ${STEPS:-cuda-tests device-compact device runner-replay} "
+# default: the GPU engine's targets (the compact forward on the 7B shape: device, live runner at
+# reasoning-length contexts, the refitted prediction), within 8 minutes; the rest on request
+steps=" ${STEPS:-cuda-tests device-compact runner-long predict-compact} "
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
@@ -43,6 +49,12 @@ step() {  # step NAME SECONDS COMMAND...
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    $py -m pip list 2>/dev/null > "$out/pip-list.txt"
+    # the peers and kernels this machine has (a peer engine found here: run its plain n=16)
+    for mod in triton flash_attn flashinfer vllm sglang; do
+        $py -c "import importlib.util as u, sys; sys.exit(u.find_spec('$mod') is None)" \
+            && echo "has $mod" || echo "no $mod"
+    done
     step cuda-tests 60 $py -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda.py
     step host 130 $py -m bench.host --device cuda --rows 1 16 64 --nodes 0 8 32 --steps 30 \
         --json "$out/host-gpu.json"
@@ -57,9 +69,16 @@ step() {  # step NAME SECONDS COMMAND...
                 --steps 30 --json "$out/host-gpu-drawn-$drawn-t$t.json"
         done
     done
-    step device-compact 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+    step device-compact-512 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --forward compact \
+        --json "$out/device-7b-compact-512.json"
+    step device-compact 120 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+        --rows 1,16,64 --tokens 1,2,4,8,16 --context 4096 --forward compact \
         --json "$out/device-7b-compact.json"
+    step runner-long 180 $py -m bench.runner_replay --context 4096 --forward compact \
+        --out "$out/long"
+    step predict-compact 100 $py -m bench.device --predict --forward compact --contexts 4096 \
+        --json "$out/predicted-measured.json"
     step device 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
         --rows 1,16,64 --tokens 1,2,4,8,16,32,64 --json "$out/device-7b.json"
     step device-repeat-kv 150 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
@@ -72,4 +91,5 @@ step() {  # step NAME SECONDS COMMAND...
     step runner-replay-eager 150 $py -m bench.runner_replay --eager-acceptance --out "$out/eager"
     step runner-replay-served 150 $py -m bench.runner_replay --served --out "$out/served"
     step predict 200 $py -m bench.device --predict --json "$out/predicted-measured.json"
+    $py -m bench.gpu_summary "$out" --out "$out/summary.json"
 } 2>&1 | tee "$out/gpu_check.log"

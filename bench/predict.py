@@ -18,6 +18,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from tts_service.drafters.registry import AUTO_METHOD
 
@@ -165,6 +168,47 @@ def fit_efficiency() -> float:
     row, one token, a short context, no host time -> `ANCHOR_TOKENS_PER_S`."""
     shape, gpu = SHAPES["llama-3.1-8b"], GPUS["H100"]
     return ANCHOR_TOKENS_PER_S * step_time(shape, gpu, 1, 1, 1, ANCHOR_CONTEXT, 1.0)
+
+
+class StepFit(NamedTuple):
+    """The roofline refitted to one device's measured steps: a step takes the weights'
+    roofline time (one shape on one device: a constant, so its own efficiency is not told
+    apart from `fixed_s`) + `kv` × the cache's roofline time + `fixed_s` + `token_s` for each
+    token in the step. (1.0, 0, 0) is the bare roofline."""
+
+    kv: float
+    fixed_s: float
+    token_s: float
+
+    def step_time(
+        self, shape: Shape, gpu: Gpu, rows: int, tokens_per_row: int, context: int
+    ) -> float:
+        weights_s, kv_s, tokens = step_features(shape, gpu, rows, tokens_per_row, context)
+        return weights_s + self.kv * kv_s + self.fixed_s + self.token_s * tokens
+
+
+def step_features(
+    shape: Shape, gpu: Gpu, rows: int, tokens_per_row: int, context: int
+) -> tuple[float, float, float]:
+    """The weights' and the cache's seconds at the device's bandwidth, and the step's tokens
+    (one GPU)."""
+    kv = rows * (context + tokens_per_row) * shape.kv_bytes_per_token()
+    weights = shape.read_parameters() * BYTES
+    return weights / gpu.bandwidth, kv / gpu.bandwidth, float(rows * tokens_per_row)
+
+
+def refit(shape: Shape, gpu: Gpu, steps: Iterable[tuple[int, int, int, float]]) -> StepFit:
+    """The non-negative terms that best give the measured `steps` ((rows, tokens a row,
+    context, seconds) each), in relative error: a 2 ms step counts as much as a 40 ms one."""
+    from scipy.optimize import nnls
+
+    cells = [(step_features(shape, gpu, r, t, c), s) for r, t, c, s in steps]
+    if len(cells) < 3:
+        raise ValueError(f"refitting 3 terms needs 3 measured steps or more, not {len(cells)}")
+    a = np.array([[kv_s / s, 1 / s, tokens / s] for (_, kv_s, tokens), s in cells])
+    b = np.array([(s - weights_s) / s for (weights_s, _, _), s in cells])
+    coef, _ = nnls(a, b)
+    return StepFit(*(float(c) for c in coef))
 
 
 def fits(shape: Shape, gpu: Gpu, gpus: int, rows: int, context: int) -> bool:

@@ -189,3 +189,46 @@ def test_measured_steps_time_every_record_on_the_device_at_hand():
     assert [r["method"] for r in out] == ["plain", "stand", "stand-dyn", "auto"]
     assert all(r["measured_step_ms"] > 0 and r["measured_tokens_per_s"] > 0 for r in out)
     assert "| tiny | 2 | 64 | plain |" in device.side_by_side(out)
+
+
+def test_the_refit_recovers_the_terms_that_made_the_steps():
+    """Steps made by known terms (KV at some efficiency, a fixed cost, a cost per token over
+    the weights' roofline) give those terms back, and every record its own figure."""
+    shape = pr.SHAPES["qwen2.5-7b"]
+    truth = pr.StepFit(kv=1.8, fixed_s=2e-3, token_s=4e-6)
+    cells = [(r, t, c) for r in (1, 16, 64) for t in (1, 9) for c in (512, 4096)]
+    steps = [(r, t, c, truth.step_time(shape, H100, r, t, c)) for r, t, c in cells]
+    fit = pr.refit(shape, H100, steps)
+    for got, want in zip(fit, truth, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    records = [
+        {
+            "rows": r,
+            "nodes": t - 1,
+            "context": c,
+            "acceptance_length": 1.5,
+            "host_ms": 1.0,
+            "measured_step_ms": s * 1e3,
+            "measured_tokens_per_s": r * 1.5 / (s + 1e-3),
+        }
+        for r, t, c, s in steps
+    ]
+    _, out = device.refitted(records, shape, H100)
+    assert all(abs(r["refit_error"]) < 1e-6 for r in out)
+    with pytest.raises(ValueError, match="3 measured steps"):
+        pr.refit(shape, H100, steps[:2])
+
+
+def test_a_long_context_is_other_problems_text_before_the_prompt(tmp_path):
+    problems = device.read_log(device.LOG, 2, 256, context=3000)
+    short = device.read_log(device.LOG, 2, 256)
+    for long, plain in zip(problems, short, strict=True):
+        assert (
+            len(long.prompt_ids) == 3000
+            and long.prompt_ids[-len(plain.prompt_ids) :] == plain.prompt_ids
+        )
+        assert long.responses == plain.responses
+    # problem 0's context copies none of its own responses (no 32 tokens of them in a row)
+    own = {tuple(r[i : i + 32]) for r in short[0].responses for i in range(len(r) - 31)}
+    head = problems[0].prompt_ids[: -len(short[0].prompt_ids)]
+    assert not own & {tuple(head[i : i + 32]) for i in range(len(head) - 31)}

@@ -408,7 +408,7 @@ class BatchDecoder:
         batch = self.active
         plain = max_nodes == 0
         before = [len(r.tokens) for r in batch] if plain else None  # the roots' contexts
-        clock = time.perf_counter
+        clock = self.phases.clock
         marks = [clock()]
         # 1. draft, one tree per row
         trees = self._draft(batch, max_nodes, fill)

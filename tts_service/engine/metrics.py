@@ -10,6 +10,7 @@ rows' walls.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,11 @@ class StepPhases:
 
     steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def clock(self) -> float:
+        """A phase boundary's reading (the step calls it; a profiling subclass may first wait
+        for the device, so that each phase holds the device work it queued)."""
+        return time.perf_counter()
 
     def record(self, marks: list[float]) -> None:
         """One step: `marks` are `len(PHASES) + 1` perf_counter readings, one at each phase

@@ -11,6 +11,7 @@ from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import decode_rows, generate
 from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
@@ -73,6 +74,22 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     results = decode_rows(decoder, rows, 24)
     assert [r.token_ids for r in results] == refs
     assert decoder.graphs is not None and decoder.graphs.enabled and decoder.graphs.graphs
+
+
+@pytest.mark.parametrize("name", ["plain", "stand", "stand-dyn"])
+def test_the_compact_forward_under_graphs_commits_plain_greedy(name):
+    """The compact forward (`engine.compact`) captured in CUDA graphs, a GQA model so that its
+    attention folds heads under the tree mask: every row commits what plain decoding does."""
+    model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    prompts = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
+    cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (24, 9, 30)]
+    pairs = list(zip(prompts, cfgs, strict=True))
+    refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
+    decoder = BatchDecoder(CompactCausalLM(model), eos_ids=[], compact_slack=0)
+    rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c) for p, c in pairs]
+    assert [r.token_ids for r in decode_rows(decoder, rows, 24)] == refs
+    assert decoder.graphs is not None and decoder.graphs.graphs
 
 
 @pytest.mark.parametrize("name", ["plain", "pld", "stand-dyn", "stand"])
