@@ -2,7 +2,7 @@
 
 `tts solve`, a Serve replica and a generator actor (a job's) each hold one host. It opens the
 problems' stores (Redis when configured, so that every process of a job shares them), builds
-the seeded requests (`runner.trajectory_requests`), chooses how steps are sized (the learned
+the seeded requests (`trajectory.trajectory_requests`), chooses how steps are sized (the learned
 cost surface; a fixed token budget on a tensor-parallel leader, whose forwards this process
 cannot time alone), and runs them: in the caller's thread, or in a thread of its own that
 concurrent callers share (`threaded`). The edges only validate, call it and format.
@@ -23,16 +23,16 @@ from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine import collector
 from tts_service.engine.decode import GenerationOutput
 from tts_service.engine.scoring import TokenLogprobs, score_tokens
-from tts_service.runner import (
-    Admission,
-    RunnerLoop,
+from tts_service.engine.warmup import describe, warm_shapes, warm_up
+from tts_service.runner import Admission, RunnerLoop, TrajectoryRunner
+from tts_service.solve import Skip
+from tts_service.timing import phase
+from tts_service.trajectory import (
     RunReport,
     TrajectoryRequest,
     TrajectoryResult,
-    TrajectoryRunner,
     trajectory_requests,
 )
-from tts_service.solve import Skip
 
 if TYPE_CHECKING:
     from tts_service.engine.batch import BatchDecoder
@@ -69,11 +69,25 @@ class RunnerHost:
             if warm:  # the cost surface's prior (or the one on disk) before the first request
                 generator.surface(self.max_rows)
             self.runner = TrajectoryRunner(generator, self.max_rows, admission=admission)
+            self._warm_forward(warm)
         self.loop = RunnerLoop(self.runner) if threaded else None
         self.global_store = open_global_store(self.store_cfg, store_url)  # across problems
         self.scratch = InMemoryNgramStore()  # single generations' (`generate`)
         startup.settle()  # the process is up: what it made so far is frozen out of the collector
         collector.widen()  # and its passes run in the forwards' shadow (`engine.collector`)
+
+    def _warm_forward(self, warm: bool) -> None:
+        """Compile and capture the forward now (`engine.warmup`), saying so: always when it
+        is compiled (the compile is paid anyway; this way before decoding, announced), and
+        for a server (`warm`) the CUDA graphs too."""
+        decoder = self.runner.decoder
+        if not (warm or getattr(decoder.model, "compiled", False)):
+            return
+        shapes = len(warm_shapes(decoder, self.max_rows))
+        if shapes:
+            what = describe(decoder, shapes)
+            with phase(f"[tts] {what}", "[tts] forward ready"):
+                warm_up(decoder, self.max_rows)
 
     # -- stores ---------------------------------------------------------------------------
     def rows_running(self) -> int:

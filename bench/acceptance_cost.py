@@ -23,7 +23,8 @@ import torch
 from tts_service.config import SamplingConfig
 from tts_service.engine.sampling import store_probs
 from tts_service.engine.tree import DraftTree
-from tts_service.engine.treebatch import TreeBatch, verdict
+from tts_service.engine.treebatch import verdict
+from tts_service.engine.treepack import TreeBatch
 
 
 def sync(device: torch.device) -> None:

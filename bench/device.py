@@ -66,7 +66,8 @@ from tts_service.engine.matmul import tune_linear_products
 from tts_service.engine.metrics import StepPhases
 from tts_service.models import LoadedModel
 from tts_service.replay import LoggedProblem, TimedTarget, logged_requests, parse_line
-from tts_service.runner import RunReport, TrajectoryRunner
+from tts_service.runner import TrajectoryRunner
+from tts_service.trajectory import RunReport
 
 LOG = Path(__file__).with_name("trajectories-smollm2.jsonl.gz")
 
@@ -122,6 +123,21 @@ REPEAT_KV = "repeat_kv_sdpa"
 grouped tree attention, `engine.attention`)."""
 AttentionInterface.register(REPEAT_KV, sdpa_attention_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(REPEAT_KV, sdpa_mask)
+
+
+FORWARDS = ("transformers", "compact", "compiled")
+"""The engine's forwards (`--forward`): transformers' modelling code, the compact forward
+(`engine.compact`), and the compact forward with its kernels compiled."""
+
+
+def engine_forward(model, forward: str):
+    """`model` as the engine runs it under `forward` (one of `FORWARDS`)."""
+    if forward == "transformers":
+        return model
+    compact = CompactCausalLM(model)
+    if forward == "compiled":
+        compact.compile()
+    return compact
 
 
 def build_model(
@@ -534,7 +550,7 @@ def predict_main(args: argparse.Namespace) -> int:
             torch.set_grad_enabled(False)
             print(f"\nmeasured on {name} (predicted for {gpu.name}), qwen2.5-7b random bf16:")
             model, _ = build_model("qwen2.5-7b", None, "cuda", torch.bfloat16)
-            model = CompactCausalLM(model) if args.forward == "compact" else model
+            model = engine_forward(model, args.forward)
             log = read_log(pr.HELDOUT_LOG, 2, 256)
             shape = pr.SHAPES["qwen2.5-7b"]
             keep = args.json.with_name(args.json.stem + "-measured.json") if args.json else None
@@ -580,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--forward",
-        choices=["transformers", "compact"],
+        choices=FORWARDS,
         default="transformers",
         help="our engine's forward (model.forward); model.generate keeps transformers'",
     )
@@ -611,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     attn = REPEAT_KV if args.repeat_kv else "sdpa"
     model, model_name = build_model(args.model_config, args.model, str(device), dtype, attn)
-    engine = model if args.forward == "transformers" else CompactCausalLM(model)
+    engine = engine_forward(model, args.forward)
     if device.type == "cpu":  # as the service loads a model on a CPU (model.tune_matmul)
         tune_linear_products(engine)
     gen = torch.Generator().manual_seed(0)
@@ -669,9 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     mismatch = {dtype_name: greedy_mismatch(engine, prompts, 64)}
     if dtype != torch.float32:
         single = model.float()
-        mismatch["float32"] = greedy_mismatch(
-            single if args.forward == "transformers" else CompactCausalLM(single), prompts, 64
-        )
+        mismatch["float32"] = greedy_mismatch(engine_forward(single, args.forward), prompts, 64)
     report["greedy_mismatch"] = mismatch
     text = json.dumps(report, indent=2)
     print(text)

@@ -114,7 +114,8 @@ def run_hf(
 def run_ours(gen: Generator, ids: list[int], cfg: SamplingConfig, method: str) -> dict:
     """One generation through the runner, every step drafting the method's whole tree."""
     from store.memory import InMemoryNgramStore
-    from tts_service.runner import TrajectoryRunner, trajectory_requests
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.trajectory import trajectory_requests
 
     runner = TrajectoryRunner(gen, 1, "fixed", token_budget=1025)
     requests = trajectory_requests("q", ids, [0], cfg, drafter_for(method), InMemoryNgramStore())

@@ -40,7 +40,8 @@ from store.memory import InMemoryNgramStore
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, build_drafter, method_drafter
 from tts_service.drafters.spec import DraftEnv
-from tts_service.engine.batch import BatchDecoder, DenseNodes, Row, Verified
+from tts_service.engine.acceptance import DenseNodes, Verified, row_probs
+from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.engine.verify import Acceptance, expected_length, node_support
 from tts_service.models import load_model
@@ -75,14 +76,10 @@ class TeacherForcedDecoder(BatchDecoder):
         self._probs = None
         self._live: list[Verified] = []
 
-    def _store_probs(self, batch: list[Row], logits):
-        self._probs = super()._store_probs(batch, logits)  # the target's p at every node
-        return self._probs
-
     def verify(self, batch, trees, logits, tb, static=None) -> list[Verified]:
-        assert static is None, "p at every node is read eagerly (`_store_probs`)"
+        assert static is None, "p at every node is read eagerly (`acceptance.row_probs`)"
         self._live = super().verify(batch, trees, logits, tb)
-        assert self._probs is not None
+        self._probs = row_probs(batch, logits)  # the target's p at every node
         out = []
         for b, (row, tree, live) in enumerate(zip(batch, trees, self._live, strict=True)):
             supports = [node_support(tree, i) for i in range(tree.size)]

@@ -21,6 +21,7 @@
 #   bash bench/gpu_check.sh [OUT_DIR]      # at most 8 minutes on one H100/H200 (the default steps)
 #   STEPS="host host-graph host-drawn host-cost runner-replay-served predict" bash bench/gpu_check.sh
 #   STEPS="cuda-tests predict" bash bench/gpu_check.sh   # some of the steps
+#   STEPS="device-compiled runner-long-compiled" bash bench/gpu_check.sh   # torch.compile'd
 #   STEPS="cuda-tests host host-graph runner-replay runner-replay-eager" bash bench/gpu_check.sh
 #                                       # the captured acceptance against the eager one, alone
 #
@@ -77,6 +78,11 @@ step() {  # step NAME SECONDS COMMAND...
         --json "$out/device-7b-compact.json"
     step runner-long 180 $py -m bench.runner_replay --context 4096 --forward compact \
         --out "$out/long"
+    step device-compiled 180 $py -m bench.device --model-config qwen2.5-7b --problems 2 \
+        --rows 1,16,64 --tokens 1,2,4,8,16 --context 4096 --forward compiled \
+        --json "$out/device-7b-compiled.json"
+    step runner-long-compiled 200 $py -m bench.runner_replay --context 4096 --forward compiled \
+        --out "$out/long-compiled"
     step predict-compact 100 $py -m bench.device --predict --forward compact --contexts 4096 \
         --json "$out/predicted-measured.json"
     step device 130 $py -m bench.device --model-config qwen2.5-7b --problems 2 \

@@ -74,7 +74,8 @@ from tts_service.engine.metrics import PHASES
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
 from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
-from tts_service.runner import MAX_NODES, TrajectoryRequest, TrajectoryRow, TrajectoryRunner
+from tts_service.runner import MAX_NODES, TrajectoryRow, TrajectoryRunner
+from tts_service.trajectory import TrajectoryRequest
 
 LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")
 ROWS, NODES, METHODS = (1, 16, 64), (0, 8, 32), ("plain", "stand", "stand-dyn")

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from bench import device as dv
-from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.cost import sync_device
 from tts_service.engine.metrics import StepPhases
 
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--context", type=int, default=0, help="prompts lengthened to N tokens")
-    ap.add_argument("--forward", choices=["transformers", "compact"], default="transformers")
+    ap.add_argument("--forward", choices=dv.FORWARDS, default="transformers")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--served", action="store_true", help="one warm runner per method")
     ap.add_argument(
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model, _ = dv.build_model(args.model_config, None, args.device, dtype)
-    model = CompactCausalLM(model) if args.forward == "compact" else model
+    model = dv.engine_forward(model, args.forward)
     problems = dv.read_log(dv.LOG, args.problems, args.max_tokens, args.context)
     trajectories = sum(len(p.responses) for p in problems)
     context = round(sum(len(p.prompt_ids) for p in problems) / len(problems))  # prompt tokens

@@ -37,7 +37,8 @@ from store.config import StoreConfig
 from store.factory import open_store
 from store.local_server import LocalRedisCluster, LocalRedisServer
 from store.memory import InMemoryNgramStore
-from store.redis_store import RedisScope, client_from_url
+from store.redis_client import client_from_url
+from store.redis_store import RedisScope
 from tts_service.replay import LoggedProblem, parse_line
 
 LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bench import host
-from tts_service.engine import batch, collector
+from tts_service.engine import acceptance, collector
 from tts_service.engine.treebatch import SparseLayout, walk_sparse_all, walk_sparse_arrays
 
 ROUNDS = 5
@@ -39,11 +39,11 @@ def captured(rows: int, steps: int) -> list[tuple[SparseLayout, np.ndarray]]:
         seen.append((layout, data.copy()))
         return walk_sparse_all(layout, data)
 
-    batch.walk_sparse_all = keep  # type: ignore[assignment]
+    acceptance.walk_sparse_all = keep  # type: ignore[assignment]
     try:
         host.measure(problems, 256, rows, 8, "stand", steps, 0.6, graph_acceptance=True)
     finally:
-        batch.walk_sparse_all = walk_sparse_all  # type: ignore[assignment]
+        acceptance.walk_sparse_all = walk_sparse_all  # type: ignore[assignment]
     return seen
 
 

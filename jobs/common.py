@@ -204,7 +204,7 @@ def store_url(cfg: JobConfig) -> Iterator[str | None]:
     private redis-server for the run)."""
     if cfg.store.url != "local-redis":
         from store.factory import check_store
-        from store.redis_store import StoreUnavailableError
+        from store.redis_client import StoreUnavailableError
 
         try:
             check_store(cfg.store, cfg.store.url)

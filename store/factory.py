@@ -13,13 +13,8 @@ from urllib.parse import urlsplit
 from store.base import NgramStore
 from store.config import StoreConfig
 from store.memory import InMemoryNgramStore, TieredStore
-from store.redis_store import (
-    CLUSTER_SCHEME,
-    RedisLogitNgramStore,
-    RedisScope,
-    cluster_nodes,
-    ping,
-)
+from store.redis_client import CLUSTER_SCHEME, cluster_nodes, ping
+from store.redis_store import RedisLogitNgramStore, RedisScope
 
 
 def problem_id(prompt_ids: Sequence[int]) -> str:

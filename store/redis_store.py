@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import sys
 import threading
 import time
@@ -60,18 +59,15 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import RedisCluster
 
 from store.base import NgramEntry, NgramRow, mean_entry
+from store.redis_client import ERRORS, Client, StoreUnavailableError, client_from_url, delete_scope
 
 log = logging.getLogger(__name__)
 
-# lost connection, timeouts, server refusals (OOM), a cluster's redirections (MOVED, ASK,
-# TRYAGAIN, CLUSTERDOWN) and cluster client errors
-ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 FLUSH_ROWS = 512  # rows per round trip: a long outage's queue drains in bounded pipelines
 WAIT_MS = 50  # how long a cluster write waits for a replica to hold it (Redis WAIT)
 
@@ -115,56 +111,6 @@ end
 return done
 """
 APPLY_SHA = hashlib.sha1(APPLY_BATCHES.encode()).hexdigest()
-_ENTRY_KEY = re.compile(r":(\d+):\d+(?:,\d+)*$")  # ...:{n}:{t1,...,tn}
-
-
-class StoreUnavailableError(RuntimeError):
-    """Redis cannot be reached and no local fallback was asked for."""
-
-
-CLUSTER_SCHEME = "redis+cluster"
-Client = redis.Redis | RedisCluster
-
-
-def client_from_url(url: str) -> Client:
-    """A client for `url`: `redis+cluster://[:password@]host:port[,host:port...]` is a
-    Redis Cluster reached through any of its nodes; anything else is one server."""
-    timeouts = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
-    if urlsplit(url).scheme != CLUSTER_SCHEME:
-        return redis.Redis.from_url(url, **timeouts)
-    auth, nodes = cluster_nodes(url)
-    user, _, password = auth.partition(":")
-    return RedisCluster(
-        startup_nodes=nodes, username=user or None, password=password or None, **timeouts
-    )
-
-
-def cluster_nodes(url: str) -> tuple[str, list[ClusterNode]]:
-    """A `redis+cluster://` URL's credentials and nodes. Raises ValueError naming what is
-    malformed (checked before any model loads, with or without a fallback)."""
-    auth, _, hosts = urlsplit(url).netloc.rpartition("@")
-    nodes = []
-    for host in hosts.split(","):
-        name, _, port = host.strip().rpartition(":")
-        if not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"store URL {url!r}: expected host:port, not {host!r}")
-        nodes.append(ClusterNode(name, int(port)))
-    return auth, nodes
-
-
-def ping(url: str) -> None:
-    """Raise StoreUnavailableError unless the Redis at `url` answers: the edges call it before
-    a model loads, so that a wrong URL fails in seconds, not after the load."""
-    try:
-        client = client_from_url(url)
-    except ERRORS as e:  # a cluster client asks its nodes for the slots as it is made
-        raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
-    try:
-        client.ping()
-    except ERRORS as e:
-        raise StoreUnavailableError(f"cannot reach Redis at {url}: {e}") from e
-    finally:
-        client.close()
 
 
 @dataclass(frozen=True)
@@ -613,41 +559,3 @@ class RedisLogitNgramStore:
         self._cache[key] = (entry_from_hash({"_n": k + 1, **sums}, self.topk), fetched)
         self._cache.move_to_end(key)
         self._trim()
-
-
-def delete_scope(client: Client, prefix: str) -> int:
-    """Delete every key under `prefix`; returns how many."""
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            deleted += client.unlink(*batch)
-            batch = []
-    if batch:
-        deleted += client.unlink(*batch)
-    return deleted
-
-
-def scope_stats(client: Client, prefix: str) -> dict:
-    """Entries per n-gram order, and updates applied, under `prefix`, which may span scopes
-    ("tts:" is all of them). A SCAN: for operators and tests, not the hot path."""
-    by_order: dict[str, int] = {}
-    counters: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        name = key.decode()
-        entry = _ENTRY_KEY.search(name)
-        if entry is not None:
-            by_order[entry[1]] = by_order.get(entry[1], 0) + 1
-        elif name.endswith(":_applied"):
-            counters.append(key)
-    mget = client.mget_nonatomic if isinstance(client, RedisCluster) else client.mget
-    applied = sum(
-        int(v or 0) for i in range(0, len(counters), 1000) for v in mget(counters[i : i + 1000])
-    )
-    return {
-        "prefix": prefix,
-        "entries": sum(by_order.values()),
-        "entries_by_order": dict(sorted(by_order.items())),
-        "applied_updates": applied,
-    }

@@ -114,7 +114,8 @@ def calibrate(generator, req) -> CalibratedTree:
     from tqdm import tqdm
 
     from store.memory import InMemoryNgramStore
-    from tts_service.runner import TrajectoryRunner, trajectory_requests
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.trajectory import trajectory_requests
 
     prompts = [json.loads(x)["prompt"] for x in req.prompts.read_text().splitlines() if x.strip()]
     cfg = StandDrafterConfig(tree=req.init_tree, num_nodes=BIG_TREE_NODES)

@@ -199,6 +199,8 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         from tts_service.engine.compact import CompactCausalLM
 
         model = CompactCausalLM(model)  # ValueError: a family it does not cover
+        if cfg.compile:
+            model.compile()  # compiles at the first forward of a shape (`engine.warmup`)
     if cfg.tune_matmul and device.type == "cpu":
         cache = cfg.cost_cache_dir
         tune_linear_products(model, matmul_cache_file(cache, model) if cache else None)

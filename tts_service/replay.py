@@ -33,8 +33,9 @@ from store.base import NgramStore
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, RowDrafters, method_drafter
+from tts_service.engine.acceptance import Verified
 from tts_service.engine.allocate import SlotStats
-from tts_service.engine.batch import BatchDecoder, Row, StepObserver, Verified
+from tts_service.engine.batch import BatchDecoder, Row, StepObserver
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.kv import fill_holes
@@ -46,8 +47,9 @@ from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 from tts_service.generation import Generator
 from tts_service.models import LoadedModel
-from tts_service.runner import TrajectoryRequest, TrajectoryRow, TrajectoryRunner
+from tts_service.runner import TrajectoryRow, TrajectoryRunner
 from tts_service.solve import SolveResult
+from tts_service.trajectory import TrajectoryRequest
 
 MAX_NODES = 1024
 TRAJECTORY_INDICES = (1, 2, 4, 8, 16)  # the per-index breakdown: does the store help later ones?

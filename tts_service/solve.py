@@ -23,11 +23,11 @@ from tts_service.engine.decode import GenerationOutput, OnCommit
 from tts_service.engine.metrics import acceptance_length
 from tts_service.engine.streams import new_run_nonce
 from tts_service.generation import Generator
-from tts_service.runner import (
+from tts_service.runner import TrajectoryRunner
+from tts_service.trajectory import (
     RunReport,
     TrajectoryRequest,
     TrajectoryResult,
-    TrajectoryRunner,
     trajectory_requests,
 )
 

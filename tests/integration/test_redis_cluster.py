@@ -17,13 +17,8 @@ from store.config import StoreConfig
 from store.factory import open_problem_store, open_store, problem_id
 from store.local_server import LocalRedisCluster
 from store.memory import InMemoryNgramStore
-from store.redis_store import (
-    RedisLogitNgramStore,
-    RedisScope,
-    StoreUnavailableError,
-    client_from_url,
-    scope_stats,
-)
+from store.redis_client import StoreUnavailableError, client_from_url, scope_stats
+from store.redis_store import RedisLogitNgramStore, RedisScope
 from tests.conftest import ngram_steps
 
 pytestmark = pytest.mark.skipif(
@@ -138,7 +133,7 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
 
 
 def test_a_cluster_url_that_does_not_answer_is_a_clear_error():
-    from store.redis_store import ping
+    from store.redis_client import ping
 
     with pytest.raises(StoreUnavailableError, match="Redis"):
         ping("redis+cluster://127.0.0.1:9,127.0.0.1:10")

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from store.local_server import LocalRedisServer
-from store.redis_store import RedisLogitNgramStore, RedisScope, scope_stats
+from store.redis_client import scope_stats
+from store.redis_store import RedisLogitNgramStore, RedisScope
 from tests.conftest import ngram_steps
 
 ROWS = 3  # rows per decoding step

@@ -16,13 +16,8 @@ from store.config import StoreConfig
 from store.factory import open_store
 from store.local_server import LocalRedisServer, RedisServerError, free_port
 from store.memory import InMemoryNgramStore, TieredStore
-from store.redis_store import (
-    FLUSH_ROWS,
-    RedisLogitNgramStore,
-    RedisScope,
-    StoreUnavailableError,
-    scope_stats,
-)
+from store.redis_client import StoreUnavailableError, scope_stats
+from store.redis_store import FLUSH_ROWS, RedisLogitNgramStore, RedisScope
 from tts_service.cli import main
 
 

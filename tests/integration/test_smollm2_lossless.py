@@ -48,7 +48,8 @@ def references(smollm2):
 def test_smollm2_greedy_is_token_identical(smollm2, references, drafter):
     """Through the runner, every step drafting (a fixed budget, not the cost surface's)."""
     from store.memory import InMemoryNgramStore
-    from tts_service.runner import TrajectoryRunner, trajectory_requests
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.trajectory import trajectory_requests
 
     runner = TrajectoryRunner(smollm2, 1, "fixed", token_budget=1025)
     forwards = tokens = 0

@@ -39,8 +39,9 @@ from tts_service.engine.cost import CostModel
 from tts_service.engine.sampling import SamplingParams, target_probs
 from tts_service.generation import Generator
 from tts_service.models import load_model
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+from tts_service.runner import TrajectoryRunner
 from tts_service.solve import ProblemInput, solve_problems
+from tts_service.trajectory import TrajectoryRequest
 
 pytestmark = pytest.mark.statistical
 

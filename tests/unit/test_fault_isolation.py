@@ -12,7 +12,8 @@ from tests.unit.test_runner import make_generator
 from tts_service.config import SamplingConfig
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.seam import Drafter
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+from tts_service.runner import TrajectoryRunner
+from tts_service.trajectory import TrajectoryRequest
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
 

@@ -12,13 +12,15 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import DRAFTER_CONFIGS, word_tokenizer
 from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import SamplingConfig
-from tts_service.engine.allocate import BatchCost, DraftCost
+from tts_service.engine.allocate import DraftCost
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.cost import BatchCost
 from tts_service.engine.decode import plain_generate
 from tts_service.generation import Generator
 from tts_service.models import LoadedModel
-from tts_service.runner import TrajectoryRequest, TrajectoryRunner, trajectory_requests
+from tts_service.runner import TrajectoryRunner
 from tts_service.solve import ProblemInput, solve_problems
+from tts_service.trajectory import TrajectoryRequest, trajectory_requests
 
 VOCAB = 64
 

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     check_tensor_parallel(cfg, flag)
     app = (data.get("applications") or [{}])[0]
     from store.factory import check_store
-    from store.redis_store import StoreUnavailableError
+    from store.redis_client import StoreUnavailableError
 
     try:  # before any replica loads the model
         check_store(cfg.store, cfg.store.url)

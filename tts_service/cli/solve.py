@@ -138,7 +138,7 @@ def _solve_with(
     leader's decoder)."""
     from actors.host import RunnerHost
     from store.factory import problem_id
-    from store.redis_store import StoreUnavailableError
+    from store.redis_client import StoreUnavailableError
     from tts_service.drafters.registry import VerifyKeyReusedError
     from tts_service.generation import InputTooLongError
     from tts_service.solve import ProblemInput, solve_problems

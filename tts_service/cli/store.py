@@ -32,7 +32,7 @@ def store_server(cfg: StoreConfig) -> Iterator[str | None]:
     resolved to a private redis-server that lives as long as the command."""
     if cfg.url != "local-redis":
         from store.factory import check_store
-        from store.redis_store import StoreUnavailableError
+        from store.redis_client import StoreUnavailableError
 
         try:
             check_store(cfg, cfg.url)
@@ -85,13 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--id: the {args.scope} scope needs an id (or use --scope all)")
     from redis.cluster import RedisCluster
 
-    from store.redis_store import (
-        ERRORS,
-        RedisScope,
-        client_from_url,
-        delete_scope,
-        scope_stats,
-    )
+    from store.redis_client import ERRORS, client_from_url, delete_scope, scope_stats
+    from store.redis_store import RedisScope
 
     if args.scope == "all":
         prefix = "tts:"

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tts_service.config.base import StrictConfig
 
@@ -75,6 +75,12 @@ class ModelConfig(StrictConfig):
         "and Qwen2 families: fused QKV and gate-up products over the same weights, "
         "engine/compact.py; one process, not tensor-parallel ranks).",
     )
+    compile: bool = Field(
+        False,
+        description="With forward: compact, compile the layers' element-wise work with "
+        "torch.compile (inductor; on a GPU inside the CUDA graphs). Paid once per process "
+        "before the first request (announced; inductor keeps it on disk for the next).",
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -130,6 +136,12 @@ class ModelConfig(StrictConfig):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
             raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _compile_needs_compact(self) -> ModelConfig:
+        if self.compile and self.forward != "compact":
+            raise ValueError("compile: needs forward: compact (it compiles that forward)")
+        return self
 
 
 MaxRows = Annotated[int, Field(ge=1, le=256)]

@@ -10,11 +10,10 @@ computes. When holes outnumber entries the cache is compacted in place. Every ro
 exactly what it would alone (greedy: the same tokens; sampling: the same distribution, from the
 row's own random stream).
 
-One step is draft -> pack -> forward -> verify -> accept -> compact KV -> observe. The verify
-work runs on the device for every row at once, and the host reads its results with one copy
-(one synchronisation per step): the argmax and the drafters' top-k at every node, and for
-sampled rows over deterministic drafts the draws of `verify.draw_match`. Only trees with
-sampled children (recursive rejection sampling) walk node by node on the device. On CUDA the
+One step is draft -> pack -> forward -> verify -> accept -> compact KV -> observe, each phase
+one method and timed by name (`metrics.StepTimer`). The verify work runs on the device for
+every row at once, and the host reads its results with one copy (one synchronisation per
+step; `engine.acceptance`, eager or captured, chosen when the decoder is built). On CUDA the
 forward can be a captured graph (`engine.graphs`).
 """
 
@@ -23,16 +22,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from tts_service.engine.acceptance import StepAcceptance, Verified, verify_streams
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.collector import collect_in_shadow
 from tts_service.engine.cost import sync_device
-from tts_service.engine.decode import STORE_TOPK, GenerationResult, OnCommit, StopRule
+from tts_service.engine.decode import GenerationResult, OnCommit, StopRule
 from tts_service.engine.graphs import (
     MAX_TOKENS,
     EagerReplayedAcceptance,
@@ -50,37 +49,20 @@ from tts_service.engine.kv import (
     fill_holes,
     padded_rows,
 )
-from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases
-from tts_service.engine.sampling import SamplingParams, store_probs
+from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases, StepTimer
+from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import (
     OBSERVE_TAIL,
     Deferred,
     DeferredObservations,
     DraftContext,
     Drafter,
-    NodeTopK,
     draft_all,
 )
-from tts_service.engine.streams import Stream, node_uniform_block, node_uniforms, stream_seed
+from tts_service.engine.streams import Stream, node_uniform_block, stream_seed
 from tts_service.engine.tree import DraftTree
-from tts_service.engine.treebatch import (
-    WALK_ALL_FROM,
-    GatheredNodes,
-    SparseLayout,
-    TreeBatch,
-    gather_sparse,
-    outside_support,
-    step_verdict,
-    step_verdict_walked,
-    verdict,
-    walk_sparse_all,
-)
-from tts_service.engine.verify import Acceptance, SparseNode, node_support, walk_sparse
-
-
-def _params(cfg: SamplingParams) -> tuple[float, float, int, float]:
-    """What p depends on (`sampling.store_probs`): rows alike in it share one computation."""
-    return (cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p)
+from tts_service.engine.treepack import TreeBatch
+from tts_service.engine.verify import Acceptance
 
 
 @dataclass(eq=False)
@@ -135,34 +117,6 @@ def _guarded(row: Row, later: Deferred) -> Deferred:
     return run
 
 
-Uniforms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # `streams.node_uniforms`'s (u, v, w)
-
-
-class DenseNodes:
-    """The `SparseNode`s of one row's tree, each computed from the dense p when a walk reaches
-    it (`verify.walk_sparse`): what `treebatch.gather_sparse` gathers for every node at once, for
-    the visited nodes only."""
-
-    def __init__(self, p: torch.Tensor, supports: list[list[int]], v: list[float]) -> None:
-        self.p, self.supports, self.v = p, supports, v
-
-    def __getitem__(self, node: int) -> SparseNode:
-        support, device = self.supports[node], self.p.device
-        ids = torch.tensor([support or [0]], dtype=torch.long, device=device)
-        empty = torch.tensor([not support], device=device)
-        v = torch.tensor([self.v[node]], dtype=torch.float64, device=device)
-        on, mass, draw = outside_support(self.p[node][None], ids, empty, v)
-        return SparseNode(support, on[0, : len(support)].tolist(), float(mass[0]), int(draw[0]))
-
-
-@dataclass
-class Verified:
-    """What the host learned from one step's single device copy, for one row."""
-
-    acc: Acceptance
-    top: NodeTopK
-
-
 class BatchDecoder:
     """The rows decoding now, their shared KV cache, and the per-forward counters.
 
@@ -211,21 +165,27 @@ class BatchDecoder:
         graphs = cuda_graphs and model.device.type == "cuda"
         self.graphs = GraphedForward(model, self.cache) if graphs else None
         self.cache.full_view = full_view or graphs
-        self.accept_graphs: GraphedAcceptance | None = None
+        captured: GraphedAcceptance | None = None
         if graph_acceptance is None:
             graph_acceptance = graphs
         if graph_acceptance and model.device.type != "cuda":
-            self.accept_graphs = EagerReplayedAcceptance(model.device)
+            captured = EagerReplayedAcceptance(model.device)
         elif graph_acceptance and graphs:  # it reads the captured forward's logits in place
-            self.accept_graphs = GraphedAcceptance(model.device)
-        self.accept_epoch = self.cache.epoch
+            captured = GraphedAcceptance(model.device)
+        self.acceptance = StepAcceptance(model.device, self.graphs, captured, self.cache.epoch)
         self.forwards = ForwardStats()
         self.phases = StepPhases()
         self.defer_observation = defer_observation
-        # rule (c): gather every node's support on the device, for one copy (a GPU); else
-        # compute the nodes a walk reaches from the dense p (a CPU, where a copy is free)
-        self.gather_sparse = model.device.type == "cuda"
         self.deferred = DeferredObservations()  # run during the next forward
+
+    @property
+    def accept_graphs(self) -> GraphedAcceptance | None:
+        """The step's captured acceptance (None: eager), chosen when the decoder is built."""
+        return self.acceptance.captured
+
+    @accept_graphs.setter
+    def accept_graphs(self, captured: GraphedAcceptance | None) -> None:
+        self.acceptance.captured = captured
 
     @property
     def context_len(self) -> int:
@@ -406,64 +366,76 @@ class BatchDecoder:
         of steps up to t - 1, in row order, deterministically.
         Returns the rows that finished (they have left the batch)."""
         batch = self.active
-        plain = max_nodes == 0
-        before = [len(r.tokens) for r in batch] if plain else None  # the roots' contexts
-        clock = self.phases.clock
-        marks = [clock()]
-        # 1. draft, one tree per row
-        trees = self._draft(batch, max_nodes, fill)
-        marks.append(clock())
-        # 2-3. pack and one forward for the whole batch
-        start = self.cache.length
-        width = max(t.size for t in trees)
+        before = [len(r.tokens) for r in batch] if max_nodes == 0 else None  # roots' contexts
+        timer = self.phases.timer()
+        trees = self._draft(batch, max_nodes, fill)  # 1. draft, one tree per row
+        timer.mark("draft")
+        start, width = self.cache.length, max(t.size for t in trees)
+        tb, static, inputs = self._pack_step(batch, trees, width)  # 2. pack
+        timer.mark("pack")
+        logits = self._forward(*inputs, start)  # 3. one forward for the whole batch: [R, N, V]
+        timer.mark("forward")
+        # the last step's deferred observation and the collector's pass, while the device runs
+        self.flush_observations()
+        collect_in_shadow()
+        timer.mark("overlap")
+        if static is None:
+            logits = logits[: len(batch), :width]
+        verified = self.verify(batch, trees, logits, tb, static)  # 4. one copy back
+        timer.mark("verify")
+        keeps, committed = self._accept(batch, trees, verified)  # 5. commit
+        timer.mark("accept")
+        finished = self._keep(start, keeps)  # 6. each row keeps root + accepted path
+        timer.mark("kv")
+        self._observe(batch, trees, verified, before, observe)  # 7. the drafters learn
+        if not self.active or not self.defer_observation:  # no next forward to hide it under
+            self.flush_observations()
+        timer.mark("observe")
+        self._book(batch, trees, finished, timer, (width, committed, start))
+        return finished
+
+    def _pack_step(
+        self, batch: list[Row], trees: list[DraftTree], width: int
+    ) -> tuple[TreeBatch, StepInputs | None, tuple[torch.Tensor, ...]]:
+        """The step's trees as the forward's inputs (ids, positions, mask) at its shape; where
+        the acceptance is captured, written to the bucket's captured inputs (`static`), the
+        sampled rows' uniforms with them, copied while the device is still free."""
         shape = self._shape(len(batch), width)
-        self.cache.reserve(shape[0], start + shape[1])
+        self.cache.reserve(shape[0], self.cache.length + shape[1])
         static = self.accept_graphs.inputs(*shape) if self.accept_graphs is not None else None
         roots = [len(r.tokens) - 1 for r in batch]
         if static is None:
             tb = TreeBatch.of(trees, width, self.device, roots)
-        else:  # the whole bucket, written to its captured acceptance's inputs
+        else:  # the whole bucket, pad rows included
             pad = shape[0] - len(trees)
             trees_b, roots_b = trees + [DraftTree.root_only(0)] * pad, roots + [0] * pad
             uniforms = None
-            if not all(r.cfg.greedy for r in batch):  # copied while the device is still free
-                keys, counters = self._verify_streams(batch, pad)
-                uniforms = node_uniform_block(keys, counters, shape[1])
+            if not all(r.cfg.greedy for r in batch):
+                uniforms = node_uniform_block(*verify_streams(batch, pad), shape[1])
             tb = static.fill(trees_b, roots_b, uniforms)
-        ids, pos, mask = self._pack(tb, shape)
-        marks.append(clock())
-        logits = self._forward(ids, pos, mask, start)  # [R, N, V]
-        marks.append(clock())
-        # the last step's deferred observation and the collector's pass, while the device runs
-        # this forward
-        self.flush_observations()
-        collect_in_shadow()
-        marks.append(clock())
-        # 4-5. verify (on the device, one copy back) and accept
-        if static is None:
-            logits = logits[: len(batch), :width]
-        verified = self.verify(batch, trees, logits, tb, static)
-        marks.append(clock())
-        keeps, committed = self._accept(batch, trees, verified)
-        marks.append(clock())
-        # 6. compact KV: each row keeps root + accepted path at the front of the new region
-        finished = self._keep(start, keeps)
-        marks.append(clock())
-        # 7. observe: every drafter learns (what it defers runs in the next forward)
-        self._observe(batch, trees, verified, before, observe)
-        if not self.active or not self.defer_observation:  # no next forward to hide it under
-            self.flush_observations()
-        marks.append(clock())
-        self.phases.record(marks)
-        t0, t1, t2, t3 = marks[0], marks[1], marks[7], marks[8]
+        return tb, static, self._pack(tb, shape)
+
+    def _book(
+        self,
+        batch: list[Row],
+        trees: list[DraftTree],
+        finished: list[Row],
+        timer: StepTimer,
+        step: tuple[int, int, int],
+    ) -> None:
+        """The step's phases, each row's share of its time, finished rows' latency, and the
+        forward's record (`step`: its width, tokens committed and start slot)."""
+        self.phases.record(timer)
+        draft, observe = timer.seconds("draft"), timer.seconds("observe")
+        forward = timer.total() - draft - observe  # pack to KV: the forward and its acceptance
         for row in batch:  # one forward for all: each row is booked an equal share
-            row.stats.draft_s += ((t1 - t0) + (t3 - t2)) / len(batch)
-            row.stats.verify_s += (t2 - t1) / len(batch)
+            row.stats.draft_s += (draft + observe) / len(batch)
+            row.stats.verify_s += forward / len(batch)
         for row in finished:
-            row.stats.wall_s = t3 - row.joined_at  # the row's own latency, join to finish
+            row.stats.wall_s = timer.end - row.joined_at  # the row's own latency, join to finish
+        width, committed, start = step
         nodes = sum(t.size - 1 for t in trees)
-        self.forwards.record(len(batch), width, nodes, committed, t1 - t0, t2 - t1, t3 - t2, start)
-        return finished
+        self.forwards.record(len(batch), width, nodes, committed, draft, forward, observe, start)
 
     def _observe(
         self,
@@ -559,138 +531,9 @@ class BatchDecoder:
         tb: TreeBatch,
         static: StepInputs | None = None,
     ) -> list[Verified]:
-        """Every row's acceptance and top-k from `logits` (`[R, N, V]`), with one copy back:
-        rules (a) and (b) for all rows at once on the device (`engine.treebatch`); for rows
-        whose trees have sampled children (rule (c)), p on each node's support and a draw from
-        p outside it, which the host walks for all of them at once
-        (`treebatch.walk_sparse_all`; on a CPU, row by row from the dense p). With `static`
-        (the bucket's captured-acceptance inputs, `tb` and `logits` the whole bucket's), a
-        batch of one set of sampling parameters replays the captured acceptance (with rule (c)'s
-        gather, where rows are walked). Timing replay overrides it (acceptance that follows a log,
-        `tts_service.replay.LoggedBatchDecoder`)."""
-        rows, n = len(batch), tb.shape[1]
-        k = min(STORE_TOPK, logits.shape[-1])
-        greedy = [r.cfg.greedy for r in batch]
-        walk = [b for b, t in enumerate(trees) if not greedy[b] and any(t.sampled)]
-        probs = uvw = None
-        # rule (c)'s trees laid out for the device's gather (a bucket's: at its static width)
-        layout = None
-        if walk and (self.gather_sparse or static is not None):
-            layout = SparseLayout.of([trees[b] for b in walk], n, bucket=static is not None)
-        flat = None
-        if static is not None:
-            flat = self._replay_acceptance(batch, logits, static, k, walk, layout)
-        if flat is not None:  # the whole bucket's, pad rows included: the step's one sync
-            assert static is not None
-            assert self.accept_graphs is not None
-            host, bucket = self.accept_graphs.to_host(flat), static.ints.shape[0]
-            size = bucket * (2 + n + 2 * n * k)
-            head = host[:size].reshape(bucket, -1)[:rows]
-            sparse = host[size:].reshape(bucket, n, -1)[walk]
-        else:
-            if static is not None:  # eagerly, on the bucket's real rows
-                logits, tb = logits[:rows], tb.head(rows)
-            probs = self._store_probs(batch, logits)  # sampled rows: p itself
-            uvw = None if all(greedy) else self._uniforms(batch, n)
-            mixed = uvw is not None and any(greedy)
-            on = torch.tensor(greedy, device=self.device) if mixed else None
-            uv = None if uvw is None else (uvw[0], uvw[1])
-            main = verdict(tb, logits, probs, k, uv, on)
-            if layout is None:  # the step's one synchronisation; the host reads numpy arrays
-                host = main.cpu().numpy()
-            else:
-                assert uvw is not None
-                at = torch.tensor(walk, dtype=torch.long, device=self.device)
-                u, v, w = (x[at] for x in uvw)
-                rule_c = gather_sparse(probs[at], layout, u, v, w)
-                host = torch.cat([main.flatten(), rule_c.flatten()]).cpu().numpy()
-            head = host[: main.numel()].reshape(main.shape)
-            sparse = host[main.numel() :].reshape(len(walk), n, -1) if layout else host[:0]
-        meta = head[:, : 2 + n]
-        # copies (`astype`, `copy`): the drafters keep them past the step, and `host` may be a
-        # reused buffer
-        top_ids = head[:, 2 + n : 2 + n + n * k].reshape(rows, n, k).astype(np.int64)
-        top_probs = head[:, 2 + n + n * k :].reshape(rows, n, k).copy()
-        walked: dict[int, Acceptance] = {}
-        if layout is not None and len(walk) >= WALK_ALL_FROM:  # every walked row at once
-            walked = dict(zip(walk, walk_sparse_all(layout, sparse), strict=True))
-        elif layout is not None:  # a few rows: each walks the nodes it reaches
-            for i, b in enumerate(walk):
-                nodes = GatheredNodes(layout, sparse, i)
-                walked[b] = walk_sparse(trees[b], nodes, nodes.u, nodes.w)
-        else:  # on a CPU: each visited node from the dense p, only the nodes the walks reach
-            for b in walk:
-                assert uvw is not None and probs is not None
-                u, v, w = (x[b].tolist() for x in uvw)
-                nodes = [node_support(trees[b], i) for i in range(trees[b].size)]
-                walked[b] = walk_sparse(trees[b], DenseNodes(probs[b], nodes, v), u, w)
-        out = []
-        for b, (tree, m) in enumerate(zip(trees, meta.tolist(), strict=True)):
-            acc = walked.get(b)
-            if acc is None:
-                path = tuple(i for i in range(1, tree.size) if m[2 + i])
-                acc = Acceptance(path, tuple(tree.tokens[i] for i in path), int(m[1]))
-            out.append(Verified(acc, NodeTopK(top_ids[b], top_probs[b])))
-        return out
-
-    @staticmethod
-    def _verify_streams(batch: list[Row], pad: int = 0) -> tuple[list[int], list[int]]:
-        """Every row's verifier stream and counter (`streams.counter_uniforms`): its key, and
-        its length (its root's position + 1, a value it never repeats); `pad` rows of zeros
-        after them (a bucket's pad rows, whose draws nothing reads)."""
-        keys = [r.verify_key for r in batch] + [0] * pad
-        return keys, [len(r.tokens) for r in batch] + [0] * pad
-
-    def _uniforms(self, batch: list[Row], n: int) -> Uniforms:
-        """Every row's (u, v, w) at its `n` nodes (`streams.node_uniforms`)."""
-        return node_uniforms(*self._verify_streams(batch), n, self.device)
-
-    def _replay_acceptance(
-        self,
-        batch: list[Row],
-        logits: torch.Tensor,
-        static: StepInputs,
-        k: int,
-        walk: list[int],
-        layout: SparseLayout | None,
-    ) -> torch.Tensor | None:
-        """The whole bucket's acceptance (`logits` and the trees in `static`, pad rows included)
-        through its captured graph: `treebatch.step_verdict`, or with rows that rule (c) walks
-        (`walk`, laid out in `layout`) `step_verdict_walked` (flat); None where the rows do
-        not share one set of sampling parameters or the capture failed (the caller runs it
-        eagerly)."""
-        assert self.accept_graphs is not None
-        cfg = batch[0].cfg
-        params = _params(cfg)
-        if any(_params(r.cfg) != params for r in batch):
-            return None
-        if self.graphs is not None and self.graphs.epoch != self.accept_epoch:
-            self.accept_graphs.clear()  # the forward's logits buffers were captured again
-            self.accept_epoch = self.graphs.epoch
-        shape = (static.ints.shape[0], static.masks.shape[-1])
-        inputs: tuple[torch.Tensor, ...] = (logits, *static.trees)
-        if not cfg.greedy:  # the uniforms: filled before the forward (`step`)
-            inputs = (*inputs, static.uvw)
-        if layout is None:
-            return self.accept_graphs((shape, params, k), partial(step_verdict, cfg, k), inputs)
-        supports = self.accept_graphs.supports(layout.supports(walk, shape[0]))
-        key = (shape, params, k, supports.shape[-1])
-        fn = partial(step_verdict_walked, cfg, k)
-        return self.accept_graphs(key, fn, (*inputs, supports))
-
-    def _store_probs(self, batch: list[Row], logits: torch.Tensor) -> torch.Tensor:
-        """`[R, N, V]` float64: per row `sampling.store_probs` under its own parameters, one
-        computation per distinct set of them (best-of-N: one)."""
-        groups: dict[tuple, list[int]] = {}
-        for b, row in enumerate(batch):
-            groups.setdefault(_params(row.cfg), []).append(b)
-        if len(groups) == 1:
-            return store_probs(logits, batch[0].cfg)
-        out = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
-        for members in groups.values():
-            at = torch.tensor(members, device=logits.device)
-            out[at] = store_probs(logits[at], batch[members[0]].cfg)
-        return out
+        """Every row's acceptance and top-k from `logits` (`engine.acceptance`); timing replay
+        overrides it (acceptance that follows a log, `tts_service.replay`)."""
+        return self.acceptance(batch, trees, logits, tb, static)
 
     def _forward(self, ids, pos, mask, start: int) -> torch.Tensor:
         if self.graphs is not None:

@@ -19,8 +19,11 @@ additive mask, explicit positions, a cache with `update(key, value, layer)`,
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,22 +79,75 @@ class CompactLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache,
+        kernels: Kernels,
     ) -> torch.Tensor:
+        """`x` after this layer; the products are the linear modules' (so CPU tuning of them
+        holds), everything between them one of `kernels`."""
         s = self.shape
-        rows, n, _ = x.shape
-        q, k, v = self.qkv(rms_norm(x, self.norm_in, s.eps)).split(
-            [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1
-        )
-        q = q.view(rows, n, s.heads, s.head_dim).transpose(1, 2)
-        k = k.view(rows, n, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(rows, n, s.kv_heads, s.head_dim).transpose(1, 2)
-        q, k = rotate(q, k, *rotary)
+        q, k, v = kernels.rotated_heads(self.qkv(kernels.norm(x, self.norm_in, s.eps)), *rotary, s)
         if cache is not None:
             k, v = cache.update(k, v, self.index)
         out = tree_attention(q, k, v, mask, self.scaling)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(rows, n, -1))
-        gate, up = self.gate_up(rms_norm(x, self.norm_post, s.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x, h = kernels.add_norm(
+            x, self.o_proj(out.transpose(1, 2).flatten(2)), self.norm_post, s.eps
+        )
+        return x + self.down(kernels.silu_mul(self.gate_up(h)))
+
+
+class Kernels(NamedTuple):
+    """What a layer runs between its products: eager, or each compiled into one fused kernel
+    (`compiled_kernels`). Pure functions of tensors, shared by every layer, so one compiled
+    graph serves them all."""
+
+    norm: Callable
+    rotated_heads: Callable
+    add_norm: Callable
+    silu_mul: Callable
+
+
+def rotated_heads(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s: LayerShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV product's output as `[R, H, N, D]` queries and `[R, Hkv, N, D]` keys
+    and values, the queries and keys rotated."""
+    rows, n, _ = qkv.shape
+    q, k, v = qkv.split(
+        [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1
+    )
+    q = q.view(rows, n, s.heads, s.head_dim).transpose(1, 2)
+    k = k.view(rows, n, s.kv_heads, s.head_dim).transpose(1, 2)
+    v = v.view(rows, n, s.kv_heads, s.head_dim).transpose(1, 2)
+    q, k = rotate(q, k, cos, sin)
+    return q, k, v
+
+
+def add_norm(
+    x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after `update`, and its RMSNorm."""
+    x = x + update
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache
+def compiled_kernels() -> Kernels:
+    """`Kernels` through `torch.compile` (inductor), once per process, for any size (sizes of
+    1 apart: `engine.warmup` calls each variant once); inductor keeps what it compiled on disk
+    (`inductor_cache_dir`), so a later process loads it."""
+    return Kernels(*(torch.compile(f, dynamic=True) for f in EAGER))
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled kernels (`$TORCHINDUCTOR_CACHE_DIR`, by default
+    `/tmp/torchinductor_$USER`)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 class CompactCausalLM(nn.Module):
@@ -112,6 +168,17 @@ class CompactCausalLM(nn.Module):
             CompactLayer(layer, shape, i) for i, layer in enumerate(inner.layers)
         )
         self.norm, self.eps, self.lm_head = inner.norm.weight, cfg.rms_norm_eps, model.lm_head
+        self.kernels = EAGER
+
+    def compile(self) -> None:  # type: ignore[override]  # nn.Module.compile wraps forward
+        """Run the layers' element-wise work as compiled kernels (`compiled_kernels`); the
+        products, the cache writes and attention stay as they are (cuBLAS, SDPA), and on a
+        GPU the CUDA graphs capture it all."""
+        self.kernels = compiled_kernels()
+
+    @property
+    def compiled(self) -> bool:
+        return self.kernels is not EAGER
 
     @property
     def device(self) -> torch.device:
@@ -143,7 +210,7 @@ class CompactCausalLM(nn.Module):
         else:
             mask = causal_mask(n, past, x.dtype, x.device)
         for layer in self.layers:
-            x = layer(x, rotary, mask, past_key_values)
+            x = layer(x, rotary, mask, past_key_values, self.kernels)
         x = rms_norm(x[:, -logits_to_keep:] if logits_to_keep else x, self.norm, self.eps)
         return SimpleNamespace(logits=self.lm_head(x), past_key_values=past_key_values)
 
@@ -194,3 +261,6 @@ def rotate(
 def _half_turn(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+EAGER = Kernels(rms_norm, rotated_heads, add_norm, silu_mul)

@@ -225,3 +225,52 @@ class CostModel(Generic[Curve]):
         if bucket not in self.curves:
             self.curves[bucket] = self._measure(bucket)
         return self.curves[bucket]
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Time of one batched verify forward, `seconds[i][j]` for `rows[i]` rows of `widths[j]`
+    tokens each, over a cache of `context_len`. Linear in between, last slope beyond."""
+
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    context_len: int
+
+    @classmethod
+    def fit(
+        cls,
+        rows: Sequence[int],
+        widths: Sequence[int],
+        seconds: Sequence[Sequence[float]],
+        context_len: int,
+    ) -> BatchCost:
+        """Monotone fit: more rows or more tokens per row never cost less (noise says otherwise
+        on a busy machine)."""
+        import torch
+
+        t = torch.tensor(seconds, dtype=torch.float64)
+        t = torch.cummax(torch.cummax(t, dim=0).values, dim=1).values
+        return cls(tuple(rows), tuple(widths), tuple(map(tuple, t.tolist())), context_len)
+
+    @staticmethod
+    def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        if x <= xs[0]:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def time(self, rows: int, width: int) -> float:
+        per_rows = [self._interp(self.widths, line, width) for line in self.seconds]
+        return self._interp(self.rows, per_rows, rows)
+
+    def to_dict(self) -> dict:
+        return {
+            "context_len": self.context_len,
+            "rows": list(self.rows),
+            "widths": list(self.widths),
+            "ms": [[round(s * 1e3, 3) for s in line] for line in self.seconds],
+        }

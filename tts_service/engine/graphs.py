@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from tts_service.engine.kv import StaticKV
 from tts_service.engine.tree import DraftTree
-from tts_service.engine.treebatch import TREE_BLOCKS, TreeBatch, tree_arrays
+from tts_service.engine.treepack import TREE_BLOCKS, TreeBatch, tree_arrays
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class GraphedForward:
 @dataclass
 class StepInputs:
     """A bucket's static inputs to its captured acceptance, filled on the host's side of each
-    step (`fill`): the trees (`treebatch.tree_arrays`' layout) and the uniforms' block
+    step (`fill`): the trees (`treepack.tree_arrays`' layout) and the uniforms' block
     (`streams.node_uniform_block`). The trees' ints and the uniforms share one int64 block, the
     uniforms as their float64 bits, so a sampled step copies both in one copy."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 TRACE_LEN = 4096
@@ -127,6 +127,30 @@ others but `forward` are host work on the critical path between two forwards (`b
 splits it by them)."""
 
 
+class StepTimer:
+    """One step's phase boundaries, marked by name in `PHASES`' order (`StepPhases.timer`)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.start = clock()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """`phase` ends now."""
+        self.marks[phase] = self.clock()
+
+    @property
+    def end(self) -> float:
+        return self.marks[PHASES[-1]]
+
+    def seconds(self, phase: str) -> float:
+        i = PHASES.index(phase)
+        return self.marks[phase] - (self.marks[PHASES[i - 1]] if i else self.start)
+
+    def total(self) -> float:
+        return self.end - self.start
+
+
 @dataclass
 class StepPhases:
     """Seconds spent in each phase of the decoder's steps, summed over steps (`PHASES`)."""
@@ -135,17 +159,20 @@ class StepPhases:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def clock(self) -> float:
-        """A phase boundary's reading (the step calls it; a profiling subclass may first wait
-        for the device, so that each phase holds the device work it queued)."""
+        """A phase boundary's reading (a profiling subclass may first wait for the device, so
+        that each phase holds the device work it queued)."""
         return time.perf_counter()
 
-    def record(self, marks: list[float]) -> None:
-        """One step: `marks` are `len(PHASES) + 1` perf_counter readings, one at each phase
-        boundary."""
-        assert len(marks) == len(PHASES) + 1
+    def timer(self) -> StepTimer:
+        """A step's timer, reading this clock."""
+        return StepTimer(self.clock)
+
+    def record(self, timer: StepTimer) -> None:
+        """One step, every phase marked in order."""
+        assert tuple(timer.marks) == PHASES, tuple(timer.marks)
         self.steps += 1
-        for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
-            self.seconds[name] += b - a
+        for name in PHASES:
+            self.seconds[name] += timer.seconds(name)
 
 
 def summarize(rows: Sequence[GenerationStats], forwards: ForwardStats, wall_s: float) -> dict:

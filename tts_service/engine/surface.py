@@ -33,12 +33,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from tts_service.engine.cost import CALIBRATION_SIZES, VerifyCost, context_bucket
+from tts_service.engine.cost import CALIBRATION_SIZES, BatchCost, VerifyCost, context_bucket
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tts_service.engine.allocate import BatchCost
 
 SIGMA_PRIOR = 0.4  # log-uncertainty of the roofline where nothing was timed (about ×1.5)
 SIGMA_NOISE = 0.15  # the scatter of one step's log time around its bucket's, until measured

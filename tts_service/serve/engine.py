@@ -20,13 +20,13 @@ from pydantic import TypeAdapter
 from actors.host import RunnerHost
 from store.base import NgramStore
 from store.factory import problem_id
-from store.redis_store import StoreUnavailableError
+from store.redis_client import StoreUnavailableError
 from tts_service import startup
 from tts_service.aggregate import Task, extract_answer, majority_vote
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import RunReport, TrajectoryResult, TrajectoryRow, Waiting
+from tts_service.runner import TrajectoryRow, Waiting
 from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
@@ -42,6 +42,7 @@ from tts_service.serve.api import (
 )
 from tts_service.serve.logprobs import LogprobFormat, ScoredTokens
 from tts_service.textstream import StableText
+from tts_service.trajectory import RunReport, TrajectoryResult
 
 _DRAFTER = TypeAdapter(DrafterConfig)
 HttpRequest = CompletionRequest | ChatCompletionRequest | SolveHttpRequest

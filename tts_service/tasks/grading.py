@@ -221,12 +221,37 @@ def grade_item(
     records = sorted(
         ({**r, "index": r.get("index", i)} for i, r in enumerate(records)), key=lambda r: r["index"]
     )
-    by_program: dict[str, Grade] = {}  # identical programs are run once
+    if failure is not None:
+        grades = [grader_error(None, failure) for _ in records]
+    else:
+        grades = _grade_records(item, records, limits)
+    correct = [g.correct for g in grades]
+    answers = [g.answer for g in grades]
+    vote = majority_vote(answers, item.answer_kind)
+    trajectories = [_trajectory_row(item, rec, g) for rec, g in zip(records, grades, strict=True)]
+    maj = majority_correct(answers, correct, item.answer_kind, ks_for(len(records)))
+    return {
+        "id": item.id,
+        "task": item.task,
+        "reference": item.answer,
+        "meta": item.meta,
+        "vote": {"answer": vote.answer, "share": vote.share, "no_answer": vote.num_no_answer},
+        "correct": correct,
+        "maj_correct": {str(k): v for k, v in maj.items()},
+        "trajectories": trajectories,
+        "grader_errors": sum("grader_error" in t for t in trajectories),
+        "stats": {
+            k: sum(t[k] for t in trajectories) for k in ("new_tokens", "target_forwards", "wall_s")
+        },
+    }
+
+
+def _grade_records(item: EvalItem, records: list[dict], limits: Limits | None) -> list[Grade]:
+    """Every record graded in order; one that raises is a `grader_error`, and identical LCB
+    programs are run once (their grade reused)."""
+    by_program: dict[str, Grade] = {}
     grades = []
     for rec in records:
-        if failure is not None:
-            grades.append(grader_error(None, failure))
-            continue
         try:
             answer = extract_answer(rec["text"], item.answer_kind)
         except Exception as e:  # noqa: BLE001 - one trajectory's text never ends the job
@@ -245,32 +270,17 @@ def grade_item(
             grades.append(grader_error(answer, e))
         if key is not None:
             by_program[key] = grades[-1]
-    correct = [g.correct for g in grades]
-    answers = [g.answer for g in grades]
-    vote = majority_vote(answers, item.answer_kind)
-    trajectories = []
-    for rec, g in zip(records, grades, strict=True):
-        row = {"index": rec["index"], "answer": g.answer, "correct": g.correct}
-        row["finish_reason"] = rec.get("finish_reason")
-        stats = rec.get("stats") or {}  # a record cut short still gets its row
-        row.update({k: stats.get(k, 0) for k in ("new_tokens", "target_forwards", "wall_s")})
-        if item.task == "lcb":
-            row["tests"] = g.summary(len(item.tests))
-        if g.cases and g.cases[-1].reason == "grader_error":
-            row["grader_error"] = g.cases[-1].detail
-        trajectories.append(row)
-    maj = majority_correct(answers, correct, item.answer_kind, ks_for(len(records)))
-    return {
-        "id": item.id,
-        "task": item.task,
-        "reference": item.answer,
-        "meta": item.meta,
-        "vote": {"answer": vote.answer, "share": vote.share, "no_answer": vote.num_no_answer},
-        "correct": correct,
-        "maj_correct": {str(k): v for k, v in maj.items()},
-        "trajectories": trajectories,
-        "grader_errors": sum("grader_error" in t for t in trajectories),
-        "stats": {
-            k: sum(t[k] for t in trajectories) for k in ("new_tokens", "target_forwards", "wall_s")
-        },
-    }
+    return grades
+
+
+def _trajectory_row(item: EvalItem, rec: dict, g: Grade) -> dict:
+    """One trajectory's entry in the item row: its answer, verdict and counters."""
+    row = {"index": rec["index"], "answer": g.answer, "correct": g.correct}
+    row["finish_reason"] = rec.get("finish_reason")
+    stats = rec.get("stats") or {}  # a record cut short still gets its row
+    row.update({k: stats.get(k, 0) for k in ("new_tokens", "target_forwards", "wall_s")})
+    if item.task == "lcb":
+        row["tests"] = g.summary(len(item.tests))
+    if g.cases and g.cases[-1].reason == "grader_error":
+        row["grader_error"] = g.cases[-1].detail
+    return row

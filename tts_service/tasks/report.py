@@ -409,7 +409,25 @@ def write_lm_eval(out: Path, report: dict) -> list[Path]:
     models = sorted({r["model"] for r in report["runs"]})
     folder = out / "lm-eval" / "__".join(m.replace("/", "__") for m in models)
     folder.mkdir(parents=True, exist_ok=True)
-    results = {
+    paths = [folder / f"results_{stamp}.json"]
+    paths[0].write_text(json.dumps(_lm_eval_summary(runs, models), indent=1), encoding="utf-8")
+    for name, v in runs.items():
+        items: dict[str, list[dict]] = {}
+        for row in read_rows(out / v["run"]["task"] / v["run"]["method"] / "samples.jsonl"):
+            items.setdefault(row["id"], []).append(row)
+        if not items:
+            continue
+        path = folder / f"samples_{name}_{stamp}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for doc_id, (item, rows) in enumerate(items.items()):
+                f.write(json.dumps(_lm_eval_sample(doc_id, item, rows)) + "\n")
+        paths.append(path)
+    return paths
+
+
+def _lm_eval_summary(runs: dict[str, dict], models: list[str]) -> dict:
+    """lm-eval's `results_<time>.json` of the runs (`lm_eval_results`)."""
+    return {
         "results": {name: v["results"] for name, v in runs.items()},
         "versions": {name: "tts-service" for name in runs},
         "n-shot": {name: 0 for name in runs},
@@ -435,31 +453,22 @@ def write_lm_eval(out: Path, report: dict) -> list[Path]:
         "model_name": ", ".join(models),
         "date": time.time(),
     }
-    paths = [folder / f"results_{stamp}.json"]
-    paths[0].write_text(json.dumps(results, indent=1), encoding="utf-8")
-    for name, v in runs.items():
-        items: dict[str, list[dict]] = {}
-        for row in read_rows(out / v["run"]["task"] / v["run"]["method"] / "samples.jsonl"):
-            items.setdefault(row["id"], []).append(row)
-        if not items:
-            continue
-        path = folder / f"samples_{name}_{stamp}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for doc_id, (item, rows) in enumerate(items.items()):
-                rows.sort(key=lambda t: t["index"])
-                line = {
-                    "doc_id": doc_id,
-                    "doc": {"id": item, "prompt": rows[0]["prompt"]},
-                    "target": rows[0]["reference"],
-                    "resps": [[t["text"] for t in rows]],
-                    "filtered_resps": [t["answer"] for t in rows],
-                    "filter": "none",
-                    "metrics": ["exact_match"],
-                    "exact_match": sum(bool(t["correct"]) for t in rows) / len(rows),
-                }
-                f.write(json.dumps(line) + "\n")
-        paths.append(path)
-    return paths
+
+
+def _lm_eval_sample(doc_id: int, item: str, rows: list[dict]) -> dict:
+    """One item's line of lm-eval's samples file, from its trajectories' sample rows (sorted
+    here by index)."""
+    rows.sort(key=lambda t: t["index"])
+    return {
+        "doc_id": doc_id,
+        "doc": {"id": item, "prompt": rows[0]["prompt"]},
+        "target": rows[0]["reference"],
+        "resps": [[t["text"] for t in rows]],
+        "filtered_resps": [t["answer"] for t in rows],
+        "filter": "none",
+        "metrics": ["exact_match"],
+        "exact_match": sum(bool(t["correct"]) for t in rows) / len(rows),
+    }
 
 
 def write(out: Path) -> list[Path]:

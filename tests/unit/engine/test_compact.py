@@ -1,6 +1,6 @@
 """The compact forward equals transformers' forward (fp32, 1e-5) for tiny Llama and Qwen2
-models: a left-padded prefill, one token, a tree under its 4-D mask, and a padded bucket, the
-caches it writes included; other families are refused."""
+models, eager and compiled: a left-padded prefill, one token, a tree under its 4-D mask, and a
+padded bucket, the caches it writes included; other families are refused."""
 
 from __future__ import annotations
 
@@ -53,17 +53,24 @@ def _copy(cache: DynamicCache) -> DynamicCache:
     return out
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "llama-compiled"])
 def models(request):
-    model = tiny_llama(vocab_size=64, seed=3, dtype=torch.float32, family=request.param)
-    if request.param == "qwen2":  # Qwen2's QKV biases are zeros at init: make them count
+    """(transformers' model, the compact forward over a copy of its weights); `-compiled`:
+    the compact forward's kernels compiled (`CompactCausalLM.compile`)."""
+    family = request.param.removesuffix("-compiled")
+    model = tiny_llama(vocab_size=64, seed=3, dtype=torch.float32, family=family)
+    if family == "qwen2":  # Qwen2's QKV biases are zeros at init: make them count
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
                     proj.bias.normal_(0, 0.5)
-    reference = tiny_llama(vocab_size=64, seed=3, dtype=torch.float32, family=request.param)
+    reference = tiny_llama(vocab_size=64, seed=3, dtype=torch.float32, family=family)
     reference.load_state_dict(model.state_dict())
-    return reference, CompactCausalLM(model)
+    compact = CompactCausalLM(model)
+    if request.param.endswith("-compiled"):
+        compact.compile()
+        assert compact.compiled
+    return reference, compact
 
 
 def test_prefill_one_token_and_a_tree_equal_transformers(models):
@@ -140,7 +147,8 @@ def test_the_runner_over_the_compact_forward_commits_plain_greedy(tiny_model, dr
     from tests.unit.test_runner import _prompts, make_generator
     from tts_service.config import SamplingConfig
     from tts_service.engine.decode import plain_generate
-    from tts_service.runner import TrajectoryRequest, TrajectoryRunner
+    from tts_service.runner import TrajectoryRunner
+    from tts_service.trajectory import TrajectoryRequest
 
     gen = make_generator(CompactCausalLM(copy.deepcopy(tiny_model)))
     requests, refs = [], []

@@ -16,7 +16,7 @@ from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist
-from tts_service.engine.treebatch import TreeBatch
+from tts_service.engine.treepack import TreeBatch
 from tts_service.engine.verify import verify_sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -4,6 +4,7 @@ deterministic). A deliberately broken verifier must fail the same test."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ from scipy.stats import chisquare
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
+from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.sampling import target_probs
 
@@ -185,4 +187,14 @@ def test_a_row_inside_a_batch_matches_the_exact_distribution(model, exact):
         samples.append(res.token_ids)
         accepted += res.stats.new_tokens - res.stats.target_forwards
     assert accepted / SAMPLES > 0.05
+    assert _chisquare_pvalue(samples, exact) > 1e-3
+
+
+def test_the_compact_forward_matches_the_exact_distribution(model, exact):
+    """The compact forward (`engine.compact`: fused products, folded tree attention) in place
+    of transformers' samples plain decoding's distribution too (`stand-dyn`: `auto` on a
+    GPU)."""
+    compact = CompactCausalLM(copy.deepcopy(model))
+    samples, accepted_per_run = _speculative_samples(compact, DRAFTER_CONFIGS["stand-dyn"])
+    assert accepted_per_run > MIN_ACCEPTED["stand-dyn"], accepted_per_run
     assert _chisquare_pvalue(samples, exact) > 1e-3

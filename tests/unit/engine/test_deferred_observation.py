@@ -12,7 +12,7 @@ from tests.conftest import DRAFTER_CONFIGS, FLAT_COST, tiny_llama
 from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DraftEnv, build_drafter
-from tts_service.engine import batch as batch_module
+from tts_service.engine import acceptance as acceptance_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import CostModel
 from tts_service.engine.decode import plain_generate
@@ -102,9 +102,9 @@ def test_rule_c_gathered_for_every_node_equals_the_walk_from_dense_p(model, monk
     seeds: the same data, the same uniforms."""
     outputs = []
     for gathered, all_from in ((True, 1), (True, 10**6), (False, 1)):
-        monkeypatch.setattr(batch_module, "WALK_ALL_FROM", all_from)
+        monkeypatch.setattr(acceptance_module, "WALK_ALL_FROM", all_from)
         decoder = BatchDecoder(model, eos_ids=[])
-        decoder.gather_sparse = gathered
+        decoder.acceptance.gather_sparse = gathered
         rows = []
         for i, prompt in enumerate(PROMPTS):
             env = DraftEnv(VOCAB, InMemoryNgramStore(), i, CostModel.fixed(FLAT_COST))

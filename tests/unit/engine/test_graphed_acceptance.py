@@ -13,19 +13,14 @@ import torch
 from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import decode_rows, plain_greedy
 from tts_service.config import SamplingConfig
-from tts_service.engine import batch as batch_module
+from tts_service.engine import acceptance as acceptance_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance, StepInputs
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import node_uniform_block
 from tts_service.engine.tree import DraftTree
-from tts_service.engine.treebatch import (
-    TREE_BLOCKS,
-    TreeBatch,
-    step_verdict,
-    tree_arrays,
-    verdict,
-)
+from tts_service.engine.treebatch import step_verdict, verdict
+from tts_service.engine.treepack import TREE_BLOCKS, TreeBatch, tree_arrays
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
 LENGTHS = (24, 9, 30)
@@ -47,7 +42,7 @@ def eager_steps(monkeypatch) -> list[int]:
         calls[0] += 1
         return verdict(*args, **kwargs)
 
-    monkeypatch.setattr(batch_module, "verdict", counted)
+    monkeypatch.setattr(acceptance_module, "verdict", counted)
     return calls
 
 

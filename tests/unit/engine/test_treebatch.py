@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tts_service.engine.batch import DenseNodes
+from tts_service.engine.acceptance import DenseNodes
 from tts_service.engine.streams import LANES, counter_uniforms
 from tts_service.engine.tree import DraftTree, SparseDist, ancestor_mask
 from tts_service.engine.treebatch import (
     GatheredNodes,
     SparseLayout,
-    TreeBatch,
     accepted_path,
     gather_sparse,
     gather_support,
@@ -24,10 +23,10 @@ from tts_service.engine.treebatch import (
     residual_at,
     residual_bonus,
     residual_mass,
-    shape_rows,
     walk_sparse_all,
     walk_sparse_arrays,
 )
+from tts_service.engine.treepack import TreeBatch, shape_rows
 from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
 
 V = 5  # a small vocabulary: duplicate siblings and exhausted residuals are common

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_service.engine import verify
-from tts_service.engine.batch import DenseNodes
+from tts_service.engine.acceptance import DenseNodes
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import (
     accept_greedy,

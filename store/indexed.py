@@ -1,0 +1,24 @@
+"""`IndexedStore`: a store that keeps its entries as arrays for compiled drafting.
+
+Apart from `store.base`, which `store.index` builds on, and from `store.index`, which imports
+numba: a drafter asks whether a store can be indexed before it decides to draft compiled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from store.index import StoreIndex
+
+
+@runtime_checkable
+class IndexedStore(Protocol):
+    """A store that can keep its entries as arrays for compiled drafting (`InMemoryNgramStore`;
+    a Redis store cannot: other writers change it behind any local copy)."""
+
+    topk: int  # ids kept per entry: the most candidates one lookup gives
+
+    def compiled(self) -> StoreIndex | None:
+        """Its `store.index.StoreIndex` (made on the first call, its entries' home from then
+        on), or None where it cannot keep one."""
