@@ -375,9 +375,7 @@ class BatchDecoder:
         timer.mark("pack")
         logits = self._forward(*inputs, start)  # 3. one forward for the whole batch: [R, N, V]
         timer.mark("forward")
-        # the last step's deferred observation and the collector's pass, while the device runs
-        self.flush_observations()
-        collect_in_shadow()
+        self._in_forwards_shadow()
         timer.mark("overlap")
         if static is None:
             logits = logits[: len(batch), :width]
@@ -393,6 +391,12 @@ class BatchDecoder:
         timer.mark("observe")
         self._book(batch, trees, finished, timer, (width, committed, start))
         return finished
+
+    def _in_forwards_shadow(self) -> None:
+        """What runs while the device computes the forward: the last step's deferred
+        observation and the collector's pass."""
+        self.flush_observations()
+        collect_in_shadow()
 
     def _pack_step(
         self, batch: list[Row], trees: list[DraftTree], width: int
