@@ -141,7 +141,7 @@ class StandInDecoder(BatchDecoder):
             defer_observation=defer,
             graph_acceptance=graph_acceptance,
         )
-        self.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered, one copy
+        self.acceptance.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered
         if graph_acceptance and self.device.type == "cuda":
             # a captured acceptance though the stand-in's forward is not captured (the engine
             # captures it only beside the forward's graphs): its fresh logits, 256 wide, are

@@ -15,7 +15,6 @@ evicted slots are reused.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -27,40 +26,12 @@ HEAD, TAIL, FRESH, FREE, ENTRIES, EVICTIONS, MISSES, DELETED = range(8)  # `meta
 META = 8  # then hits by order: meta[META + n]
 
 
-class StoreArrays(NamedTuple):
-    """One store's arrays as a kernel takes them (`StoreIndex.arrays()`: made at each call, as
-    an `add` may reallocate them)."""
-
-    tab: np.ndarray  # the n-gram table (`store.hashtable`): key -> slot
-    keytok: np.ndarray  # [slots, 9]: each slot's key
-    ids: np.ndarray  # [slots, topk]: each entry's ids, by probability descending
-    probs: np.ndarray  # [slots, topk]
-    nids: np.ndarray  # [slots]: ids kept
-    count: np.ndarray  # [slots]: observations merged
-    prev: np.ndarray  # [slots]: the LRU list, least recently updated first
-    nxt: np.ndarray  # [slots]: likewise; a free slot's next free one
-    meta: np.ndarray  # HEAD .. DELETED, then hits by order
-    max_order: int
-
-
-class NewRows(NamedTuple):
-    """Observations to merge as arrays (`StoreIndex.add_arrays`): row r's context right-aligned
-    in `ctx[r]` (`clen[r]` tokens), its `n[r]` ids and probabilities in `ids[r]`, `probs[r]`."""
-
-    ctx: np.ndarray  # [R, max_order], -1 padded
-    clen: np.ndarray  # [R]
-    ids: np.ndarray  # [R, width]
-    probs: np.ndarray  # [R, width]
-    n: np.ndarray  # [R]
-
-
 @njit(cache=True)
-def lookup_slot(store: StoreArrays, ctx: np.ndarray, end: int, max_order: int) -> tuple[int, int]:
-    """(slot, order) of the longest stored suffix of `ctx[:end]` of at most `max_order` tokens,
-    (-1, 0) if none; counted as `InMemoryNgramStore.lookup` counts."""
-    meta = store.meta
+def lookup_slot(tab, keytok, meta, ctx: np.ndarray, end: int, max_order: int) -> tuple[int, int]:
+    """(slot, order) of the longest stored suffix of `ctx[:end]`, (-1, 0) if none; counted as
+    `InMemoryNgramStore.lookup` counts."""
     for n in range(min(max_order, end), 0, -1):
-        s = find_ngram(store.tab, store.keytok, ctx, end, n)
+        s = find_ngram(tab, keytok, ctx, end, n)
         if s >= 0:
             meta[META + n] += 1
             return s, n
@@ -109,92 +80,69 @@ def _ranked_into(ids, probs, s: int, cand_ids, cand_p, m: int, topk: int) -> int
 
 
 @njit(cache=True)
-def _new_slot(store: StoreArrays) -> int:
-    """A free slot (an evicted one first), taken."""
-    meta = store.meta
-    if meta[FREE] >= 0:
-        s = meta[FREE]
-        meta[FREE] = store.nxt[s]
-    else:
-        s = meta[FRESH]
-        meta[FRESH] += 1
-    return s
-
-
-@njit(cache=True)
-def _insert(store: StoreArrays, rows: NewRows, r: int, n: int, cand_ids, cand_p) -> None:
-    """Row r's n-gram seen first: its top k, count 1, the most recently updated."""
-    m = 0
-    for j in range(rows.n[r]):
-        cand_ids[m], cand_p[m] = rows.ids[r, j], rows.probs[r, j]
-        m += 1
-    s = _new_slot(store)
-    insert_ngram(store.tab, store.keytok, rows.ctx[r], rows.ctx.shape[1], n, s)
-    store.nids[s] = _ranked_into(store.ids, store.probs, s, cand_ids, cand_p, m, store.ids.shape[1])
-    store.count[s] = 1
-    store.meta[ENTRIES] += 1
-    _append(store.prev, store.nxt, store.meta, s)
-
-
-@njit(cache=True)
-def _merge(store: StoreArrays, rows: NewRows, r: int, s: int, cand_ids, cand_p) -> None:
-    """Row r merged into slot `s`'s entry (STAND's running mean), now the most recently
-    updated."""
-    k = store.count[s]
-    m = store.nids[s]
-    for j in range(m):  # the old mean, weighted k / (k + 1)
-        cand_ids[j], cand_p[j] = store.ids[s, j], store.probs[s, j] * k / (k + 1)
-    for j in range(rows.n[r]):  # the new row, weighted 1 / (k + 1), over the union of ids
-        tok, p = rows.ids[r, j], rows.probs[r, j]
-        at = -1
-        for i in range(m):
-            if cand_ids[i] == tok:
-                at = i
-                break
-        if at < 0:
-            cand_ids[m], cand_p[m] = tok, 0.0 + p / (k + 1)
-            m += 1
-        else:
-            cand_p[at] = cand_p[at] + p / (k + 1)
-    store.nids[s] = _ranked_into(store.ids, store.probs, s, cand_ids, cand_p, m, store.ids.shape[1])
-    store.count[s] = k + 1
-    if store.meta[TAIL] != s:
-        _unlink(store.prev, store.nxt, store.meta, s)
-        _append(store.prev, store.nxt, store.meta, s)
-
-
-@njit(cache=True)
-def _evict(store: StoreArrays, max_entries: int) -> None:
-    """The least recently updated entries past `max_entries` go; their slots are freed."""
-    meta = store.meta
-    while meta[ENTRIES] > max_entries:
-        s = meta[HEAD]
-        _unlink(store.prev, store.nxt, meta, s)
-        delete_ngram(store.tab, store.keytok, s)
-        store.keytok[s, 0] = 0  # a free slot
-        meta[DELETED] += 1
-        store.nxt[s] = meta[FREE]
-        meta[FREE] = s
-        meta[ENTRIES] -= 1
-        meta[EVICTIONS] += 1
-
-
-@njit(cache=True)
-def add_rows(store: StoreArrays, rows: NewRows, max_entries: int) -> None:
+def add_rows(
+    tab, ids, probs, nids, count, keytok, prev, nxt, meta,
+    ctx, clen, row_ids, row_p, row_n, max_order: int, max_entries: int,
+):  # fmt: skip
     """`InMemoryNgramStore.add` (merge="stand") over arrays: every order of every row, then
     the least recently updated entries past `max_entries` go. The caller made room for
     `rows × max_order` new slots."""
-    width = rows.ctx.shape[1]
-    cand_ids = np.empty(store.ids.shape[1] + rows.ids.shape[1], np.int64)
-    cand_p = np.empty(store.ids.shape[1] + rows.ids.shape[1], np.float64)
-    for r in range(rows.ctx.shape[0]):
-        for n in range(1, min(store.max_order, rows.clen[r]) + 1):
-            s = find_ngram(store.tab, store.keytok, rows.ctx[r], width, n)
-            if s < 0:
-                _insert(store, rows, r, n, cand_ids, cand_p)
-            else:
-                _merge(store, rows, r, s, cand_ids, cand_p)
-    _evict(store, max_entries)
+    topk = ids.shape[1]
+    width = ctx.shape[1]
+    cand_ids = np.empty(topk + row_ids.shape[1], np.int64)
+    cand_p = np.empty(topk + row_ids.shape[1], np.float64)
+    for r in range(ctx.shape[0]):
+        k_new = row_n[r]
+        for n in range(1, min(max_order, clen[r]) + 1):
+            s = find_ngram(tab, keytok, ctx[r], width, n)
+            if s < 0:  # first sight: its top k, count 1
+                m = 0
+                for j in range(k_new):
+                    cand_ids[m], cand_p[m] = row_ids[r, j], row_p[r, j]
+                    m += 1
+                if meta[FREE] >= 0:
+                    s = meta[FREE]
+                    meta[FREE] = nxt[s]
+                else:
+                    s = meta[FRESH]
+                    meta[FRESH] += 1
+                insert_ngram(tab, keytok, ctx[r], width, n, s)
+                nids[s] = _ranked_into(ids, probs, s, cand_ids, cand_p, m, topk)
+                count[s] = 1
+                meta[ENTRIES] += 1
+                _append(prev, nxt, meta, s)
+                continue
+            k = count[s]
+            m = nids[s]
+            for j in range(m):  # the old mean, weighted k / (k + 1)
+                cand_ids[j], cand_p[j] = ids[s, j], probs[s, j] * k / (k + 1)
+            for j in range(k_new):  # the new row, weighted 1 / (k + 1), over the union of ids
+                tok, p = row_ids[r, j], row_p[r, j]
+                at = -1
+                for i in range(m):
+                    if cand_ids[i] == tok:
+                        at = i
+                        break
+                if at < 0:
+                    cand_ids[m], cand_p[m] = tok, 0.0 + p / (k + 1)
+                    m += 1
+                else:
+                    cand_p[at] = cand_p[at] + p / (k + 1)
+            nids[s] = _ranked_into(ids, probs, s, cand_ids, cand_p, m, topk)
+            count[s] = k + 1
+            if meta[TAIL] != s:
+                _unlink(prev, nxt, meta, s)
+                _append(prev, nxt, meta, s)
+    while meta[ENTRIES] > max_entries:
+        s = meta[HEAD]
+        _unlink(prev, nxt, meta, s)
+        delete_ngram(tab, keytok, s)
+        keytok[s, 0] = 0  # a free slot
+        meta[DELETED] += 1
+        nxt[s] = meta[FREE]
+        meta[FREE] = s
+        meta[ENTRIES] -= 1
+        meta[EVICTIONS] += 1
 
 
 class StoreIndex:
@@ -229,12 +177,9 @@ class StoreIndex:
                 arr[: cur.shape[0]] = cur
             setattr(self, name, arr)
 
-    def arrays(self) -> StoreArrays:
-        """What a kernel reads and merges into."""
-        return StoreArrays(
-            self.tab, self.keytok, self.ids, self.probs, self.nids, self.count,
-            self.prev, self.nxt, self.meta, self.max_order,
-        )  # fmt: skip
+    def arrays(self) -> tuple:
+        """What a kernel reads: (tab, keytok, ids, probs, nids, count, meta)."""
+        return self.tab, self.keytok, self.ids, self.probs, self.nids, self.count, self.meta
 
     def _room(self, new: int) -> None:
         """Slots and table room for `new` more keys."""
@@ -268,7 +213,11 @@ class StoreIndex:
     def add_arrays(self, ctx, clen, row_ids, row_p, row_n) -> None:
         """`add` of rows already as arrays: contexts right-aligned in `[R, max_order]`."""
         self._room(len(ctx) * self.max_order)
-        add_rows(self.arrays(), NewRows(ctx, clen, row_ids, row_p, row_n), self.max_entries)
+        add_rows(
+            self.tab, self.ids, self.probs, self.nids, self.count, self.keytok,
+            self.prev, self.nxt, self.meta, ctx, clen, row_ids, row_p, row_n,
+            self.max_order, self.max_entries,
+        )  # fmt: skip
 
     def load(self, entries: Iterable[tuple[tuple[int, ...], NgramEntry]]) -> None:
         """Take a store's entries, least recently updated first, as they are."""
@@ -277,12 +226,16 @@ class StoreIndex:
             ids = np.array(entry.ids, np.int64)[None]
             probs = np.array(entry.probs, np.float64)[None]
             self._room(1)
-            _load_one(self.arrays(), ctx[0], ids[0], probs[0], entry.count)
+            _load_one(
+                self.tab, self.ids, self.probs, self.nids, self.count, self.keytok,
+                self.prev, self.nxt, self.meta, ctx[0], ids[0], probs[0],
+                entry.count,
+            )  # fmt: skip
 
     def lookup(self, context: Sequence[int]) -> NgramEntry | None:
         """What a kernel's lookup finds, as the dict store returns it (tests, reports)."""
         ctx = np.array(list(context), np.int64)
-        s, n = lookup_slot(self.arrays(), ctx, len(ctx), self.max_order)
+        s, n = lookup_slot(self.tab, self.keytok, self.meta, ctx, len(ctx), self.max_order)
         if s < 0:
             return None
         k = int(self.nids[s])
@@ -320,14 +273,15 @@ class StoreIndex:
 
 
 @njit(cache=True)
-def _load_one(store: StoreArrays, ctx, row_ids, row_p, k: int) -> None:
-    """One entry taken as it is (`StoreIndex.load`): the most recently updated."""
-    s = store.meta[FRESH]
-    store.meta[FRESH] += 1
-    insert_ngram(store.tab, store.keytok, ctx, len(ctx), len(ctx), s)
-    m = min(len(row_ids), store.ids.shape[1])
+def _load_one(
+    tab, ids, probs, nids, count, keytok, prev, nxt, meta, ctx, row_ids, row_p, k
+):  # fmt: skip
+    s = meta[FRESH]
+    meta[FRESH] += 1
+    insert_ngram(tab, keytok, ctx, len(ctx), len(ctx), s)
+    m = min(len(row_ids), ids.shape[1])
     for j in range(m):
-        store.ids[s, j], store.probs[s, j] = row_ids[j], row_p[j]
-    store.nids[s], store.count[s] = m, k
-    store.meta[ENTRIES] += 1
-    _append(store.prev, store.nxt, store.meta, s)
+        ids[s, j], probs[s, j] = row_ids[j], row_p[j]
+    nids[s], count[s] = m, k
+    meta[ENTRIES] += 1
+    _append(prev, nxt, meta, s)

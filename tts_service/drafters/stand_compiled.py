@@ -1,6 +1,6 @@
 """`stand` drafting compiled: the trees of `StandDrafter`, drafted by one numba call per step
-for all of a problem's rows instead of a Python loop over each row's shape nodes (the host's
-budget; docs/design.md, "The compiled drafter").
+for all of a problem's rows instead of a Python loop over each row's shape nodes (issue 27's
+host budget; docs/design.md, "The compiled drafter").
 
 `stand_tree` is `StandDrafter.grow` from the root statement for statement: the same shape
 nodes, the same store lookups (on the store's arrays, `InMemoryNgramStore.compiled()`), the same
@@ -17,18 +17,21 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from itertools import accumulate
-from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from store.base import NgramRow, NgramStore
-from store.index import StoreArrays, StoreIndex, lookup_slot
+from store.index import StoreIndex, lookup_slot
 from tts_service.config import resolve_tree_path
 from tts_service.drafters.base import ShapedTree, shape_prefix
-from tts_service.drafters.gumbel import GumbelNoise
-from tts_service.drafters.stand_config import StandDrafterConfig
-from tts_service.drafters.store_feed import feed_index, feed_root, learned_nodes
+from tts_service.drafters.stand import (
+    GumbelNoise,
+    StandDrafterConfig,
+    feed_index,
+    feed_root,
+    learned_nodes,
+)
 from tts_service.engine import walk_compiled
 from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import (
@@ -44,40 +47,17 @@ from tts_service.engine.verify import Acceptance
 _NONE = np.zeros(0)  # a row's noise where it draws nothing
 
 
-class NoiseWindow(NamedTuple):
-    """What one row's step may read of its `GumbelNoise` (`GumbelNoise.window`): the current
-    buffer's next values, how many it has left, and the next buffer's first."""
-
-    cur: np.ndarray
-    rem: int
-    nxt: np.ndarray
-
-
-class NoiseWindows(NamedTuple):
-    """Every row's `NoiseWindow` for one step, flat (one copy for all rows, not one per row):
-    row r's is `cur[cur_at[r] : cur_at[r + 1]]`, `rem[r]`, `nxt[nxt_at[r] : nxt_at[r + 1]]`."""
-
-    cur: np.ndarray
-    cur_at: np.ndarray
-    rem: np.ndarray
-    nxt: np.ndarray
-    nxt_at: np.ndarray
-
-
-@njit(cache=True)
-def row_window(noise: NoiseWindows, r: int) -> NoiseWindow:
-    """Row r's window of a step's noise."""
-    cur = noise.cur[noise.cur_at[r] : noise.cur_at[r + 1]]
-    return NoiseWindow(cur, noise.rem[r], noise.nxt[noise.nxt_at[r] : noise.nxt_at[r + 1]])
-
-
-def noise_windows(noises: Sequence[GumbelNoise | None], need: Sequence[int]) -> NoiseWindows:
-    """The rows' noise for a compiled step: row r's window of its `GumbelNoise` reading at most
-    `need[r]` values; a row that draws nothing (None) has none."""
+def noise_windows(
+    noises: Sequence[GumbelNoise | None], need: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' noise for a compiled step, flat (one copy for all rows, not one per row): row
+    r's window of its `GumbelNoise` reading at most `need[r]` values is `cur[cur_at[r] :
+    cur_at[r + 1]]` with `rem[r]` values left in its buffer, and the next buffer's first are
+    `nxt[nxt_at[r] : nxt_at[r + 1]]`; a row that draws nothing (None) has none."""
     rows = len(noises)
     if all(x is None for x in noises):  # deterministic rows only
         none = np.zeros(rows + 1, np.int64)
-        return NoiseWindows(_NONE, none, none[:rows], _NONE, none)
+        return _NONE, none, none[:rows], _NONE, none
     curs, nxts, rems = [], [], []
     for noise, n in zip(noises, need, strict=True):
         window, left, ahead = noise.window(n) if noise is not None else (_NONE, 0, _NONE)
@@ -86,21 +66,20 @@ def noise_windows(noises: Sequence[GumbelNoise | None], need: Sequence[int]) -> 
         rems.append(left)
     cur_at = np.array([0, *accumulate(map(len, curs))], np.int64)
     nxt_at = np.array([0, *accumulate(map(len, nxts))], np.int64)
-    return NoiseWindows(
-        np.concatenate(curs), cur_at, np.array(rems, np.int64), np.concatenate(nxts), nxt_at
-    )
+    return np.concatenate(curs), cur_at, np.array(rems, np.int64), np.concatenate(nxts), nxt_at
 
 
 @njit(cache=True)
-def gumbel_order(c_p, nc: int, noise: NoiseWindow, pos: int, moved: bool, keys, rank):
-    """Gumbel-top-k over `c_p[:nc]` as `gumbel.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
-    from a step's window (`pos` read so far, `moved` to the next buffer: the tail is
-    discarded, as `take` does), keys log p + g in `keys`, and in `rank` the order, a stable
-    sort by key, largest first. Returns the new (pos, moved)."""
-    if not moved and pos + nc > noise.rem:
+def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, rank):
+    """Gumbel-top-k over `c_p[:nc]` as `stand.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
+    from a step's window (`cur`, `rem` values left in it, `nxt` the next buffer's first; `pos`
+    read so far, `moved` to the next buffer: the tail is discarded, as `take` does), keys
+    log p + g in `keys`, and in `rank` the order, a stable sort by key, largest first. Returns
+    the new (pos, moved)."""
+    if not moved and pos + nc > rem:
         moved, pos = True, 0
     for i in range(nc):
-        keys[i] = math.log(c_p[i]) + (noise.nxt[pos + i] if moved else noise.cur[pos + i])
+        keys[i] = math.log(c_p[i]) + (nxt[pos + i] if moved else cur[pos + i])
         rank[i] = i
     for i in range(1, nc):
         r, key = rank[i], keys[rank[i]]
@@ -112,176 +91,99 @@ def gumbel_order(c_p, nc: int, noise: NoiseWindow, pos: int, moved: bool, keys, 
     return pos + nc, moved
 
 
-class ShapeChildren(NamedTuple):
-    """A tree shape's children as CSR: those of node s are `kid_list[kid_at[s]:kid_at[s + 1]]`."""
-
-    kid_at: np.ndarray
-    kid_list: np.ndarray
-
-
-def shape_children(shape: TreeShape) -> ShapeChildren:
-    """`shape`'s children as a kernel reads them."""
-    kid_at = np.cumsum([0] + [len(k) for k in shape.children]).astype(np.int64)
-    return ShapeChildren(kid_at, np.array([c for k in shape.children for c in k], np.int64))
-
-
-class StandTrees(NamedTuple):
-    """`stand_tree`'s output: per node (`[N]` for one row, `[R, N]` for a step's rows) its
-    context (right-aligned, -1 padded, `[.., order]`) and its length, token, parent, drawn
-    flag, shape node, place among its parent's stored ids, and `q` snapshot (`qn` -1: none;
-    `qids`, `qp` `[.., width]`); per row the noise it read (`noise_used`: 1 if it moved to the
-    next buffer, values read from the one it ended in)."""
-
-    ctx: np.ndarray
-    clen: np.ndarray
-    token: np.ndarray
-    parent: np.ndarray
-    sampled: np.ndarray
-    shape: np.ndarray
-    slot_of: np.ndarray
-    qn: np.ndarray
-    qids: np.ndarray
-    qp: np.ndarray
-    noise_used: np.ndarray
-
-    @staticmethod
-    def empty(rows: int, nodes: int, order: int, width: int) -> StandTrees:
-        """A step's buffers; contexts and parents -1 (past a tree's nodes: none)."""
-        zeros = [np.zeros((rows, nodes), np.int64) for _ in range(3)]  # token, shape, slot_of
-        return StandTrees(
-            np.full((rows, nodes, order), -1, np.int64), np.zeros((rows, nodes), np.int64),
-            zeros[0], np.full((rows, nodes), -1, np.int64), np.zeros((rows, nodes), np.bool_),
-            zeros[1], zeros[2], np.full((rows, nodes), -1, np.int64),
-            np.zeros((rows, nodes, width), np.int64), np.zeros((rows, nodes, width)),
-            np.zeros((rows, 2), np.int64),
-        )  # fmt: skip
-
-
-class NodeCandidates(NamedTuple):
-    """Scratch for one node's stored candidates (the store's top-k each): ids, probabilities,
-    places in the stored entry, Gumbel keys and the draw order."""
-
-    ids: np.ndarray
-    p: np.ndarray
-    at: np.ndarray
-    keys: np.ndarray
-    rank: np.ndarray
-
-
-@njit(cache=True)
-def _kept_children(shape: ShapeChildren, keep, s: int) -> int:
-    """How many of shape node s's children `keep` holds."""
-    kids = 0
-    for j in range(shape.kid_at[s], shape.kid_at[s + 1]):
-        kids += keep[shape.kid_list[j]]
-    return kids
-
-
-@njit(cache=True)
-def _stored_candidates(store: StoreArrays, slot: int, cand: NodeCandidates) -> int:
-    """Entry `slot`'s ids with a positive probability into `cand`, ranked as stored; how many."""
-    nc = 0
-    for j in range(store.nids[slot]):
-        if store.probs[slot, j] > 0:
-            cand.ids[nc], cand.p[nc], cand.at[nc] = store.ids[slot, j], store.probs[slot, j], j
-            nc += 1
-    for i in range(nc):
-        cand.rank[i] = i
-    return nc
-
-
-@njit(cache=True)
-def _hang_children(
-    shape: ShapeChildren, keep, s: int, k: int, cand: NodeCandidates, stochastic: bool,
-    tree: StandTrees, placed, size: int,
-) -> int:  # fmt: skip
-    """The first k kept children of shape node s, hung below its tree node with `cand`'s
-    tokens in rank order; returns the tree's new size."""
-    order = tree.ctx.shape[1]
-    node = placed[s]
-    tl = tree.clen[node]
-    placed_kids = 0
-    for j in range(shape.kid_at[s], shape.kid_at[s + 1]):
-        kid = shape.kid_list[j]
-        if placed_kids == k:
-            break
-        if not keep[kid]:
-            continue
-        child = size
-        tree.token[child] = cand.ids[cand.rank[placed_kids]]
-        tree.slot_of[child] = cand.at[cand.rank[placed_kids]]
-        tree.parent[child], tree.sampled[child], tree.shape[child] = node, stochastic, kid
-        tree.qn[child] = -1
-        tree.ctx[child, : order - 1] = tree.ctx[node, 1:]
-        tree.ctx[child, order - 1] = tree.token[child]
-        tree.clen[child] = min(order, tl + 1)
-        placed[kid] = child
-        placed_kids += 1
-        size += 1
-    return size
-
-
 @njit(cache=True)
 def stand_tree(
-    store: StoreArrays, shape: ShapeChildren, keep, stochastic: bool, noise: NoiseWindow,
-    tree: StandTrees,
-) -> int:  # fmt: skip
-    """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`) into
-    `tree` (one row's), whose node 0 context `ctx[0]` (right-aligned, `clen[0]` tokens) is set;
-    returns the size."""
-    order = tree.ctx.shape[1]
-    placed = np.full(len(shape.kid_at) - 1, -1, np.int64)  # shape node -> tree node
+    tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
+    keep, stochastic, cur, rem, nxt, used,
+    ctx, clen, token, parent, sampled, shape, slot_of, qn, qids, qp,
+):  # fmt: skip
+    """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`); node
+    0's context `ctx[0]` (right-aligned, `clen[0]` tokens) is set. Writes every node's token,
+    parent, drawn flag, shape node, place among its parent's stored ids (`slot_of`), context,
+    and its `q` snapshot (`qn` -1: none); returns the
+    size. Noise: `cur` holds the current buffer's next values, `rem` how many it has left,
+    `nxt` the next buffer's first; `used` gets (1 if it moved to the next buffer, values read
+    from the one it ended in)."""
+    order = ctx.shape[1]
+    placed = np.full(len(kid_at) - 1, -1, np.int64)  # shape node -> tree node
     placed[0] = 0
-    width = store.ids.shape[1]
-    cand = NodeCandidates(
-        np.empty(width, np.int64), np.empty(width, np.float64), np.empty(width, np.int64),
-        np.empty(width, np.float64), np.empty(width, np.int64),
-    )  # fmt: skip
-    tree.token[0], tree.parent[0], tree.sampled[0] = tree.ctx[0, order - 1], -1, False
-    tree.shape[0], tree.slot_of[0], tree.qn[0] = 0, -1, -1
+    width = ids.shape[1]
+    c_ids = np.empty(width, np.int64)
+    c_p = np.empty(width, np.float64)
+    c_at = np.empty(width, np.int64)  # where each candidate sits in the stored entry
+    keys = np.empty(width, np.float64)
+    rank = np.empty(width, np.int64)
+    token[0], parent[0], sampled[0], shape[0], slot_of[0] = ctx[0, order - 1], -1, False, 0, -1
+    qn[0] = -1
     size, pos, moved = 1, 0, False
-    for s in range(len(shape.kid_at) - 1):
+    for s in range(len(kid_at) - 1):
         node = placed[s]
         if node < 0:
             continue
-        kids = _kept_children(shape, keep, s)
+        kids = 0
+        for j in range(kid_at[s], kid_at[s + 1]):
+            kids += keep[kid_list[j]]
         if kids == 0:
             continue
-        tl = tree.clen[node]
-        slot, _ = lookup_slot(store, tree.ctx[node, order - tl :], tl, store.max_order)
+        tl = clen[node]
+        slot, _ = lookup_slot(tab, keytok, meta, ctx[node, order - tl :], tl, max_order)
         if slot < 0:
             continue
-        nc = _stored_candidates(store, slot, cand)
+        nc = 0
+        for j in range(nids[slot]):
+            if probs[slot, j] > 0:
+                c_ids[nc], c_p[nc], c_at[nc] = ids[slot, j], probs[slot, j], j
+                nc += 1
+        k = min(kids, nc)
+        for i in range(nc):
+            rank[i] = i
         if stochastic:  # Gumbel-top-k
-            pos, moved = gumbel_order(cand.p, nc, noise, pos, moved, cand.keys, cand.rank)
-            tree.qn[node] = store.nids[slot]
-            for j in range(store.nids[slot]):
-                tree.qids[node, j], tree.qp[node, j] = store.ids[slot, j], store.probs[slot, j]
-        size = _hang_children(shape, keep, s, min(kids, nc), cand, stochastic, tree, placed, size)
-    tree.noise_used[0], tree.noise_used[1] = moved, pos
+            pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, rank)
+            qn[node] = nids[slot]
+            for j in range(nids[slot]):
+                qids[node, j], qp[node, j] = ids[slot, j], probs[slot, j]
+        placed_kids = 0
+        for j in range(kid_at[s], kid_at[s + 1]):
+            kid = kid_list[j]
+            if placed_kids == k:
+                break
+            if not keep[kid]:
+                continue
+            child = size
+            token[child], slot_of[child] = c_ids[rank[placed_kids]], c_at[rank[placed_kids]]
+            parent[child], sampled[child], shape[child], qn[child] = node, stochastic, kid, -1
+            ctx[child, : order - 1] = ctx[node, 1:]
+            ctx[child, order - 1] = token[child]
+            clen[child] = min(order, tl + 1)
+            placed[kid] = child
+            placed_kids += 1
+            size += 1
+    used[0], used[1] = moved, pos
     return size
-
-
-@njit(cache=True)
-def _row_trees(trees: StandTrees, r: int) -> StandTrees:
-    """Row r's part of a step's buffers."""
-    return StandTrees(
-        trees.ctx[r], trees.clen[r], trees.token[r], trees.parent[r], trees.sampled[r],
-        trees.shape[r], trees.slot_of[r], trees.qn[r], trees.qids[r], trees.qp[r],
-        trees.noise_used[r],
-    )  # fmt: skip
 
 
 @njit(cache=True)
 def stand_rows(
-    store: StoreArrays, shape: ShapeChildren, keep, stochastic, noise: NoiseWindows,
-    trees: StandTrees, sizes,
-) -> None:  # fmt: skip
-    """`stand_tree` for every row (row r's arrays are the r-th of each)."""
+    tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
+    keep, stochastic, cur, cur_at, rem, nxt, nxt_at, used,
+    ctx, clen, token, parent, sampled, shape, slot_of, qn, qids, qp, sizes,
+):  # fmt: skip
+    """`stand_tree` for every row (row r's arrays are the r-th of each; its noise as
+    `noise_windows` lays it out)."""
     for r in range(len(sizes)):
         sizes[r] = stand_tree(
-            store, shape, keep[r], stochastic[r], row_window(noise, r), _row_trees(trees, r)
-        )
+            tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
+            keep[r], stochastic[r], cur[cur_at[r] : cur_at[r + 1]], rem[r],
+            nxt[nxt_at[r] : nxt_at[r + 1]], used[r],
+            ctx[r], clen[r], token[r], parent[r], sampled[r], shape[r], slot_of[r],
+            qn[r], qids[r], qp[r],
+        )  # fmt: skip
+
+
+def shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray]:
+    """The shape's children as CSR: those of node s are `kid_list[kid_at[s]:kid_at[s + 1]]`."""
+    kid_at = np.cumsum([0] + [len(k) for k in shape.children]).astype(np.int64)
+    return kid_at, np.array([c for k in shape.children for c in k], np.int64)
 
 
 class StandGroup:
@@ -292,7 +194,7 @@ class StandGroup:
 
     def __init__(self, shape: TreeShape) -> None:
         self.shape = shape
-        self.children = shape_children(shape)
+        self.kid_at, self.kid_list = shape_arrays(shape)
         self.index: StoreIndex | None = None
 
     def bind(self, index: StoreIndex) -> None:
@@ -325,6 +227,7 @@ class StandGroup:
             else:
                 keep[r, list(kept)] = True
         most = [len(kept) + 1 for kept in keeps]  # the most nodes each tree can have
+        nodes = max(most)
         stochastic = np.zeros(rows, np.bool_)
         tails = []
         for r, (m, c) in enumerate(zip(members, ctxs, strict=True)):
@@ -337,39 +240,40 @@ class StandGroup:
             [m.noise if s else None for m, s in zip(members, stochastic.tolist(), strict=True)],
             [n * width for n in most],
         )
-        trees = StandTrees.empty(rows, max(most), order, width)
-        trees.ctx[:, 0] = tails
-        trees.clen[:, 0] = [min(order, len(c.tokens)) for c in ctxs]
+        ctx = np.full((rows, nodes, order), -1, np.int64)
+        ctx[:, 0] = tails
+        clen = np.zeros((rows, nodes), np.int64)
+        clen[:, 0] = [min(order, len(c.tokens)) for c in ctxs]
+        used = np.zeros((rows, 2), np.int64)
+        token, shape_ids, slot_of = (np.zeros((rows, nodes), np.int64) for _ in range(3))
+        parent = np.full((rows, nodes), -1, np.int64)  # past a tree's nodes: none
+        qn = np.full((rows, nodes), -1, np.int64)
+        sampled = np.zeros((rows, nodes), np.bool_)
+        qids, qp = np.zeros((rows, nodes, width), np.int64), np.zeros((rows, nodes, width))
         sizes = np.zeros(rows, np.int64)
-        stand_rows(index.arrays(), self.children, keep, stochastic, noise, trees, sizes)
-        return _shaped_trees(members, trees, stochastic, sizes)
-
-
-def _shaped_trees(
-    members: Sequence[CompiledStand], trees: StandTrees, stochastic: np.ndarray, sizes: np.ndarray
-) -> list[ShapedTree]:
-    """`stand_rows`' output as each member's tree, converted to Python once for all rows; a
-    node's q where it drew its children. Each member's noise moves past what it read."""
-    tokens, parents, drawn, shapes = (
-        x.tolist() for x in (trees.token, trees.parent, trees.sampled, trees.shape)
-    )
-    has_q = trees.qn >= 0
-    drawn_batch = DrawnBatch(trees.parent, trees.slot_of, trees.qn, trees.qids, trees.qp)
-    used = trees.noise_used
-    out = []
-    for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
-        if stochastic[r]:
-            m.noise.advance(bool(used[r, 0]), int(used[r, 1]))
-        tree = DraftTree(
-            tuple(tokens[r][:n]),
-            tuple(parents[r][:n]),
-            tuple(drawn[r][:n]),
-            DrawnQ(has_q, trees.qn, trees.qids, trees.qp, r, n) if stochastic[r] else (None,) * n,
-            DrawnArrays(drawn_batch, r) if stochastic[r] else None,
-        )
-        m.contexts = (trees.ctx[r, :n], trees.clen[r, :n])
-        out.append(ShapedTree(tree, tuple(shapes[r][:n])))
-    return out
+        stand_rows(
+            *index.arrays(), order, self.kid_at, self.kid_list,
+            keep, stochastic, *noise, used,
+            ctx, clen, token, parent, sampled, shape_ids, slot_of, qn, qids, qp, sizes,
+        )  # fmt: skip
+        # to Python once for all rows; a node's q where it drew its children
+        tokens, parents, drawn, shapes = (x.tolist() for x in (token, parent, sampled, shape_ids))
+        has_q = qn >= 0
+        drawn_batch = DrawnBatch(parent, slot_of, qn, qids, qp)
+        out = []
+        for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
+            if stochastic[r]:
+                m.noise.advance(bool(used[r, 0]), int(used[r, 1]))
+            tree = DraftTree(
+                tuple(tokens[r][:n]),
+                tuple(parents[r][:n]),
+                tuple(drawn[r][:n]),
+                DrawnQ(has_q, qn, qids, qp, r, n) if stochastic[r] else (None,) * n,
+                DrawnArrays(drawn_batch, r) if stochastic[r] else None,
+            )
+            m.contexts = (ctx[r, :n], clen[r, :n])
+            out.append(ShapedTree(tree, tuple(shapes[r][:n])))
+        return out
 
 
 class CompiledStand:
@@ -416,7 +320,7 @@ class CompiledStand:
         contexts: tuple[np.ndarray, np.ndarray],
         harvest: bool,
     ) -> None:
-        """`store_feed.feed_store` on the store's arrays: the target's distributions at the
+        """`stand.feed_store` on the store's arrays: the target's distributions at the
         learned nodes, under each node's context."""
         assert self.group.index is not None
         feed_index(self.group.index, contexts, learned_nodes(tree, acc, topk, harvest), topk)
@@ -442,8 +346,4 @@ def warm() -> int:
 
 
 if __name__ == "__main__":
-    # warmed as imported: the disk cache keys a kernel by its arguments' types, and this
-    # module's NamedTuples run as `__main__` are other types than those a later process imports
-    from tts_service.drafters import stand_compiled
-
-    print(f"stand kernels compiled (a {stand_compiled.warm()}-node tree)")
+    print(f"stand kernels compiled (a {warm()}-node tree)")

@@ -23,8 +23,7 @@ from tts_service.drafters.stand_dyn import (
     StandDynDrafterConfig,
     compiled_applies,
 )
-from tts_service.drafters.stand_dyn_arrays import SuffixIndex
-from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, warm
+from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.seam import DraftContext
 
 
@@ -68,7 +67,7 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
     and every tree equals the Python drafter's, drafting row after row."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_dyn_arrays import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
     from tts_service.engine.tree import DraftTree
 
     rng = random.Random(7)
@@ -157,7 +156,7 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     `stand`'s (every child drawn, no `sampled` array, ids as wide as the store's top-k)."""
     from tts_service.drafters.stand import StandDrafterConfig
     from tts_service.drafters.stand_compiled import CompiledStand, new_group
-    from tts_service.drafters.stand_dyn_arrays import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(13)
     mixed = stand_trees = 0
@@ -197,7 +196,7 @@ def test_rows_of_one_group_draw_their_own_noise_through_refills():
     refills included, and so its trees, are the Python drafter's."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_dyn_arrays import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(17)
     plain, indexed = _twin_stores(rng, rows=200, width=5)
@@ -232,7 +231,7 @@ def test_a_top_k_two_store_and_a_greedy_row_beside_drawing_rows():
     to the loop over the trees' nodes."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_dyn_arrays import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(23)
     plain, indexed = _twin_stores(rng, rows=200, width=2, topk=2)
