@@ -33,7 +33,7 @@ import torch
 from store.memory import InMemoryNgramStore
 from tts_service.config import ModelConfig, SamplingConfig
 from tts_service.drafters.base import PlainDrafterConfig
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.matmul import restore_linear_products, tune_linear_products
 from tts_service.generation import Generator
 from tts_service.runner import TrajectoryRunner

@@ -56,7 +56,7 @@ from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
 from tts_service.drafters.base import NoDrafter
 from tts_service.drafters.registry import DraftEnv, DrafterConfig, build_drafter, method_drafter
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.cost import sync_device

@@ -20,7 +20,7 @@ from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from store.redis_store import RedisLogitNgramStore, RedisScope
 from tts_service.config import ModelConfig, SamplingConfig
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.generation import Generator
 from tts_service.solve import solve
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from store.index import StoreIndex
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -111,15 +108,3 @@ class NgramStore(Protocol):
         writes to this store; False if one already did, in this scope or one it reads (then
         the row must not run: its drafts would depend on its own verifier's uniforms). Claims
         outlive `clear` in-process; in Redis they share the scope's keys and TTL."""
-
-
-@runtime_checkable
-class IndexedStore(Protocol):
-    """A store that can keep its entries as arrays for compiled drafting (`InMemoryNgramStore`;
-    a Redis store cannot: other writers change it behind any local copy)."""
-
-    topk: int  # ids kept per entry: the most candidates one lookup gives
-
-    def compiled(self) -> StoreIndex | None:
-        """Its `store.index.StoreIndex` (made on the first call, its entries' home from then
-        on), or None where it cannot keep one."""

@@ -26,8 +26,8 @@ from tts_service.drafters.registry import (
     method_drafter,
     size_field,
 )
-from tts_service.drafters.stand import StandDrafterConfig
-from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

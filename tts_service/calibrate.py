@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tts_service.drafters.base import StaticTreeDrafter, shape_prefix
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeShape, select_subtree
 from tts_service.engine.verify import Acceptance

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from bench.drawn_children import drawn_accept, top_k_accept
-from tts_service.drafters.stand import gumbel_top_k
+from tts_service.drafters.gumbel import gumbel_top_k
 from tts_service.engine.tree import SparseDist, TreeBuilder
 from tts_service.engine.verify import verify_node
 

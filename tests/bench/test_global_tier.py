@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.replay import LoggedProblem, replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.replay import LoggedProblem, replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -86,7 +86,7 @@ def test_lookups_see_what_another_store_wrote(cluster):
 @pytest.mark.slow
 def test_best_of_4_greedy_through_the_cluster_equals_the_in_process_store(cluster, smollm2):
     from tts_service.config import SamplingConfig
-    from tts_service.drafters.stand import StandDrafterConfig
+    from tts_service.drafters.stand_config import StandDrafterConfig
     from tts_service.solve import solve
 
     question = "List the even numbers from 2 to 20, then add them up step by step."

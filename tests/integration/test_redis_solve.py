@@ -15,7 +15,7 @@ from store.factory import open_problem_store, problem_id
 from store.local_server import LocalRedisServer
 from store.memory import InMemoryNgramStore
 from tts_service.config import SamplingConfig
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.solve import solve
 
 pytestmark = pytest.mark.slow

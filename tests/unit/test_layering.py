@@ -37,7 +37,7 @@ CORE = (
 )
 TOOLS = ("tts_service.replay", "tts_service.calibrate")  # over the core: logs, calibration
 # the store's types, and the arrays compiled drafting reads (no I/O): the core opens no store
-CORE_STORE = ("store.base", "store.config", "store.index", "store.hashtable")
+CORE_STORE = ("store.base", "store.config", "store.index", "store.indexed", "store.hashtable")
 TOOLS_STORE = CORE_STORE + ("store.memory",)  # tools may open an in-process store
 SCHEMAS = ("tts_service.schemas",)
 CONFIG = ("tts_service.config",)

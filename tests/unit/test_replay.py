@@ -14,7 +14,7 @@ from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
 from tts_service.drafters.pld import PldDrafterConfig
 from tts_service.drafters.registry import REPLAY_METHODS
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.replay import LoggedProblem, parse_line, read_log, replay, replay_config
 from tts_service.runner import TrajectoryRecorder
 from tts_service.schemas import ReplayRequest

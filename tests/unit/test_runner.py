@@ -78,9 +78,9 @@ def run_three_problems(
 def _compiled_cases() -> dict[str, tuple]:
     """Each compiled drafter: (its config at `compiled`, `sizing`; its group's drafting method;
     its row class; whether its children are drawn under sampling)."""
-    from tts_service.drafters.stand import StandDrafterConfig
     from tts_service.drafters.stand_compiled import CompiledStand, StandGroup
-    from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+    from tts_service.drafters.stand_config import StandDrafterConfig
+    from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
     from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup
 
     return {
@@ -290,7 +290,8 @@ def test_auto_at_many_rows_on_a_steep_surface_is_plain_decoding(tiny_model, monk
     every forward is one token per row, the tokens are plain decoding's, and the store still
     learns from every step (at the cost bench/auto_speed.py shows)."""
     from tests.unit.engine.test_allocate import STEEP
-    from tts_service.drafters.stand_dyn import StandDynDrafter, StandDynDrafterConfig
+    from tts_service.drafters.stand_dyn import StandDynDrafter
+    from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 
     calls = []
     draft = StandDynDrafter.draft

@@ -19,8 +19,9 @@ from pydantic import Field
 
 from store.base import NgramStore
 from tts_service.config import StrictConfig
+from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
 from tts_service.drafters.spec import DrafterSpec, Method
-from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
+from tts_service.drafters.store_feed import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder

@@ -15,8 +15,8 @@ import importlib.util
 import threading
 
 from tts_service.drafters.registry import DrafterConfig
-from tts_service.drafters.stand import StandDrafterConfig
-from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 
 STAND = "tts_service.drafters.stand_compiled"
 STAND_DYN = "tts_service.drafters.stand_kernel"

@@ -14,112 +14,21 @@ last one is the bonus position), and optionally at rejected nodes, are merged in
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Container, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
 
-import numpy as np
-from pydantic import Field
-
-from store.base import IndexedStore, NgramRow, NgramStore
-from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
+from store.base import NgramStore
+from store.indexed import IndexedStore
+from tts_service.config import resolve_tree_path
 from tts_service.drafters.base import ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
+from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
+from tts_service.drafters.stand_config import StandDrafterConfig
+from tts_service.drafters.store_feed import feed_root, feed_store
 from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
-from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
-
-if TYPE_CHECKING:
-    from store.index import StoreIndex
-
-
-class StandDrafterConfig(StrictConfig):
-    """STAND (Song et al. 2025): stochastic trees drawn from a shared logit n-gram store."""
-
-    kind: Literal["stand"] = "stand"
-    tree: TreeName = Field("stand-80", description="A name in configs/trees or a JSON path.")
-    num_nodes: int = Field(16, ge=1, le=1024, description="Use the tree's first N nodes.")
-    stochastic: bool = Field(True, description="Gumbel-Top-K children; False: top-k (ablation).")
-    harvest_rejected: bool = Field(
-        False, description="Also store the target's distributions at rejected tree nodes."
-    )
-    noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
-    sizing: Sizing = "fixed"
-    compiled: bool = Field(
-        True,
-        description="Draft with the compiled kernel (`stand_compiled`, numba) where it applies: "
-        "the same trees, a fraction of the host time.",
-    )
-
-
-class GumbelNoise:
-    """A buffer of Gumbel(0, 1) noise: every value is handed out once; refilled when short.
-
-    It reads the draft stream of trajectory `seed`, never the verifier's (`engine.streams`).
-    The noise is host data, so it is drawn with numpy: a torch refill dispatched six ops on
-    tiny tensors, one refill per row every few hundred nodes, which made the host's op count
-    grow with the rows (issue 27). The Python drafter takes floats (`take`); the compiled one
-    reads a window of the buffer and of the next one (`window`, `advance`), drawn early from
-    the same stream, so both see the same values in the same order.
-    """
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size = size
-        self.rng = np.random.Generator(np.random.PCG64(stream_seed(seed, Stream.DRAFT)))
-        self.array = np.zeros(0)  # the current buffer
-        self.values: list[float] | None = []  # the same as floats, made at `take`'s need
-        self.ahead: np.ndarray | None = None  # the next buffer, once a window asked for it
-        self.pos = 0
-        self.refills = 0
-
-    def _refill(self, n: int) -> None:
-        ahead, self.ahead = self.ahead, None
-        assert ahead is None or len(ahead) >= n, "a window's next buffer holds what it read"
-        self.array = ahead if ahead is not None else self._draw(n)
-        self.values = None
-        self.pos = 0
-        self.refills += 1
-
-    def _draw(self, n: int) -> np.ndarray:
-        return self.rng.gumbel(size=max(self.size, n))
-
-    def take(self, n: int) -> list[float]:
-        if self.pos + n > len(self.array):  # the tail is discarded, never wrapped around
-            self._refill(n)
-        if self.values is None:
-            self.values = self.array.tolist()
-        out = self.values[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def window(self, need: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """What a compiled draft reading at most `need` values (≤ `size`) sees: the buffer's
-        next values, how many it has left, and the next buffer's first where the read may run
-        past this one (else none: drawn when first needed, the stream's same values)."""
-        assert need <= self.size, "a step may read no more than a buffer holds"
-        rest, left = self.array[self.pos : self.pos + need], len(self.array) - self.pos
-        if left >= need:
-            return rest, left, rest[:0]
-        if self.ahead is None:
-            self.ahead = self._draw(need)
-        return rest, left, self.ahead[:need]
-
-    def advance(self, refilled: bool, pos: int) -> None:
-        """After a compiled draft: it moved to the next buffer (then read `pos` of it), or read
-        `pos` more of this one."""
-        if refilled:
-            self._refill(0)
-        self.pos += pos
-
-
-def gumbel_top_k(ids: list[int], probs: list[float], k: int, noise: list[float]) -> list[int]:
-    """k ids sampled without replacement from `probs` (any positive scale), in sampling order."""
-    keys = [math.log(p) + g for p, g in zip(probs, noise, strict=True)]
-    order = sorted(range(len(ids)), key=lambda i: -keys[i])
-    return [ids[i] for i in order[:k]]
 
 
 class StandDrafter:
@@ -202,58 +111,6 @@ class StandDrafter:
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred:
         tail = tuple(tokens[-self.store.max_order :])
         return lambda: feed_root(self.store, tail, topk)
-
-
-def feed_root(store: NgramStore, tokens: Sequence[int], topk: NodeTopK) -> None:
-    """Merge the target's distribution at a plain step's root under its context tail."""
-    if topk.has(0):
-        tail = tuple(tokens[-store.max_order :])
-        store.add([NgramRow(tail, tuple(topk.ids[0].tolist()), tuple(topk.probs[0].tolist()))])
-
-
-def feed_index(
-    index: StoreIndex,
-    contexts: tuple[np.ndarray, np.ndarray],
-    nodes: list[int],
-    topk: NodeTopK,
-) -> None:
-    """`feed_store` on a store's arrays (the compiled drafters'): the target's distributions at
-    `nodes` (`learned_nodes`), under each node's context (`contexts`: right-aligned, -1
-    padded, and their lengths, per tree node)."""
-    if nodes:
-        rows = np.array(nodes, np.int64)
-        ctx, clen = contexts
-        width = np.full(len(rows), topk.ids.shape[1], np.int64)
-        index.add_arrays(ctx[rows], clen[rows], topk.ids[rows], topk.probs[rows], width)
-
-
-def learned_nodes(
-    tree: DraftTree, acc: Acceptance, topk: NodeTopK, harvest_rejected: bool
-) -> list[int]:
-    """The nodes whose target distributions the store learns, in merge order: the root and the
-    accepted nodes (the last one is the bonus position), then, with `harvest_rejected`, the
-    rejected ones; only those with a real top-k row."""
-    nodes = [0, *acc.path]
-    if harvest_rejected:
-        on_path = set(acc.path)
-        nodes += [v for v in range(1, tree.size) if v not in on_path]
-    return [v for v in nodes if topk.has(v)]
-
-
-def feed_store(
-    store: NgramStore,
-    tails: list[tuple[int, ...]],
-    tree: DraftTree,
-    acc: Acceptance,
-    topk: NodeTopK,
-    harvest_rejected: bool,
-) -> None:
-    """Merge the target's distributions at `learned_nodes` under each node's context tail."""
-    nodes = learned_nodes(tree, acc, topk, harvest_rejected)
-    ids, probs = topk.ids[nodes].tolist(), topk.probs[nodes].tolist()
-    store.add(
-        [NgramRow(tails[v], tuple(i), tuple(p)) for v, i, p in zip(nodes, ids, probs, strict=True)]
-    )
 
 
 def compiled_applies(cfg: StandDrafterConfig, store: NgramStore) -> bool:

@@ -25,13 +25,9 @@ from store.base import NgramRow, NgramStore
 from store.index import StoreIndex, lookup_slot
 from tts_service.config import resolve_tree_path
 from tts_service.drafters.base import ShapedTree, shape_prefix
-from tts_service.drafters.stand import (
-    GumbelNoise,
-    StandDrafterConfig,
-    feed_index,
-    feed_root,
-    learned_nodes,
-)
+from tts_service.drafters.gumbel import GumbelNoise
+from tts_service.drafters.stand_config import StandDrafterConfig
+from tts_service.drafters.store_feed import feed_index, feed_root, learned_nodes
 from tts_service.engine import walk_compiled
 from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import (
@@ -320,7 +316,7 @@ class CompiledStand:
         contexts: tuple[np.ndarray, np.ndarray],
         harvest: bool,
     ) -> None:
-        """`stand.feed_store` on the store's arrays: the target's distributions at the
+        """`store_feed.feed_store` on the store's arrays: the target's distributions at the
         learned nodes, under each node's context."""
         assert self.group.index is not None
         feed_index(self.group.index, contexts, learned_nodes(tree, acc, topk, harvest), topk)

@@ -36,16 +36,15 @@ from __future__ import annotations
 import heapq
 import importlib.util
 from collections.abc import Iterable, Sequence
-from typing import Literal
 
-from pydantic import Field
-
-from store.base import IndexedStore, NgramEntry, NgramStore
-from tts_service.config import Sizing, StrictConfig
+from store.base import NgramEntry, NgramStore
+from store.indexed import IndexedStore
 from tts_service.drafters.goose import AdjacencyTable
+from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
-from tts_service.drafters.stand import GumbelNoise, feed_root, feed_store, gumbel_top_k
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
+from tts_service.drafters.store_feed import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
@@ -56,36 +55,6 @@ SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2, 1)
 MIN_SUFFIX = 4  # shorter suffix matches are the store's job
 TAIL = max(SUFFIX_ORDERS)
 STORE, BACKOFF, SUFFIX, SUCCESSOR, DRAWN = range(5)  # a candidate's source
-
-
-class StandDynDrafterConfig(StrictConfig):
-    """STAND, dynamic: best-first trees over the store, candidates ranked by an acceptance
-    rate learned online; the whole budget, or what the measured verify cost pays for."""
-
-    kind: Literal["stand_dyn"] = "stand_dyn"
-    num_nodes: int = Field(80, ge=1, le=1024, description="Draft nodes per step (the cap).")
-    sizing: Sizing = "gt"
-    harvest_rejected: bool = Field(
-        True,
-        description="Also store the target's distributions at rejected nodes (another "
-        "trajectory of the problem may take the branch a row rejected; paired on the tuning "
-        "log, +2.2% tokens per forward at 8 nodes: docs/benchmarks.md, acceptance length).",
-    )
-    drawn: bool = Field(
-        False,
-        description="Under sampling, a node may draw its children from the stored distribution "
-        "(verified by rejection sampling) where calibration rates that above its best "
-        "deterministic candidate; `auto` turns it on on a CPU (registry.AUTO_FIELDS), off "
-        "otherwise: deterministic children only.",
-    )
-    noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
-    compiled: bool = Field(
-        True,
-        description="Draft with the compiled kernel (`stand_kernel`, numba) where it applies: "
-        "an in-process store (and, with `drawn`, a noise buffer of at least (num_nodes + 1) x the "
-        "store's top-k). The same trees as the Python drafter, a fraction of the host time; "
-        "elsewhere the Python drafter runs.",
-    )
 
 
 Candidate = tuple[float, int, int, float]

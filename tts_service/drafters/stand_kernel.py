@@ -10,16 +10,15 @@ interpreter:
 * the successor table's unigram tier (`SuccessorIndex`, `AdjacencyTable` as `stand-dyn` uses
   it) and the calibration (`CalibrationIndex`, `AcceptanceCalibration`'s lines), per model.
 
-`draft_tree` is `StandDynDrafter.draft` statement for statement: the same candidates, rates,
-heap order and stopping rule, and with `drawn` (under sampling) the same choice of which nodes
-draw their children, drawn from the row's own `GumbelNoise` in the same order (a step reads a
-window of it, as `stand_compiled` does, and says how far it read), so a tree is identical to
-the Python drafter's, node for node, its drawn flags and q included (tests compare them
-through the runner). Where it does not apply (a Redis or tiered store, a noise buffer smaller
-than a step can read, numba missing) the Python drafter runs (`stand_dyn._build`). Kernels are
-cached on disk (`cache=True`): the first run after an install compiles them (`python -m
-tts_service.drafters.stand_kernel` does it ahead, `scripts/setup.sh` runs it); later processes
-load them.
+`draft_tree` is `StandDynDrafter.draft` statement for statement: the same candidates, rates, heap
+order and stopping rule, and with `drawn` (under sampling) the same choice of which nodes draw their
+children, drawn from the row's own `GumbelNoise` in the same order (a step reads a window of it, as
+`stand_compiled` does, and says how far it read), so a tree is identical to the Python drafter's,
+node for node, its drawn flags and q included (tests compare them through the runner). Where it does
+not apply (a Redis or tiered store, a noise buffer smaller than a step can read, numba missing) the
+Python drafter runs (`stand_dyn._build`). Kernels are cached on disk (`cache=True`): the first run
+after an install compiles them (`python -m tts_service.drafters.stand_kernel` does it ahead,
+`scripts/setup.sh` runs it); later processes load them.
 """
 
 from __future__ import annotations
@@ -33,9 +32,10 @@ from numba import njit
 from store.base import NgramRow, NgramStore
 from store.hashtable import find_ngram, find_pair, insert_ngram, insert_pair, new_table, room
 from store.index import StoreIndex, lookup_slot
-from tts_service.drafters.stand import GumbelNoise, feed_index, feed_root, learned_nodes
+from tts_service.drafters.gumbel import GumbelNoise
 from tts_service.drafters.stand_compiled import gumbel_order, noise_windows
-from tts_service.drafters.stand_dyn import StandDynDrafterConfig
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
+from tts_service.drafters.store_feed import feed_index, feed_root, learned_nodes
 from tts_service.engine import walk_compiled
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
 from tts_service.engine.seam import Deferred, DraftContext, NodeTopK

@@ -26,7 +26,8 @@ from pydantic import Field, field_validator
 from store.base import NgramStore
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
-from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
+from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, model_validator
 from store.config import StoreConfig
 from tts_service.config import MaxRows, ModelConfig, SamplingConfig, StrictConfig
 from tts_service.drafters.registry import DrafterConfig
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 
 
 class Problem(StrictConfig):

@@ -20,7 +20,7 @@ from tts_service.config import (
 )
 from tts_service.drafters.pld import PldDrafterConfig
 from tts_service.drafters.registry import REPLAY_METHODS, DrafterConfig
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 
 ReplayMethod = Literal[REPLAY_METHODS]  # type: ignore[valid-type]
 

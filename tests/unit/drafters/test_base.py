@@ -8,7 +8,8 @@ import torch
 
 from tests.unit.drafters.test_gt import _stand_store
 from tts_service.drafters.recycling import RecyclingDrafterConfig, TokenRecyclingDrafter
-from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
+from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.seam import DraftContext
 
 

@@ -18,7 +18,8 @@ from tts_service.config import resolve_tree_path
 from tts_service.drafters.gt import GtSizedDrafter, OnPathStats, new_gt_stats
 from tts_service.drafters.gtcp import GtcpDrafterConfig, GtTreeDrafter
 from tts_service.drafters.recycling import RecyclingDrafterConfig
-from tts_service.drafters.stand import StandDrafter, StandDrafterConfig
+from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import load_tree_shape

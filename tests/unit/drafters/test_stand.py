@@ -15,7 +15,9 @@ from store.memory import InMemoryNgramStore
 from tests.conftest import tiny_llama
 from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
-from tts_service.drafters.stand import GumbelNoise, StandDrafter, StandDrafterConfig, gumbel_top_k
+from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
+from tts_service.drafters.stand import StandDrafter
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import DraftTree

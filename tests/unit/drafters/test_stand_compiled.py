@@ -11,8 +11,9 @@ import pytest
 
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
-from tts_service.drafters.stand import StandDrafter, StandDrafterConfig, compiled_applies
+from tts_service.drafters.stand import StandDrafter, compiled_applies
 from tts_service.drafters.stand_compiled import CompiledStand, new_group, warm
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.seam import DraftContext
 from tts_service.engine.treebatch import SparseLayout
 

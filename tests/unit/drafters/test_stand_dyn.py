@@ -19,10 +19,10 @@ from tts_service.drafters.stand_dyn import (
     AcceptanceCalibration,
     Candidate,
     StandDynDrafter,
-    StandDynDrafterConfig,
     candidate_kind,
     suffix_flags,
 )
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import SparseDist

@@ -18,11 +18,8 @@ from tests.conftest import save_tiny_model
 from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_lay_out_as_the_trees
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
-from tts_service.drafters.stand_dyn import (
-    SUFFIX_ORDERS,
-    StandDynDrafterConfig,
-    compiled_applies,
-)
+from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, compiled_applies
+from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
 from tts_service.engine.seam import DraftContext
 
@@ -120,7 +117,7 @@ def test_the_kernels_preload_in_a_daemon_thread():
 
 
 def test_the_kernels_a_drafter_config_drafts_with():
-    from tts_service.drafters.stand import StandDrafterConfig
+    from tts_service.drafters.stand_config import StandDrafterConfig
     from tts_service.drafters.stand_spine import StandSpineDrafterConfig
 
     assert kernels_of(StandDrafterConfig()) == STAND
@@ -154,8 +151,8 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     drawing node's support is its q, any other's its children's tokens) exactly as the loop over
     their nodes does, field for field; two problems' batches in one step, and a third of
     `stand`'s (every child drawn, no `sampled` array, ids as wide as the store's top-k)."""
-    from tts_service.drafters.stand import StandDrafterConfig
     from tts_service.drafters.stand_compiled import CompiledStand, new_group
+    from tts_service.drafters.stand_config import StandDrafterConfig
     from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(13)

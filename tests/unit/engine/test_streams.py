@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 from store.base import NgramRow
 from store.memory import InMemoryNgramStore
 from tts_service.drafters.registry import DraftEnv, build_drafter
-from tts_service.drafters.stand import StandDrafterConfig
+from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.engine.seam import DraftContext
 from tts_service.engine.streams import (
     Stream,
