@@ -43,6 +43,7 @@ from tts_service.drafters.spec import DraftEnv
 from tts_service.engine.acceptance import DenseNodes, Verified, row_probs
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.cost import GPU_LIKE_COST, CostModel
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.verify import Acceptance, expected_length, node_support
 from tts_service.models import load_model
 from tts_service.replay import LoggedProblem, parse_line, sized_fields
@@ -68,7 +69,7 @@ class TeacherForcedDecoder(BatchDecoder):
     committed tokens under the target's p is recorded per row."""
 
     def __init__(self, model) -> None:
-        super().__init__(model, eos_ids=[], cuda_graphs=False)
+        super().__init__(model, eos_ids=[], options=DecoderOptions(cuda_graphs=False))
         self.logged: dict[int, list[int]] = {}  # id(row) -> its response
         self.expected: dict[int, list[float]] = {}  # id(row) -> E[committed] per step
         self.sampled: dict[int, list[int]] = {}  # id(row) -> what the verifier committed

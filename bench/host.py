@@ -71,6 +71,7 @@ from tts_service.engine.allocate import SpeculationPlanner
 from tts_service.engine.batch import BatchDecoder, Row
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance
 from tts_service.engine.metrics import PHASES
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
 from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
@@ -137,9 +138,9 @@ class StandInDecoder(BatchDecoder):
         super().__init__(
             model,
             eos_ids=[],
-            cuda_graphs=False,
-            defer_observation=defer,
-            graph_acceptance=graph_acceptance,
+            options=DecoderOptions(
+                cuda_graphs=False, defer_observation=defer, graph_acceptance=graph_acceptance
+            ),
         )
         self.acceptance.gather_sparse = True  # rule (c) as a GPU host runs it: every node gathered
         if graph_acceptance and self.device.type == "cuda":

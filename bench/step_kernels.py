@@ -23,6 +23,7 @@ import torch
 from bench import device as dv
 from tts_service.engine.attention import NAME as GROUPED
 from tts_service.engine.batch import BatchDecoder
+from tts_service.engine.options import DecoderOptions
 
 REPEATS = 10
 TOP_KERNELS = 12
@@ -66,8 +67,14 @@ def measure(model, rows: int, widths: list[int], contexts: list[int]) -> list[di
     for attention in ("sdpa", GROUPED):
         set_attention(model, attention)
         for context in contexts:
-            graphed = BatchDecoder(model, eos_ids=[], grouped_attention=False)
-            eager = BatchDecoder(model, eos_ids=[], grouped_attention=False, cuda_graphs=False)
+            graphed = BatchDecoder(
+                model, eos_ids=[], options=DecoderOptions(grouped_attention=False)
+            )
+            eager = BatchDecoder(
+                model,
+                eos_ids=[],
+                options=DecoderOptions(grouped_attention=False, cuda_graphs=False),
+            )
             for decoder in (graphed, eager):
                 decoder.fill_random(rows, context)
             for width in widths:

@@ -17,6 +17,7 @@ from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import GenerationOutput, GenerationResult
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Drafter
 from tts_service.engine.surface import CostSurface, SurfaceVerifyCost, open_surface
@@ -100,8 +101,9 @@ class Generator:
             loaded.model,
             loaded.eos_token_ids,
             self.decode,
-            cuda_graphs=loaded.cuda_graphs,
-            graph_acceptance=loaded.graph_acceptance,
+            options=DecoderOptions(
+                cuda_graphs=loaded.cuda_graphs, graph_acceptance=loaded.graph_acceptance
+            ),
         )
 
     def encode(self, prompt: str, chat: bool) -> list[int]:

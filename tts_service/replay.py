@@ -40,6 +40,7 @@ from tts_service.engine.cost import GPU_LIKE_COST, CostModel
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.kv import fill_holes
 from tts_service.engine.metrics import ForwardStats, GenerationStats, acceptance_length
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import DeferredObservations, DraftContext, Drafter, NodeTopK, draft_all
 from tts_service.engine.surface import CostSurface
@@ -392,8 +393,9 @@ class TimedTarget(Generator):
             self.problems,
             loaded.model,
             loaded.eos_token_ids,
-            cuda_graphs=loaded.cuda_graphs,
-            graph_acceptance=loaded.graph_acceptance,
+            options=DecoderOptions(
+                cuda_graphs=loaded.cuda_graphs, graph_acceptance=loaded.graph_acceptance
+            ),
         )
 
     def output(self, res: GenerationResult) -> GenerationOutput:

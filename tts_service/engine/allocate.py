@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import BatchCost
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.surface import CostSurface, power_bucket
 from tts_service.engine.tree import DraftTree
@@ -399,7 +400,7 @@ def measure_batch_cost(
     (a busy machine only ever adds time)."""
     row_counts = sorted({r for r in (1, 4, 16, 64) if r < max_rows} | {max_rows})
     widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w == 1 or w * row_counts[0] <= max_tokens]
-    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=cuda_graphs)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(cuda_graphs=cuda_graphs))
     decoder.fill_random(max_rows, max(1, context_len), seed)
     timings: dict[tuple[int, int], list[float]] = {}
     shapes = [(r, w) for r in row_counts for w in widths if w == 1 or r * w <= max_tokens]

@@ -50,6 +50,7 @@ from tts_service.engine.kv import (
     padded_rows,
 )
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases, StepTimer
+from tts_service.engine.options import DEFAULTS, DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import (
     OBSERVE_TAIL,
@@ -120,41 +121,28 @@ def _guarded(row: Row, later: Deferred) -> Deferred:
 class BatchDecoder:
     """The rows decoding now, their shared KV cache, and the per-forward counters.
 
-    `cuda_graphs`: capture the verify forward per (rows, tokens) bucket on a CUDA device
-    (ignored elsewhere); `full_view` makes attention span the whole preallocated cache, the
-    static shapes graphs need (on by itself with graphs; tests turn it on to check the masks
-    graphs use on a CPU). `cache`: one of the caller's (a tensor-parallel leader's mirrors its
-    rewrites to the other ranks, `engine.tp`). `prompt_cache`: keep recent prompts' prefilled
-    KV, so a prompt is prefilled once however its rows join. `defer_observation`: what the
-    drafters defer of observing a step runs during the next forward (False: at once, the
-    reference the tests compare with). `grouped_attention`: run an SDPA model's tree steps over
-    each KV head once (`engine.attention`; None: on a CUDA device, where the copies it saves
-    cost more than the step). `graph_acceptance`: capture the step's acceptance too, per bucket
-    (`graphs.GraphedAcceptance`, on CUDA with `cuda_graphs`: it reads the captured forward's
-    logits in place; on a CPU, `graphs.EagerReplayedAcceptance`: the same path run eagerly, as
-    the tests and the host benchmark check it). None: wherever the forward is captured."""
+    `options`: how it runs (`engine.options.DecoderOptions`), resolved against the model's
+    device once (`self.options`). `cache`: one of the caller's (a tensor-parallel leader's
+    mirrors its rewrites to the other ranks, `engine.tp`). The captured acceptance
+    (`options.graph_acceptance`) is `graphs.GraphedAcceptance` on CUDA, reading the captured
+    forward's logits in place, and on a CPU `graphs.EagerReplayedAcceptance`, the same path run
+    eagerly."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         eos_ids: Sequence[int],
         decode: Callable[[list[int]], str] | None = None,
-        compact_slack: int = 64,
-        cuda_graphs: bool = True,
-        full_view: bool = False,
+        options: DecoderOptions = DEFAULTS,
         cache: StaticKV | None = None,
-        prompt_cache: bool = True,
-        defer_observation: bool = True,
-        grouped_attention: bool | None = None,
-        graph_acceptance: bool | None = None,
     ) -> None:
         self.model = model
-        if model.device.type == "cuda" if grouped_attention is None else grouped_attention:
+        self.options = opts = options.resolved(model.device)
+        if opts.grouped_attention:
             use_grouped_attention(model)
         # the prompts' prefilled KV, kept for rows that join later (none where the cache is
         # mirrored: a tensor-parallel follower prefills beside its leader)
-        self.prompts = PromptCache() if prompt_cache else None
-        self.compact_slack = compact_slack
+        self.prompts = PromptCache() if opts.prompt_cache else None
         self.eos_ids = list(eos_ids)
         self.decode = decode
         self.min = torch.finfo(model.dtype).min
@@ -162,20 +150,16 @@ class BatchDecoder:
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.active: list[Row] = []
         self.cache = cache if cache is not None else StaticKV(model)
-        graphs = cuda_graphs and model.device.type == "cuda"
-        self.graphs = GraphedForward(model, self.cache) if graphs else None
-        self.cache.full_view = full_view or graphs
+        self.graphs = GraphedForward(model, self.cache) if opts.cuda_graphs else None
+        self.cache.full_view = opts.full_view
         captured: GraphedAcceptance | None = None
-        if graph_acceptance is None:
-            graph_acceptance = graphs
-        if graph_acceptance and model.device.type != "cuda":
+        if opts.graph_acceptance and model.device.type != "cuda":
             captured = EagerReplayedAcceptance(model.device)
-        elif graph_acceptance and graphs:  # it reads the captured forward's logits in place
+        elif opts.graph_acceptance and opts.cuda_graphs:  # reads the forward's logits in place
             captured = GraphedAcceptance(model.device)
         self.acceptance = StepAcceptance(model.device, self.graphs, captured, self.cache.epoch)
         self.forwards = ForwardStats()
         self.phases = StepPhases()
-        self.defer_observation = defer_observation
         self.deferred = DeferredObservations()  # run during the next forward
 
     @property
@@ -386,7 +370,7 @@ class BatchDecoder:
         finished = self._keep(start, keeps)  # 6. each row keeps root + accepted path
         timer.mark("kv")
         self._observe(batch, trees, verified, before, observe)  # 7. the drafters learn
-        if not self.active or not self.defer_observation:  # no next forward to hide it under
+        if not self.active or not self.options.defer_observation:  # no forward to hide it under
             self.flush_observations()
         timer.mark("observe")
         self._book(batch, trees, finished, timer, (width, committed, start))
@@ -523,7 +507,7 @@ class BatchDecoder:
         # a row holds its tokens but the root in the cache: its entries, counted on the host (a
         # count read back from the device would be a second synchronisation per step)
         entries = max((len(r.tokens) - 1 for r in self.active), default=0)
-        if self.active and self.cache.length > 2 * entries + self.compact_slack:
+        if self.active and self.cache.length > 2 * entries + self.options.compact_slack:
             self._compact()
         return finished
 

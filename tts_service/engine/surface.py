@@ -388,9 +388,10 @@ def time_prior(model: PreTrainedModel, context: int = 128, cuda_graphs: bool = T
     GPU, captures the graph). Timed as the steps will run: an eager 7B forward on a GPU is
     launch-bound at twice a graph's time, a prior that flattened every tree's cost."""
     from tts_service.engine.batch import BatchDecoder
+    from tts_service.engine.options import DecoderOptions
 
     wide = CUDA_WIDE_TOKENS if model.device.type == "cuda" else CPU_WIDE_TOKENS
-    decoder = BatchDecoder(model, eos_ids=[], cuda_graphs=cuda_graphs)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(cuda_graphs=cuda_graphs))
     decoder.fill_random(1, context)
     one = min(decoder.time_forward(1, 1) for _ in range(2))
     many = min(decoder.time_forward(1, wide) for _ in range(2))

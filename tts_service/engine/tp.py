@@ -36,6 +36,7 @@ from transformers import (
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.kv import StaticKV
+from tts_service.engine.options import DecoderOptions
 
 _TENSOR = "__tensor__"  # an argument that travels as the i-th broadcast tensor
 _PREFILL = "__prefill__"  # the cache the last prefill filled (each rank has its own)
@@ -210,12 +211,11 @@ def leader_decoder(
     return BatchDecoder(
         leader,  # type: ignore[arg-type]  # duck-typed: forwards everything but the call
         eos_ids,
-        decode,
-        compact_slack=compact_slack,
-        cuda_graphs=False,
-        full_view=full_view,
-        prompt_cache=False,  # each follower prefills beside the leader
+        decode,  # each follower prefills beside the leader
         cache=LeaderKV(leader, link),
+        options=DecoderOptions(
+            compact_slack=compact_slack, cuda_graphs=False, full_view=full_view, prompt_cache=False
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from tts_service.engine import attention
 from tts_service.engine.attention import NAME, grouped_sdpa, tree_attention, use_grouped_attention
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.tree import ancestor_mask
 
 
@@ -71,7 +72,9 @@ def test_grouped_attention_keeps_greedy_output_identical(name):
         plain_generate(model, p, c, eos_ids=[]).token_ids
         for p, c in zip(prompts, cfgs, strict=True)
     ]
-    decoder = BatchDecoder(copy.deepcopy(model), eos_ids=[], grouped_attention=True)
+    decoder = BatchDecoder(
+        copy.deepcopy(model), eos_ids=[], options=DecoderOptions(grouped_attention=True)
+    )
     assert decoder.model.config._attn_implementation == NAME
     rows = [
         decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c)

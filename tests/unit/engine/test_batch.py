@@ -10,6 +10,7 @@ from tests.engine_loop import decode_rows
 from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.seam import DraftContext
 from tts_service.runner import nodes_per_row
 
@@ -46,7 +47,9 @@ def test_each_row_is_token_identical_to_plain_greedy_alone(tiny_model, drafter_c
     refs = [
         plain_generate(tiny_model, p, c, eos_ids=[eos]) for p, c in zip(prompts, cfgs, strict=True)
     ]
-    decoder = BatchDecoder(tiny_model, eos_ids=[eos], compact_slack=0, full_view=full_view)
+    decoder = BatchDecoder(
+        tiny_model, eos_ids=[eos], options=DecoderOptions(compact_slack=0, full_view=full_view)
+    )
     drafters = [make_drafter(drafter_config, VOCAB) for _ in prompts]
     rows = [decoder.new_row(p, d, c) for p, d, c in zip(prompts, drafters, cfgs, strict=True)]
     results = decode_rows(decoder, rows, 48)
@@ -103,7 +106,7 @@ def test_kv_bookkeeping_under_uneven_acceptance_matches_per_row_forwards(full_vi
         SamplingConfig(temperature=0.8, max_new_tokens=n, seed=i)
         for i, n in enumerate((40, 15, 40, 30, 8, 40))
     ]
-    spy = _Spy(model, eos_ids=[], compact_slack=0, full_view=full_view)
+    spy = _Spy(model, eos_ids=[], options=DecoderOptions(compact_slack=0, full_view=full_view))
     drafters = [_Recording(make_drafter(DRAFTER_CONFIGS[n], VOCAB), spy) for n in names]
     decode_rows(
         spy,

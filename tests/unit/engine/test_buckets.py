@@ -12,6 +12,7 @@ from tests.engine_loop import decode_rows, plain_greedy
 from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.graphs import GraphedForward
+from tts_service.engine.options import DecoderOptions
 
 PROMPTS = [[5, 9, 12] * 3, [7, 3, 7, 3, 7], [1, 2, 3, 4, 1, 2, 3, 4]]
 LENGTHS = (24, 9, 30)
@@ -26,7 +27,11 @@ class EagerBuckets(GraphedForward):
 
 
 def bucketed(model) -> BatchDecoder:
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0, cuda_graphs=False, full_view=True)
+    decoder = BatchDecoder(
+        model,
+        eos_ids=[],
+        options=DecoderOptions(compact_slack=0, cuda_graphs=False, full_view=True),
+    )
     decoder.graphs = EagerBuckets(model, decoder.cache)
     return decoder
 
@@ -56,7 +61,11 @@ def test_bucket_padded_greedy_batches_equal_plain_decoding(name):
 def test_bucket_padding_changes_no_sampled_token(name):
     """The same rows, seeds and trees with and without padding: the same tokens."""
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0)
-    plain = BatchDecoder(model, eos_ids=[], compact_slack=0, cuda_graphs=False, full_view=True)
+    plain = BatchDecoder(
+        model,
+        eos_ids=[],
+        options=DecoderOptions(compact_slack=0, cuda_graphs=False, full_view=True),
+    )
     assert decode(bucketed(model), name, 0.8) == decode(plain, name, 0.8)
 
 

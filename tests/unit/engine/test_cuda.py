@@ -13,6 +13,7 @@ from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.compact import CompactCausalLM
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import sample
 from tts_service.engine.streams import Stream, stream_generator
 from tts_service.engine.tree import DraftTree, SparseDist
@@ -69,7 +70,7 @@ def test_graphed_batches_are_token_identical_to_plain_greedy(name):
     cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (24, 9, 30, 17)]
     pairs = list(zip(prompts, cfgs, strict=True))
     refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c) for p, c in pairs]
     results = decode_rows(decoder, rows, 24)
     assert [r.token_ids for r in results] == refs
@@ -86,7 +87,9 @@ def test_the_compact_forward_under_graphs_commits_plain_greedy(name):
     cfgs = [SamplingConfig(temperature=0, max_new_tokens=n) for n in (24, 9, 30)]
     pairs = list(zip(prompts, cfgs, strict=True))
     refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
-    decoder = BatchDecoder(CompactCausalLM(model), eos_ids=[], compact_slack=0)
+    decoder = BatchDecoder(
+        CompactCausalLM(model), eos_ids=[], options=DecoderOptions(compact_slack=0)
+    )
     rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c) for p, c in pairs]
     assert [r.token_ids for r in decode_rows(decoder, rows, 24)] == refs
     assert decoder.graphs is not None and decoder.graphs.graphs
@@ -111,7 +114,9 @@ def test_graphed_acceptance_commits_what_the_eager_acceptance_commits(name):
 
     def run(cfgs, graph_acceptance):
         decoder = BatchDecoder(
-            model, eos_ids=[], compact_slack=0, graph_acceptance=graph_acceptance
+            model,
+            eos_ids=[],
+            options=DecoderOptions(compact_slack=0, graph_acceptance=graph_acceptance),
         )
         rows = [
             decoder.new_row(p, make_drafter(DRAFTER_CONFIGS[name], 64), c)
@@ -142,7 +147,12 @@ def test_graphed_acceptance_is_captured_again_when_the_cache_grows():
     pairs = list(zip(prompts, cfgs, strict=True))
     refs = [plain_generate(model, p, c, eos_ids=[]).token_ids for p, c in pairs]
     cache = StaticKV(model, capacity=16)
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0, cache=cache, graph_acceptance=True)
+    decoder = BatchDecoder(
+        model,
+        eos_ids=[],
+        cache=cache,
+        options=DecoderOptions(compact_slack=0, graph_acceptance=True),
+    )
     rows = [decoder.new_row(p, make_drafter(DRAFTER_CONFIGS["pld"], 64), c) for p, c in pairs]
     assert [r.token_ids for r in decode_rows(decoder, rows, 24)] == refs
     assert cache.epoch > 1 and decoder.accept_epoch == decoder.graphs.epoch
@@ -169,7 +179,7 @@ def test_a_capturing_step_teaches_no_cost_and_a_reallocated_cache_captures_again
     cache is reallocated, with the old graphs' logits still held (their pool not yet freed),
     graphs are captured again in a new pool instead of failing the allocator's assert."""
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder.fill_random(2, 16)
     graphs = decoder.graphs
     assert [_graphed_step(decoder, 2, 1)[0] for _ in range(2)] == [False, True]
@@ -194,7 +204,7 @@ def test_a_capturing_step_runs_the_model_once_and_returns_its_own_logits():
     and KV writes are the step's) and once under capture (which runs nothing): not two warm-ups,
     the capture and a replay. Its logits equal the replay's over the same inputs."""
     model = tiny_llama(vocab_size=64, seed=0, dtype=torch.float32, scale=8.0).to("cuda")
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder.fill_random(2, 16)
     calls = []
     hook = model.register_forward_pre_hook(lambda *_: calls.append(1))

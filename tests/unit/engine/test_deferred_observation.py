@@ -16,6 +16,7 @@ from tts_service.engine import acceptance as acceptance_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import CostModel
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.options import DecoderOptions
 
 VOCAB = 64
 PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7], [9, 9, 9, 4])
@@ -30,7 +31,7 @@ def run(model, method: str, temperature: float, defer: bool, shared: bool = Fals
     """Three rows, each with its own store (or one they share), the method's drafter with
     `fields` changed; their outputs and stores."""
     drafter = DRAFTER_CONFIGS[method].model_copy(update=fields)
-    decoder = BatchDecoder(model, eos_ids=[], defer_observation=defer)
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(defer_observation=defer))
     one = InMemoryNgramStore()
     stores = [one if shared else InMemoryNgramStore() for _ in PROMPTS]
     rows = []

@@ -16,6 +16,7 @@ from tts_service.config import SamplingConfig
 from tts_service.engine import acceptance as acceptance_module
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.graphs import EagerReplayedAcceptance, GraphedAcceptance, StepInputs
+from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.streams import node_uniform_block
 from tts_service.engine.tree import DraftTree
@@ -61,7 +62,9 @@ def decode(
 
 
 def replayed(model) -> BatchDecoder:
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0, graph_acceptance=True)
+    decoder = BatchDecoder(
+        model, eos_ids=[], options=DecoderOptions(compact_slack=0, graph_acceptance=True)
+    )
     assert isinstance(decoder.accept_graphs, EagerReplayedAcceptance)
     return decoder
 
@@ -83,7 +86,7 @@ def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name, filte
     """The same rows, seeds and trees through the captured and the eager acceptance: the same
     tokens (the uniforms are per row and node, so a bucket's pad rows change nothing), with
     temperature alone and with every filter of p."""
-    eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    eager = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder = replayed(model)
     out = decode(decoder, name, (0.8,) * 3, filters)
     assert out == decode(eager, name, (0.8,) * 3, filters)
@@ -98,7 +101,7 @@ def test_captured_sampled_acceptance_commits_the_eager_tokens(model, name, filte
 def test_batches_the_capture_cannot_serve_run_eagerly(model, temperatures, eager_steps):
     """Rows of several sampling parameters fall back to the eager acceptance, on the bucket's
     real rows, beside steps the capture serves (once the odd row has left): the same tokens."""
-    eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    eager = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder = replayed(model)
     out = decode(decoder, "stand-dyn", temperatures)
     fell_back = eager_steps[0]
@@ -115,7 +118,7 @@ def test_rows_walked_on_the_host_replay_the_capture_with_their_supports(
     """Trees with sampled children (rule (c), walked on the host): every step replays the
     capture that also gathers p on each node's support (`step_verdict_walked`), at a support
     width of its own; the rows commit what the eager acceptance, walking the dense p, commits."""
-    eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    eager = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder = replayed(model)
     out = decode(decoder, name, (0.8,) * 3, **fields)
     assert eager_steps[0] == 0
@@ -154,8 +157,8 @@ def test_a_failed_capture_falls_back_to_the_eager_acceptance(model, caplog, monk
         raise RuntimeError("no CUDA stream")
 
     monkeypatch.setattr(torch.cuda, "Stream", no_stream)
-    eager = BatchDecoder(model, eos_ids=[], compact_slack=0)
-    decoder = BatchDecoder(model, eos_ids=[], compact_slack=0)
+    eager = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
+    decoder = BatchDecoder(model, eos_ids=[], options=DecoderOptions(compact_slack=0))
     decoder.accept_graphs = GraphedAcceptance(decoder.device)
     with caplog.at_level(logging.WARNING):
         out = decode(decoder, "pld", (0.8,) * 3)
@@ -234,6 +237,13 @@ def test_the_acceptance_is_captured_by_default_only_beside_the_forwards_graphs(m
     assert ModelConfig().graph_acceptance is None
     assert ModelConfig(graph_acceptance=False).graph_acceptance is False
     assert BatchDecoder(model, eos_ids=[]).accept_graphs is None
-    assert BatchDecoder(model, eos_ids=[], graph_acceptance=False).accept_graphs is None
-    on = BatchDecoder(model, eos_ids=[], graph_acceptance=True).accept_graphs
+    assert (
+        BatchDecoder(
+            model, eos_ids=[], options=DecoderOptions(graph_acceptance=False)
+        ).accept_graphs
+        is None
+    )
+    on = BatchDecoder(
+        model, eos_ids=[], options=DecoderOptions(graph_acceptance=True)
+    ).accept_graphs
     assert isinstance(on, EagerReplayedAcceptance)

@@ -19,6 +19,7 @@ from tts_service.config import SamplingConfig
 from tts_service.engine import tp
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
+from tts_service.engine.options import DecoderOptions
 
 VOCAB, RANKS = 64, 2
 DRAFTERS = ("stand", "pld")
@@ -112,7 +113,9 @@ def test_two_ranks_match_the_single_process_model(tmp_path, family):
         for p, n in zip(PROMPTS, MAX_NEW, strict=True)
     ]
     for (drafter, full_view), (tokens, logits, kv_heads) in sharded.items():
-        decoder = BatchDecoder(full, eos_ids=[], compact_slack=0, full_view=full_view)
+        decoder = BatchDecoder(
+            full, eos_ids=[], options=DecoderOptions(compact_slack=0, full_view=full_view)
+        )
         ref_tokens, ref_logits = _decode(decoder, drafter)
         assert kv_heads == decoder.cache.kv_heads // RANKS  # each rank caches its heads
         assert tokens == ref_tokens == [list(p.token_ids) for p in plain], (drafter, full_view)
