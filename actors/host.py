@@ -23,7 +23,7 @@ from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine import collector
 from tts_service.engine.decode import GenerationOutput
 from tts_service.engine.scoring import TokenLogprobs, score_tokens
-from tts_service.engine.warmup import describe, warm_shapes, warm_up
+from tts_service.engine.warmup import compiled, describe, warm_shapes, warm_up
 from tts_service.runner import Admission, RunnerLoop, TrajectoryRunner
 from tts_service.solve import Skip
 from tts_service.timing import phase
@@ -77,17 +77,16 @@ class RunnerHost:
         collector.widen()  # and its passes run in the forwards' shadow (`engine.collector`)
 
     def _warm_forward(self, warm: bool) -> None:
-        """Compile and capture the forward now (`engine.warmup`), saying so: always when it
-        is compiled (the compile is paid anyway; this way before decoding, announced), and
-        for a server (`warm`) the CUDA graphs too."""
+        """Compile and capture the forward now (`engine.warmup`), saying so: for a server
+        (`warm`), and always when the forward is compiled (the compile is paid anyway; this
+        way before decoding, announced; where it runs CUDA graphs, they are captured too)."""
         decoder = self.runner.decoder
-        if not (warm or getattr(decoder.model, "compiled", False)):
+        if not (warm or compiled(decoder)):
             return
-        shapes = len(warm_shapes(decoder, self.max_rows))
+        shapes = warm_shapes(decoder, self.max_rows)
         if shapes:
-            what = describe(decoder, shapes)
-            with phase(f"[tts] {what}", "[tts] forward ready"):
-                warm_up(decoder, self.max_rows)
+            with phase(f"[tts] {describe(decoder, len(shapes))}", "[tts] forward ready"):
+                warm_up(decoder, shapes)
 
     # -- stores ---------------------------------------------------------------------------
     def rows_running(self) -> int:

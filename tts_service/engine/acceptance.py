@@ -127,9 +127,9 @@ class StepAcceptance:
         device: torch.device,
         graphs: GraphedForward | None,
         captured: GraphedAcceptance | None,
-        epoch: int,
     ) -> None:
-        self.device, self.graphs, self.captured, self.epoch = device, graphs, captured, epoch
+        self.device, self.graphs, self.captured = device, graphs, captured
+        self.epoch = graphs.epoch if graphs is not None else 0  # the forward's captures read
         # rule (c): gather every node's support on the device, for one copy (a GPU); else
         # compute the nodes a walk reaches from the dense p (a CPU, where a copy is free)
         self.gather_sparse = device.type == "cuda"

@@ -157,7 +157,7 @@ class BatchDecoder:
             captured = EagerReplayedAcceptance(model.device)
         elif opts.graph_acceptance and opts.cuda_graphs:  # reads the forward's logits in place
             captured = GraphedAcceptance(model.device)
-        self.acceptance = StepAcceptance(model.device, self.graphs, captured, self.cache.epoch)
+        self.acceptance = StepAcceptance(model.device, self.graphs, captured)
         self.forwards = ForwardStats()
         self.phases = StepPhases()
         self.deferred = DeferredObservations()  # run during the next forward

@@ -5,7 +5,9 @@ every (rows, tokens) bucket is captured as a CUDA graph at its first step (`engi
 command pays that inside its first steps; a server should pay it at start, not on a user's
 first request. `warm_up` runs one verify forward of each shape the decoder will meet over a
 random cache (`BatchDecoder.fill_random`, `time_forward`), then leaves the decoder empty: the
-compiled kernels and the captured graphs stay.
+compiled kernels and the captured graphs stay. The graphs last until the cache first grows past
+what warming reserved (a reallocated cache drops them, `engine.graphs`); they are then
+captured again at each bucket's next step, as without warming.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ COMPILED_SHAPES = ((1, 1), (1, 2), (2, 1), (2, 2))
 for any size, but a size of 1 apart: one row or many, one token or many)."""
 
 
+def compiled(decoder: BatchDecoder) -> bool:
+    """Whether the decoder's forward is compiled (`CompactCausalLM.compile`)."""
+    return getattr(decoder.model, "compiled", False)
+
+
 def warm_shapes(decoder: BatchDecoder, max_rows: int) -> list[tuple[int, int]]:
     """The (rows, tokens) shapes to run ahead: every bucket up to `max_rows` rows where graphs
     capture (as many tokens as one graph takes), else `COMPILED_SHAPES` for a compiled forward,
@@ -35,14 +42,14 @@ def warm_shapes(decoder: BatchDecoder, max_rows: int) -> list[tuple[int, int]]:
         rows = [1 << i for i in range(bucket_of(max_rows).bit_length())]
         widths = [1 << i for i in range(bucket_of(WIDEST).bit_length())]
         return [(r, t) for r in rows for t in widths if r * t <= MAX_TOKENS]
-    if getattr(decoder.model, "compiled", False):
+    if compiled(decoder):
         return [s for s in COMPILED_SHAPES if s[0] <= max(max_rows, 1)]
     return []
 
 
-def warm_up(decoder: BatchDecoder, max_rows: int) -> int:
-    """Run one forward of each of `warm_shapes` on an empty decoder; returns how many ran."""
-    shapes = warm_shapes(decoder, max_rows)
+def warm_up(decoder: BatchDecoder, shapes: list[tuple[int, int]]) -> int:
+    """Run one forward of each of `shapes` (`warm_shapes`) on an empty decoder; returns how
+    many ran."""
     if not shapes or decoder.active:
         return 0
     decoder.fill_random(max(r for r, _ in shapes), WARM_CONTEXT)
@@ -55,7 +62,7 @@ def warm_up(decoder: BatchDecoder, max_rows: int) -> int:
 def describe(decoder: BatchDecoder, shapes: int) -> str:
     """What warming `shapes` shapes does, for the status line that announces the wait."""
     what = []
-    if getattr(decoder.model, "compiled", False):
+    if compiled(decoder):
         from tts_service.engine.compact import inductor_cache_dir
 
         what.append(f"compiling the forward (torch.compile, kept in {inductor_cache_dir()})")
