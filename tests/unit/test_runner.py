@@ -81,7 +81,7 @@ def _compiled_cases() -> dict[str, tuple]:
     from tts_service.drafters.stand_compiled import CompiledStand, StandGroup
     from tts_service.drafters.stand_config import StandDrafterConfig
     from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
-    from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup
+    from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn, StandDynGroup
 
     return {
         "stand": (

@@ -26,16 +26,6 @@ KNOWN = {
     "store.index": [
         "add_rows: 63 lines", "kernel add_rows: 16 parameters", "kernel _load_one: 13 parameters",
     ],
-    "tts_service.drafters.stand_compiled": [
-        "stand_tree: 68 lines", "kernel stand_tree: 26 parameters",
-        "kernel stand_rows: 29 parameters", "draft: 65 lines",
-    ],
-    "tts_service.drafters.stand_kernel": [
-        "file: 843 lines", "kernel _count: 12 parameters", "kernel _record: 11 parameters",
-        "_candidates: 87 lines", "kernel _candidates: 31 parameters",
-        "kernel _drawn_plan: 12 parameters", "draft_tree: 125 lines",
-        "kernel draft_tree: 40 parameters", "kernel draft_rows: 51 parameters", "_draft: 90 lines",
-    ],
     "tts_service.engine.walk_compiled": [
         "walk_rows: 93 lines", "kernel walk_rows: 11 parameters",
         "kernel gather_rows: 14 parameters",

@@ -1,7 +1,7 @@
 """Gumbel-Top-K without replacement (Kool et al. 2019) and the noise it reads: the top k of
 log q_i + G_i are a sample in sequential-sampling order. Shared by the drafters that draw
 children (`stand`, `stand_dyn`, `gtcp`) and the compiled ones (`stand_compiled`,
-`stand_kernel`)."""
+`stand_dyn_compiled`)."""
 
 from __future__ import annotations
 

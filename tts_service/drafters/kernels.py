@@ -11,7 +11,6 @@ there and imports no numba).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import threading
 
 from tts_service.drafters.registry import DrafterConfig
@@ -19,7 +18,7 @@ from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 
 STAND = "tts_service.drafters.stand_compiled"
-STAND_DYN = "tts_service.drafters.stand_kernel"
+STAND_DYN = "tts_service.drafters.stand_dyn_compiled"
 
 
 def kernels_of(cfg: DrafterConfig) -> str | None:
@@ -33,12 +32,9 @@ def kernels_of(cfg: DrafterConfig) -> str | None:
     return None
 
 
-def preload(module: str) -> threading.Thread | None:
-    """Load `module`'s kernels (its `warm()`) in a daemon thread; None without numba. A first
-    draft that comes sooner waits on the import lock and numba's compile lock, not a second
-    load."""
-    if importlib.util.find_spec("numba") is None:
-        return None
+def preload(module: str) -> threading.Thread:
+    """Load `module`'s kernels (its `warm()`) in a daemon thread. A first draft that comes
+    sooner waits on the import lock and numba's compile lock, not a second load."""
 
     def load() -> None:
         importlib.import_module(module).warm()

@@ -9,11 +9,17 @@ rejection verifier never re-reads the (shared, changing) store. Gumbel noise com
 precomputed buffer that is consumed once and refilled when empty, never reused.
 After each verify forward the target's distributions at the root and the accepted nodes (the
 last one is the bonus position), and optionally at rejected nodes, are merged into the store.
+
+The product's `stand` drafts compiled (`stand_compiled`, the same trees node for node). This
+Python drafter runs only where the kernel cannot serve or does not pay: over a Redis or tiered
+store (the kernel walks an in-process store's arrays), with a noise buffer smaller than a step
+can read, under `stand-spine` (which grows these trees below its spine), and on a CPU, where a
+forward dwarfs the saving and loading the kernels costs a short run more (`DEVICE_FIELDS`). It
+is also the reference the compiled drafter is tested against.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Container, Sequence
 from types import MappingProxyType
 
@@ -115,14 +121,12 @@ class StandDrafter:
 
 def compiled_applies(cfg: StandDrafterConfig, store: NgramStore) -> bool:
     """Whether `stand_compiled` may draft for `cfg` over `store`: asked for, an in-process
-    store (one that can index itself), a noise buffer that holds what a step can read (every
-    node opened, every stored id a candidate), and numba importable."""
+    store (one that can index itself), and a noise buffer that holds what a step can read (every
+    node opened, every stored id a candidate)."""
     if not cfg.compiled or not isinstance(store, IndexedStore):
         return False
     nodes = min(cfg.num_nodes, load_tree_shape(resolve_tree_path(cfg.tree)).num_nodes) + 1
-    if cfg.noise_buffer < nodes * store.topk:
-        return False
-    return importlib.util.find_spec("numba") is not None
+    return cfg.noise_buffer >= nodes * store.topk
 
 
 def _compiled_group(cfg: StandDrafterConfig, vocab: int):

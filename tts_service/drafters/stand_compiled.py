@@ -8,7 +8,7 @@ Gumbel noise consumed in the same order and the same stable sort, so a tree is t
 drafter's node for node, its `q` snapshots included (tests compare them through the runner).
 The noise stays the row's `GumbelNoise`: a step reads a window of it (`GumbelNoise.window`),
 and the kernel says how far it read. Where it does not apply (a Redis or tiered store, a noise
-buffer smaller than a step can read, numba missing) the Python drafter runs
+buffer smaller than a step can read) the Python drafter runs
 (`stand.compiled_applies`). Spines (`stand-spine`) keep the Python drafter.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -43,17 +44,64 @@ from tts_service.engine.verify import Acceptance
 _NONE = np.zeros(0)  # a row's noise where it draws nothing
 
 
-def noise_windows(
-    noises: Sequence[GumbelNoise | None], need: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' noise for a compiled step, flat (one copy for all rows, not one per row): row
-    r's window of its `GumbelNoise` reading at most `need[r]` values is `cur[cur_at[r] :
-    cur_at[r + 1]]` with `rem[r]` values left in its buffer, and the next buffer's first are
-    `nxt[nxt_at[r] : nxt_at[r + 1]]`; a row that draws nothing (None) has none."""
+class NoiseWindows(NamedTuple):
+    """The rows' Gumbel noise for one compiled step, flat (one copy for all rows, not one per
+    row): row r's window of its `GumbelNoise` is `cur[cur_at[r] : cur_at[r + 1]]`, with `rem[r]`
+    values left in its buffer, and the next buffer's first values are `nxt[nxt_at[r] :
+    nxt_at[r + 1]]`; a row that draws nothing has none. Kernels take it as a plain tuple in
+    this order (numba types a named tuple's fields one by one in Python at every call, a plain
+    one by its C fingerprint: microseconds a call saved)."""
+
+    cur: np.ndarray  # float64
+    cur_at: np.ndarray  # int64 [R + 1]
+    rem: np.ndarray  # int64 [R]
+    nxt: np.ndarray  # float64
+    nxt_at: np.ndarray  # int64 [R + 1]
+
+
+class StandOut(NamedTuple):
+    """`stand_rows`' output, per row and node `[R, M]` (`qids`, `qp` `[R, M, K]`, `ctx`
+    `[R, M, order]`): each node's token, parent (-1 past a tree), drawn flag, shape node, place
+    among its parent's stored ids, its `q` snapshot (`qn` -1: none) and its context
+    (right-aligned, -1 padded; `clen` tokens). Kernels take a row's slices as a plain tuple in
+    this order."""
+
+    token: np.ndarray
+    parent: np.ndarray
+    sampled: np.ndarray
+    shape: np.ndarray
+    slot_of: np.ndarray
+    qn: np.ndarray
+    qids: np.ndarray
+    qp: np.ndarray
+    ctx: np.ndarray
+    clen: np.ndarray
+
+    @staticmethod
+    def empty(rows: int, nodes: int, width: int, order: int) -> StandOut:
+        """Buffers for `rows` trees of at most `nodes` nodes."""
+        ints = [np.zeros((rows, nodes), np.int64) for _ in range(3)]
+        return StandOut(
+            ints[0],
+            np.full((rows, nodes), -1, np.int64),
+            np.zeros((rows, nodes), np.bool_),
+            ints[1],
+            ints[2],
+            np.full((rows, nodes), -1, np.int64),
+            np.zeros((rows, nodes, width), np.int64),
+            np.zeros((rows, nodes, width)),
+            np.full((rows, nodes, order), -1, np.int64),
+            np.zeros((rows, nodes), np.int64),
+        )
+
+
+def noise_windows(noises: Sequence[GumbelNoise | None], need: Sequence[int]) -> NoiseWindows:
+    """The rows' noise for a compiled step: row r's window reads at most `need[r]` values; a
+    row that draws nothing (None) has none."""
     rows = len(noises)
     if all(x is None for x in noises):  # deterministic rows only
         none = np.zeros(rows + 1, np.int64)
-        return _NONE, none, none[:rows], _NONE, none
+        return NoiseWindows(_NONE, none, none[:rows], _NONE, none)
     curs, nxts, rems = [], [], []
     for noise, n in zip(noises, need, strict=True):
         window, left, ahead = noise.window(n) if noise is not None else (_NONE, 0, _NONE)
@@ -62,16 +110,26 @@ def noise_windows(
         rems.append(left)
     cur_at = np.array([0, *accumulate(map(len, curs))], np.int64)
     nxt_at = np.array([0, *accumulate(map(len, nxts))], np.int64)
-    return np.concatenate(curs), cur_at, np.array(rems, np.int64), np.concatenate(nxts), nxt_at
+    return NoiseWindows(
+        np.concatenate(curs), cur_at, np.array(rems, np.int64), np.concatenate(nxts), nxt_at
+    )
 
 
 @njit(cache=True)
-def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, rank):
+def row_noise(noise, used, r: int):
+    """Row `r`'s noise as `gumbel_order` reads it: (its window, the values left in its buffer,
+    the next buffer's first, where to write how far it read)."""
+    cur, cur_at, rem, nxt, nxt_at = noise
+    return cur[cur_at[r] : cur_at[r + 1]], rem[r], nxt[nxt_at[r] : nxt_at[r + 1]], used[r]
+
+
+@njit(cache=True)
+def gumbel_order(c_p, nc: int, noise, pos: int, moved: bool, keys, rank):
     """Gumbel-top-k over `c_p[:nc]` as `stand.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
-    from a step's window (`cur`, `rem` values left in it, `nxt` the next buffer's first; `pos`
-    read so far, `moved` to the next buffer: the tail is discarded, as `take` does), keys
-    log p + g in `keys`, and in `rank` the order, a stable sort by key, largest first. Returns
-    the new (pos, moved)."""
+    from a row's `noise` (`row_noise`; `pos` read so far, `moved` to the next buffer: the
+    tail is discarded, as `take` does), keys log p + g in `keys`, and in `rank` the order, a
+    stable sort by key, largest first. Returns the new (pos, moved)."""
+    cur, rem, nxt, _ = noise
     if not moved and pos + nc > rem:
         moved, pos = True, 0
     for i in range(nc):
@@ -88,92 +146,103 @@ def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, 
 
 
 @njit(cache=True)
-def stand_tree(
-    tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
-    keep, stochastic, cur, rem, nxt, used,
-    ctx, clen, token, parent, sampled, shape, slot_of, qn, qids, qp,
-):  # fmt: skip
-    """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`); node
-    0's context `ctx[0]` (right-aligned, `clen[0]` tokens) is set. Writes every node's token,
-    parent, drawn flag, shape node, place among its parent's stored ids (`slot_of`), context,
-    and its `q` snapshot (`qn` -1: none); returns the
-    size. Noise: `cur` holds the current buffer's next values, `rem` how many it has left,
-    `nxt` the next buffer's first; `used` gets (1 if it moved to the next buffer, values read
-    from the one it ended in)."""
-    order = ctx.shape[1]
+def _stored(store, slot: int, cand) -> int:
+    """The entry at `slot`'s ids with a positive probability, in stored order, into `cand`'s
+    (ids, probabilities, places in the entry); returns how many."""
+    ids, probs, nids = store[2], store[3], store[4]
+    c_ids, c_p, c_at = cand[0], cand[1], cand[2]
+    nc = 0
+    for j in range(nids[slot]):
+        if probs[slot, j] > 0:
+            c_ids[nc], c_p[nc], c_at[nc] = ids[slot, j], probs[slot, j], j
+            nc += 1
+    return nc
+
+
+@njit(cache=True)
+def _place(shape, keep, s: int, node: int, k: int, stochastic: bool, cand, size: int, out) -> int:
+    """Hang `node`'s first `k` kept shape children (shape node `s`'s) with the candidates in
+    `cand`'s rank order; returns the tree's new size."""
+    kid_at, kid_list, placed = shape
+    token, parent, sampled, shape_of, slot_of, qn, _, _, ctx, clen = out
+    c_ids, _, c_at, _, rank = cand
+    order, tl = ctx.shape[1], clen[node]
+    done = 0
+    for j in range(kid_at[s], kid_at[s + 1]):
+        kid = kid_list[j]
+        if done == k:
+            break
+        if not keep[kid]:
+            continue
+        child = size
+        token[child], slot_of[child] = c_ids[rank[done]], c_at[rank[done]]
+        parent[child], sampled[child], shape_of[child], qn[child] = node, stochastic, kid, -1
+        ctx[child, : order - 1] = ctx[node, 1:]
+        ctx[child, order - 1] = token[child]
+        clen[child] = min(order, tl + 1)
+        placed[kid] = child
+        done += 1
+        size += 1
+    return size
+
+
+@njit(cache=True)
+def stand_tree(store, shape, keep, stochastic: bool, noise, out) -> int:
+    """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`):
+    `store` the index's arrays (`StoreIndex.arrays()` and its max order), `shape` the shape's
+    children as CSR (`shape_arrays`), `noise` as `row_noise` hands it, `out` the row's slices
+    of `StandOut`, node 0's context set; returns the size."""
+    tab, keytok, ids, probs, nids, _, meta, max_order = store
+    kid_at, kid_list = shape
+    token, parent, sampled, shape_of, slot_of, qn, qids, qp, ctx, clen = out
+    order, width = ctx.shape[1], ids.shape[1]
     placed = np.full(len(kid_at) - 1, -1, np.int64)  # shape node -> tree node
     placed[0] = 0
-    width = ids.shape[1]
-    c_ids = np.empty(width, np.int64)
-    c_p = np.empty(width, np.float64)
-    c_at = np.empty(width, np.int64)  # where each candidate sits in the stored entry
-    keys = np.empty(width, np.float64)
-    rank = np.empty(width, np.int64)
-    token[0], parent[0], sampled[0], shape[0], slot_of[0] = ctx[0, order - 1], -1, False, 0, -1
+    cand = (
+        np.empty(width, np.int64), np.empty(width, np.float64), np.empty(width, np.int64),
+        np.empty(width, np.float64), np.empty(width, np.int64),
+    )  # fmt: skip  # ids, probabilities, places in the entry, Gumbel keys, rank
+    token[0], parent[0], sampled[0], shape_of[0], slot_of[0] = ctx[0, order - 1], -1, False, 0, -1
     qn[0] = -1
     size, pos, moved = 1, 0, False
     for s in range(len(kid_at) - 1):
         node = placed[s]
-        if node < 0:
-            continue
         kids = 0
         for j in range(kid_at[s], kid_at[s + 1]):
             kids += keep[kid_list[j]]
-        if kids == 0:
+        if node < 0 or kids == 0:
             continue
         tl = clen[node]
         slot, _ = lookup_slot(tab, keytok, meta, ctx[node, order - tl :], tl, max_order)
         if slot < 0:
             continue
-        nc = 0
-        for j in range(nids[slot]):
-            if probs[slot, j] > 0:
-                c_ids[nc], c_p[nc], c_at[nc] = ids[slot, j], probs[slot, j], j
-                nc += 1
-        k = min(kids, nc)
+        nc = _stored(store, slot, cand)
         for i in range(nc):
-            rank[i] = i
+            cand[4][i] = i
         if stochastic:  # Gumbel-top-k
-            pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, rank)
+            pos, moved = gumbel_order(cand[1], nc, noise, pos, moved, cand[3], cand[4])
             qn[node] = nids[slot]
             for j in range(nids[slot]):
                 qids[node, j], qp[node, j] = ids[slot, j], probs[slot, j]
-        placed_kids = 0
-        for j in range(kid_at[s], kid_at[s + 1]):
-            kid = kid_list[j]
-            if placed_kids == k:
-                break
-            if not keep[kid]:
-                continue
-            child = size
-            token[child], slot_of[child] = c_ids[rank[placed_kids]], c_at[rank[placed_kids]]
-            parent[child], sampled[child], shape[child], qn[child] = node, stochastic, kid, -1
-            ctx[child, : order - 1] = ctx[node, 1:]
-            ctx[child, order - 1] = token[child]
-            clen[child] = min(order, tl + 1)
-            placed[kid] = child
-            placed_kids += 1
-            size += 1
+        size = _place((kid_at, kid_list, placed), keep, s, node, min(kids, nc), stochastic,
+                      cand, size, out)  # fmt: skip
+    used = noise[3]
     used[0], used[1] = moved, pos
     return size
 
 
 @njit(cache=True)
-def stand_rows(
-    tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
-    keep, stochastic, cur, cur_at, rem, nxt, nxt_at, used,
-    ctx, clen, token, parent, sampled, shape, slot_of, qn, qids, qp, sizes,
-):  # fmt: skip
-    """`stand_tree` for every row (row r's arrays are the r-th of each; its noise as
-    `noise_windows` lays it out)."""
+def stand_rows(store, shape, keep, stochastic, noise, used, out, sizes) -> None:
+    """`stand_tree` for every row: row r's `keep[r]`, `stochastic[r]`, its noise as
+    `noise_windows` lays it out (`used[r]` gets how far it read) and `out`'s r-th slices."""
     for r in range(len(sizes)):
-        sizes[r] = stand_tree(
-            tab, keytok, ids, probs, nids, count, meta, max_order, kid_at, kid_list,
-            keep[r], stochastic[r], cur[cur_at[r] : cur_at[r + 1]], rem[r],
-            nxt[nxt_at[r] : nxt_at[r + 1]], used[r],
-            ctx[r], clen[r], token[r], parent[r], sampled[r], shape[r], slot_of[r],
-            qn[r], qids[r], qp[r],
+        row_out = (
+            out[0][r], out[1][r], out[2][r], out[3][r], out[4][r],
+            out[5][r], out[6][r], out[7][r], out[8][r], out[9][r],
         )  # fmt: skip
+        sizes[r] = stand_tree(
+            store, shape, keep[r], stochastic[r], row_noise(noise, used, r), row_out
+        )
 
 
 def shape_arrays(shape: TreeShape) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +284,7 @@ class StandGroup:
         ones, or any set closed under parents and earlier siblings)."""
         index = self.index
         assert index is not None
-        rows, order, width = len(members), index.max_order, index.topk
+        rows, order = len(members), index.max_order
         keep = np.zeros((rows, len(self.shape.parents)), np.bool_)
         for r, kept in enumerate(keeps):
             if isinstance(kept, range):
@@ -223,40 +292,41 @@ class StandGroup:
             else:
                 keep[r, list(kept)] = True
         most = [len(kept) + 1 for kept in keeps]  # the most nodes each tree can have
-        nodes = max(most)
-        stochastic = np.zeros(rows, np.bool_)
-        tails = []
-        for r, (m, c) in enumerate(zip(members, ctxs, strict=True)):
-            tail = c.tokens[-order:]
-            tails.append([-1] * (order - len(tail)) + tail)
-            stochastic[r] = m.stochastic and not c.greedy
+        stochastic = np.array(
+            [m.stochastic and not c.greedy for m, c in zip(members, ctxs, strict=True)], np.bool_
+        )
         # the most noise a row's step can read (every node opened, every stored id drawable):
         # its own, which its buffer holds (`stand.compiled_applies`)
         noise = noise_windows(
             [m.noise if s else None for m, s in zip(members, stochastic.tolist(), strict=True)],
-            [n * width for n in most],
+            [n * index.topk for n in most],
         )
-        ctx = np.full((rows, nodes, order), -1, np.int64)
-        ctx[:, 0] = tails
-        clen = np.zeros((rows, nodes), np.int64)
-        clen[:, 0] = [min(order, len(c.tokens)) for c in ctxs]
-        used = np.zeros((rows, 2), np.int64)
-        token, shape_ids, slot_of = (np.zeros((rows, nodes), np.int64) for _ in range(3))
-        parent = np.full((rows, nodes), -1, np.int64)  # past a tree's nodes: none
-        qn = np.full((rows, nodes), -1, np.int64)
-        sampled = np.zeros((rows, nodes), np.bool_)
-        qids, qp = np.zeros((rows, nodes, width), np.int64), np.zeros((rows, nodes, width))
-        sizes = np.zeros(rows, np.int64)
-        stand_rows(
-            *index.arrays(), order, self.kid_at, self.kid_list,
-            keep, stochastic, *noise, used,
-            ctx, clen, token, parent, sampled, shape_ids, slot_of, qn, qids, qp, sizes,
-        )  # fmt: skip
-        # to Python once for all rows; a node's q where it drew its children
-        tokens, parents, drawn, shapes = (x.tolist() for x in (token, parent, sampled, shape_ids))
-        has_q = qn >= 0
-        drawn_batch = DrawnBatch(parent, slot_of, qn, qids, qp)
-        out = []
+        out = StandOut.empty(rows, max(most), index.topk, order)
+        for r, c in enumerate(ctxs):
+            tail = c.tokens[-order:]
+            out.ctx[r, 0, order - len(tail) :] = tail
+            out.clen[r, 0] = min(order, len(c.tokens))
+        used, sizes = np.zeros((rows, 2), np.int64), np.zeros(rows, np.int64)
+        shape = (self.kid_at, self.kid_list)
+        store = (*index.arrays(), order)
+        stand_rows(store, shape, keep, stochastic, tuple(noise), used, tuple(out), sizes)
+        return self._trees(members, stochastic, used, out, sizes)
+
+    @staticmethod
+    def _trees(
+        members: Sequence[CompiledStand],
+        stochastic: np.ndarray,
+        used: np.ndarray,
+        out: StandOut,
+        sizes: np.ndarray,
+    ) -> list[ShapedTree]:
+        """The kernel's trees as `ShapedTree`s (to Python once for all rows; a node's q where it
+        drew its children); each drawing row's noise advanced past what it read."""
+        tokens, parents = out.token.tolist(), out.parent.tolist()
+        drawn, shapes = out.sampled.tolist(), out.shape.tolist()
+        has_q = out.qn >= 0
+        batch = DrawnBatch(out.parent, out.slot_of, out.qn, out.qids, out.qp)
+        trees = []
         for r, (m, n) in enumerate(zip(members, sizes.tolist(), strict=True)):
             if stochastic[r]:
                 m.noise.advance(bool(used[r, 0]), int(used[r, 1]))
@@ -264,12 +334,12 @@ class StandGroup:
                 tuple(tokens[r][:n]),
                 tuple(parents[r][:n]),
                 tuple(drawn[r][:n]),
-                DrawnQ(has_q, qn, qids, qp, r, n) if stochastic[r] else (None,) * n,
-                DrawnArrays(drawn_batch, r) if stochastic[r] else None,
+                DrawnQ(has_q, out.qn, out.qids, out.qp, r, n) if stochastic[r] else (None,) * n,
+                DrawnArrays(batch, r) if stochastic[r] else None,
             )
-            m.contexts = (ctx[r, :n], clen[r, :n])
-            out.append(ShapedTree(tree, tuple(shapes[r][:n])))
-        return out
+            m.contexts = (out.ctx[r, :n], out.clen[r, :n])
+            trees.append(ShapedTree(tree, tuple(shapes[r][:n])))
+        return trees
 
 
 class CompiledStand:

@@ -29,12 +29,18 @@ rate for its first child wins; drawn slots are calibrated by rank and the j-th l
 probability, never by the token drawn into them. Deterministic nodes keep sample-and-match
 (siblings in order, shared residual) on the device's one-sync path; a row with drawn children
 is walked on the host (`verify.walk_sparse`).
+
+The product's `stand-dyn` drafts compiled (`stand_dyn_compiled`, the same trees node for node). This
+Python drafter runs only where the kernel cannot serve or does not pay: over a Redis or tiered
+store (the kernel walks an in-process store's arrays), with drawn children and a noise buffer
+smaller than a step can read, and under `auto` on a CPU, where a forward dwarfs the saving and
+loading the kernels costs a short run more (`registry.AUTO_FIELDS`). It is also the reference the
+compiled drafter is tested against.
 """
 
 from __future__ import annotations
 
 import heapq
-import importlib.util
 from collections.abc import Iterable, Sequence
 
 from store.base import NgramEntry, NgramStore
@@ -43,19 +49,26 @@ from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
-from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
+from tts_service.drafters.stand_dyn_config import (
+    AGREE,
+    BACKOFF,
+    BINS,
+    DRAWN,
+    MIN_SUFFIX,
+    STORE,
+    SUCCESSOR,
+    SUFFIX,
+    SUFFIX_ORDERS,
+    TAIL,
+    StandDynDrafterConfig,
+    candidate_kind,
+)
 from tts_service.drafters.store_feed import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
 from tts_service.engine.rates import smoothed_rate
 from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import Acceptance, ordered_sum
-
-SUFFIX_ORDERS = (12, 8, 6, 5, 4, 3, 2, 1)
-MIN_SUFFIX = 4  # shorter suffix matches are the store's job
-TAIL = max(SUFFIX_ORDERS)
-STORE, BACKOFF, SUFFIX, SUCCESSOR, DRAWN = range(5)  # a candidate's source
-
 
 Candidate = tuple[float, int, int, float]
 """A node's candidate child: (−α̂, token, kind, q). −α̂ is its calibrated acceptance rate given
@@ -72,7 +85,7 @@ class AcceptanceCalibration:
     α̂ = (hits + w·s·q) / (drawn + w) (`rates.smoothed_rate`) is linear in q within a key, so
     each key keeps its (intercept, slope) and ranking a candidate is one dict probe."""
 
-    def __init__(self, prior_weight: float = 4.0, prior_scale: float = 0.8, bins: int = 10):
+    def __init__(self, prior_weight: float = 4.0, prior_scale: float = 0.8, bins: int = BINS):
         self.prior_weight, self.prior_scale, self.bins = prior_weight, prior_scale, bins
         self.drawn: dict[int, float] = {}  # key: kind * bins + the probability's decile
         self.hits: dict[int, float] = {}
@@ -120,12 +133,6 @@ class AcceptanceCalibration:
         )
 
 
-def candidate_kind(source: int, order: int, count: int, agree: int, suffix: int) -> int:
-    """One int for (source 0-4, order 0-8, count 0-4, agree 0-1, suffix flag 0-3; for a drawn
-    child the suffix flag is its draw's rank, up to 3)."""
-    return (((source * 10 + order) * 5 + count) * 2 + agree) * 4 + suffix
-
-
 KINDS = tuple(
     tuple(
         tuple(candidate_kind(source, order, count, 0, 0) for count in range(5))
@@ -135,7 +142,6 @@ KINDS = tuple(
 )
 """`KINDS[source][order][count]`: `candidate_kind` without the agree and suffix flags (a table:
 drafting looks up ~3 kinds per opened node)."""
-AGREE = candidate_kind(0, 0, 0, 1, 0)  # added to a kind whose token the shorter order agrees on
 
 
 def suffix_flags(order: int) -> tuple[int, int]:
@@ -347,13 +353,13 @@ SUFFIX_COUNTS: Shared[StandDynDrafterConfig, SuffixCounts] = Shared(
 
 
 def _compiled_model(cfg: StandDynDrafterConfig, vocab: int):
-    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_dyn_compiled import CalibrationIndex, SuccessorIndex
 
     return SuccessorIndex(vocab, 10), CalibrationIndex()
 
 
 def _compiled_group(cfg: StandDynDrafterConfig, vocab: int):
-    from tts_service.drafters.stand_kernel import StandDynGroup
+    from tts_service.drafters.stand_dyn_compiled import StandDynGroup
 
     return StandDynGroup()
 
@@ -369,14 +375,12 @@ COMPILED_GROUP: Shared[StandDynDrafterConfig, object] = Shared(
 
 
 def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
-    """Whether `stand_kernel` may draft for `cfg` over `store`: asked for, an in-process store
-    (one that can index itself), with `drawn` a noise buffer that holds what a step can read
-    (every node opened, every stored id drawn), and numba importable."""
+    """Whether `stand_dyn_compiled` may draft for `cfg` over `store`: asked for, an in-process store
+    (one that can index itself), and with `drawn` a noise buffer that holds what a step can read
+    (every node opened, every stored id drawn)."""
     if not cfg.compiled or not isinstance(store, IndexedStore):
         return False
-    if cfg.drawn and cfg.noise_buffer < (cfg.num_nodes + 1) * store.topk:
-        return False
-    return importlib.util.find_spec("numba") is not None
+    return not cfg.drawn or cfg.noise_buffer >= (cfg.num_nodes + 1) * store.topk
 
 
 def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
@@ -384,7 +388,7 @@ def _build(cfg: StandDynDrafterConfig, env: DraftEnv) -> Drafter:
     store = env.need_store(cfg.kind)
     index = store.compiled() if compiled_applies(cfg, store) else None  # type: ignore[attr-defined]
     if index is not None:
-        from tts_service.drafters.stand_kernel import CompiledStandDyn
+        from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn
 
         group = env.shared(COMPILED_GROUP, cfg)
         group.bind(index, *env.shared(COMPILED_MODEL, cfg))

@@ -2,7 +2,7 @@
 target's distributions at the root and the accepted nodes (the last one is the bonus
 position), and optionally at rejected nodes, merged under each node's context. Shared by the
 store drafters (`stand`, `stand_dyn`, `gtcp`) and the compiled ones (`stand_compiled`,
-`stand_kernel`)."""
+`stand_dyn_compiled`)."""
 
 from __future__ import annotations
 

@@ -537,16 +537,8 @@ class BatchDecoder:
         """`rows` rows of `context_len` random cache entries and no real rows: attention costs
         as much as over real ones, without prefilling (16 × 4096 tokens take minutes on a CPU).
         For measuring forwards (`time_forward`); rows joined later start from here."""
-        kv = self.cache
         self.active = []
-        kv.clear()
-        kv.reserve(rows, context_len + 1)
-        gen = torch.Generator(device=kv.device).manual_seed(seed)
-        for layer in kv.layers:
-            for buf in (layer.keys, layer.values):
-                buf[:rows, :, :context_len].normal_(generator=gen)
-        kv.valid[:rows, :context_len] = True
-        kv.rows, kv.length = rows, context_len
+        self.cache.fill_random(rows, context_len, seed)
 
     @torch.inference_mode()
     def time_forward(self, rows: int, width: int) -> float:
@@ -563,7 +555,7 @@ class BatchDecoder:
         ids, pos, mask = self._pack(tb, shape)
         self._forward(ids, pos, mask, start)[:rows, :width].argmax(-1).cpu()
         seconds = time.perf_counter() - t0
-        self.cache.length = start
+        self.cache.truncate(start)
         return seconds
 
     def _compact(self) -> None:

@@ -271,6 +271,23 @@ class StaticKV(Cache):
         self.rows = k
 
     @torch.inference_mode()
+    def fill_random(self, rows: int, length: int, seed: int = 0) -> None:
+        """`rows` rows of `length` random entries, all attended: attention over them costs what
+        it does over real ones, without a prefill (16 × 4096 tokens take minutes on a CPU)."""
+        self.clear()
+        self.reserve(rows, length + 1)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for layer in self.layers:
+            for buf in (layer.keys, layer.values):
+                buf[:rows, :, :length].normal_(generator=gen)
+        self.valid[:rows, :length] = True
+        self.rows, self.length = rows, length
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (a timed forward's writes)."""
+        self.length = length
+
+    @torch.inference_mode()
     def clear(self) -> None:
         """No rows, nothing in use (the buffers stay allocated)."""
         self.valid.fill_(False)

@@ -12,17 +12,19 @@ from store.memory import InMemoryNgramStore
 from tts_service.drafters.goose import AdjacencyTable
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import (
+    AcceptanceCalibration,
+    Candidate,
+    StandDynDrafter,
+    suffix_flags,
+)
+from tts_service.drafters.stand_dyn_config import (
     BACKOFF,
     DRAWN,
     STORE,
     SUFFIX_ORDERS,
-    AcceptanceCalibration,
-    Candidate,
-    StandDynDrafter,
+    StandDynDrafterConfig,
     candidate_kind,
-    suffix_flags,
 )
-from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 from tts_service.engine.cost import CostModel, VerifyCost
 from tts_service.engine.seam import DraftContext, NodeTopK
 from tts_service.engine.tree import SparseDist

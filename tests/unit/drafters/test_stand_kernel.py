@@ -1,4 +1,4 @@
-"""The compiled `stand-dyn` (`stand_kernel`): the same trees as the Python drafter, node for
+"""The compiled `stand-dyn` (`stand_dyn_compiled`, `stand_kernel`): the same trees as the Python drafter, node for
 node, through the runner (rows joining and leaving, greedy and sampled, GT-sized); its suffix
 index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, where
 `stand-dyn` is compiled and `stand-dyn-python` is not (tests/conftest.py)."""
@@ -18,9 +18,10 @@ from tests.conftest import save_tiny_model
 from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_lay_out_as_the_trees
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
-from tts_service.drafters.stand_dyn import SUFFIX_ORDERS, compiled_applies
-from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
-from tts_service.drafters.stand_kernel import CompiledStandDyn, StandDynGroup, SuffixIndex, warm
+from tts_service.drafters.stand_dyn import compiled_applies
+from tts_service.drafters.stand_dyn_config import SUFFIX_ORDERS, StandDynDrafterConfig
+from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn, StandDynGroup, warm
+from tts_service.drafters.suffix_index import SuffixIndex
 from tts_service.engine.seam import DraftContext
 
 
@@ -64,7 +65,7 @@ def test_a_step_whose_counts_restart_midway_drafts_as_row_after_row():
     and every tree equals the Python drafter's, drafting row after row."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_dyn_compiled import CalibrationIndex, SuccessorIndex
     from tts_service.engine.tree import DraftTree
 
     rng = random.Random(7)
@@ -111,7 +112,7 @@ def test_the_kernels_preload_in_a_daemon_thread():
     (`Generator.load` starts it before the model loads)."""
     for module in (STAND, STAND_DYN):
         thread = preload(module)
-        assert thread is not None and thread.daemon
+        assert thread.daemon
         thread.join(timeout=300)
         assert not thread.is_alive()
 
@@ -153,7 +154,7 @@ def test_drawn_and_deterministic_nodes_lay_out_from_the_arrays_as_from_the_trees
     `stand`'s (every child drawn, no `sampled` array, ids as wide as the store's top-k)."""
     from tts_service.drafters.stand_compiled import CompiledStand, new_group
     from tts_service.drafters.stand_config import StandDrafterConfig
-    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_dyn_compiled import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(13)
     mixed = stand_trees = 0
@@ -193,7 +194,7 @@ def test_rows_of_one_group_draw_their_own_noise_through_refills():
     refills included, and so its trees, are the Python drafter's."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_dyn_compiled import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(17)
     plain, indexed = _twin_stores(rng, rows=200, width=5)
@@ -228,7 +229,7 @@ def test_a_top_k_two_store_and_a_greedy_row_beside_drawing_rows():
     to the loop over the trees' nodes."""
     from tts_service.drafters.goose import AdjacencyTable
     from tts_service.drafters.stand_dyn import AcceptanceCalibration, StandDynDrafter
-    from tts_service.drafters.stand_kernel import CalibrationIndex, SuccessorIndex
+    from tts_service.drafters.stand_dyn_compiled import CalibrationIndex, SuccessorIndex
 
     rng = random.Random(23)
     plain, indexed = _twin_stores(rng, rows=200, width=2, topk=2)

@@ -132,7 +132,7 @@ def test_the_top_k_a_drafter_observes_outlives_the_reused_host_buffer(model, mon
     the next step; the top-k every drafter observed (and keeps for its deferred observation)
     still reads, after the run, what it read at its own step."""
     seen: list[tuple[object, object, object]] = []
-    from tts_service.drafters.stand_kernel import CompiledStandDyn
+    from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn
 
     observe = CompiledStandDyn.observe
 
