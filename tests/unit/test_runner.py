@@ -80,8 +80,8 @@ def _compiled_cases() -> dict[str, tuple]:
     its row class; whether its children are drawn under sampling)."""
     from tts_service.drafters.stand_compiled import CompiledStand, StandGroup
     from tts_service.drafters.stand_config import StandDrafterConfig
-    from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
     from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn, StandDynGroup
+    from tts_service.drafters.stand_dyn_config import StandDynDrafterConfig
 
     return {
         "stand": (

@@ -10,15 +10,16 @@ interpreter:
 * the successor table's unigram tier (`SuccessorIndex`, `AdjacencyTable` as `stand-dyn` uses
   it) and the calibration (`CalibrationIndex`, `AcceptanceCalibration`'s lines), per model.
 
-`stand_kernel.draft_tree` is `StandDynDrafter.draft` statement for statement: the same candidates, rates, heap
-order and stopping rule, and with `drawn` (under sampling) the same choice of which nodes draw their
-children, drawn from the row's own `GumbelNoise` in the same order (a step reads a window of it, as
-`stand_compiled` does, and says how far it read), so a tree is identical to the Python drafter's,
-node for node, its drawn flags and q included (tests compare them through the runner). Where it does
-not apply (a Redis or tiered store, a noise buffer smaller than a step can read) the
-Python drafter runs (`stand_dyn._build`). Kernels are cached on disk (`cache=True`): the first run
-after an install compiles them (`python -m tts_service.drafters.stand_dyn_compiled` does it ahead,
-`scripts/setup.sh` runs it); later processes load them.
+`stand_kernel.draft_tree` is `StandDynDrafter.draft` statement for statement: the same
+candidates, rates, heap order and stopping rule, and with `drawn` (under sampling) the same
+choice of which nodes draw their children, drawn from the row's own `GumbelNoise` in the same
+order (a step reads a window of it, as `stand_compiled` does, and says how far it read), so a
+tree is identical to the Python drafter's, node for node, its drawn flags and q included (tests
+compare them through the runner). Where it does not apply (a Redis or tiered store, a noise
+buffer smaller than a step can read) the Python drafter runs (`stand_dyn._build`). Kernels are
+cached on disk (`cache=True`): the first run after an install compiles them (`python -m
+tts_service.drafters.stand_dyn_compiled` does it ahead, `scripts/setup.sh` runs it); later
+processes load them.
 """
 
 from __future__ import annotations
@@ -207,9 +208,8 @@ class StandDynGroup:
             [m.drawn and not ctx.greedy for m, ctx in zip(members, ctxs, strict=True)], np.bool_
         )
         seq_arr, seq_at_arr = np.array(seqs, np.int64), np.array(seq_at, np.int64)
-        return RowInputs(
-            seq_arr, seq_at_arr, lo, hi, tails, tlens, limits, drawn, *self._cost_table(members, ctxs)
-        )
+        costs = self._cost_table(members, ctxs)
+        return RowInputs(seq_arr, seq_at_arr, lo, hi, tails, tlens, limits, drawn, *costs)
 
     def _cost_table(
         self, members: Sequence[CompiledStandDyn], ctxs: Sequence[DraftContext]

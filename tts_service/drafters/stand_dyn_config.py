@@ -33,10 +33,10 @@ class StandDynDrafterConfig(StrictConfig):
     noise_buffer: int = Field(4096, ge=16, description="Gumbel noise values drawn per refill.")
     compiled: bool = Field(
         True,
-        description="Draft with the compiled kernel (`stand_dyn_compiled`, numba) where it applies: "
-        "an in-process store (and, with `drawn`, a noise buffer of at least (num_nodes + 1) x the "
-        "store's top-k). The same trees as the Python drafter, a fraction of the host time; "
-        "elsewhere the Python drafter runs.",
+        description="Draft with the compiled kernels (`stand_dyn_compiled`, numba) where they "
+        "apply: an in-process store (and, with `drawn`, a noise buffer of at least "
+        "(num_nodes + 1) x the store's top-k). The same trees as the Python drafter, a "
+        "fraction of the host time; elsewhere the Python drafter runs.",
     )
 
 

@@ -1,7 +1,7 @@
-"""The compiled `stand-dyn` (`stand_dyn_compiled`, `stand_kernel`): the same trees as the Python drafter, node for
-node, through the runner (rows joining and leaving, greedy and sampled, GT-sized); its suffix
-index counts as `SuffixCounts` does. Losslessness is in the shared harnesses, where
-`stand-dyn` is compiled and `stand-dyn-python` is not (tests/conftest.py)."""
+"""The compiled `stand-dyn` (`stand_dyn_compiled`, `stand_kernel`): the same trees as the Python
+drafter, node for node, through the runner (rows joining and leaving, greedy and sampled,
+GT-sized); its suffix index counts as `SuffixCounts` does. Losslessness is in the shared
+harnesses, where `stand-dyn` is compiled and `stand-dyn-python` is not (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_
 from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
 from tts_service.drafters.stand_dyn import compiled_applies
-from tts_service.drafters.stand_dyn_config import SUFFIX_ORDERS, StandDynDrafterConfig
 from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn, StandDynGroup, warm
+from tts_service.drafters.stand_dyn_config import SUFFIX_ORDERS, StandDynDrafterConfig
 from tts_service.drafters.suffix_index import SuffixIndex
 from tts_service.engine.seam import DraftContext
 
