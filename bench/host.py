@@ -64,7 +64,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.methods import with_fields
 from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
 from store.memory import InMemoryNgramStore
-from tts_service.drafters.kernels import STAND, STAND_DYN, preload
+from tts_service.drafters import stand, stand_dyn
+from tts_service.drafters.kernels import preload
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.engine import collector
 from tts_service.engine.allocate import SpeculationPlanner
@@ -75,7 +76,7 @@ from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.surface import CostSurface, ModelShape, Roofline, power_bucket
 from tts_service.replay import LoggedProblem, LoggedTarget, parse_line, sized_fields
-from tts_service.runner import MAX_NODES, TrajectoryRow, TrajectoryRunner
+from tts_service.runner import MAX_NODES, Speculation, TrajectoryRow, TrajectoryRunner
 from tts_service.trajectory import TrajectoryRequest
 
 LOG = Path(__file__).with_name("trajectories-heldout-smollm2.jsonl.gz")
@@ -299,7 +300,7 @@ def measure(
     device: str = "cpu",
     overrides: Sequence[str] = (),
     layers: int = 1,
-    speculation: str = "fixed",
+    speculation: Speculation = "fixed",
     graph_acceptance: bool = False,
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler.
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     # first step (`Generator.load` preloads them; a CPU runner loads them at its first compiled
     # draft): else their load (~0.2 s, numba's cache) lands in whichever measured step first
     # walks or drafts with them
-    for module in (STAND, STAND_DYN):
+    for module in (stand.KERNELS, stand_dyn.KERNELS):
         preload(module).join()
     # the log is the stand-in's data, not the engine's: keep its ~10^6 objects out of the
     # cyclic collector, whose full passes over them (~100 ms each, wherever the allocation

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from store.base import NgramStore
 from tts_service.config import ModelConfig, SamplingConfig
-from tts_service.drafters.kernels import STAND_DYN, kernels_of, preload
+from tts_service.drafters.kernels import auto_kernels, kernels_of, preload
 from tts_service.drafters.registry import DrafterConfig, RowDrafters
 from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
@@ -66,7 +66,7 @@ class Generator:
         `tts solve --method stand` 1.2 s slower, where loading at the first draft cost 0.7
         (docs/benchmarks.md, "Start-up")."""
         if resolve_device(cfg.device).type == "cuda":
-            module = kernels_of(drafter) if drafter is not None else STAND_DYN
+            module = kernels_of(drafter) if drafter is not None else auto_kernels()
             if module is not None:
                 preload(module)
         return cls(

@@ -451,7 +451,9 @@ def logged_requests(
         for r, response in enumerate(problem.responses):
             if not response:
                 continue
-            greedy = SamplingParams(0.0, max_new_tokens=len(response), seed=r, ignore_eos=True)
+            greedy = SamplingConfig(
+                temperature=0.0, max_new_tokens=len(response), seed=r, ignore_eos=True
+            )
             req = TrajectoryRequest(str(i), r, problem.prompt_ids, greedy, cfg, store, wrap=wrap)
             requests.append(req)
     return requests

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, cast
+from typing import Literal, Protocol, TypeVar, cast, get_args
 
 from store.base import NgramStore
 from tts_service.config import SamplingConfig
@@ -46,6 +46,8 @@ from tts_service.trajectory import RunReport, Submission, TrajectoryRequest, Tra
 MAX_NODES = 64  # the most draft nodes a row may get in one step
 
 T = TypeVar("T")
+Speculation = Literal["cost", "fixed"]
+"""How a runner sizes its trees: on the cost surface each step, or the drafter's fixed size."""
 
 
 class RunnerModel(Protocol):
@@ -187,14 +189,14 @@ class TrajectoryRunner:
         self,
         generator: RunnerModel,
         max_rows: int,
-        speculation: str = "cost",
+        speculation: Speculation = "cost",
         token_budget: int = 64,
         admission: Admission | None = None,
         decoder: StepDecoder | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
-        if speculation not in ("cost", "fixed"):
+        if speculation not in get_args(Speculation):
             raise ValueError(f"speculation must be 'cost' or 'fixed', not {speculation!r}")
         self.admission = admission or fifo
         self.generator = generator

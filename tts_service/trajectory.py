@@ -33,7 +33,7 @@ class TrajectoryRequest:
     problem_id: str
     index: int
     prompt_ids: list[int]
-    sampling: SamplingConfig | SamplingParams
+    sampling: SamplingConfig
     drafter: DrafterConfig
     store: NgramStore
     record: bool = False  # keep the target's top-k at every token (trajectory logs)

@@ -100,6 +100,9 @@ class DrafterSpec:
     needs_cost: bool = False  # may price nodes with the measured verify cost (GT sizing)
     uses_store: bool = False  # drafts from the problem's logit n-gram store
     shared: tuple[Shared, ...] = ()  # the state it reads through `DraftEnv.shared`
+    kernels: Callable[[Any], str | None] | None = None
+    """config -> the module whose `warm()` loads the compiled kernels it drafts with (None:
+    it drafts in Python); what `drafters.kernels.preload` loads beside the model."""
 
     def __post_init__(self) -> None:
         kind = self.config.model_fields.get("kind")

@@ -119,6 +119,10 @@ class StandDrafter:
         return lambda: feed_root(self.store, tail, topk)
 
 
+KERNELS = "tts_service.drafters.stand_compiled"
+"""The compiled drafter's module (its `warm()` loads the kernels)."""
+
+
 def compiled_applies(cfg: StandDrafterConfig, store: NgramStore) -> bool:
     """Whether `stand_compiled` may draft for `cfg` over `store`: asked for, an in-process
     store (one that can index itself), and a noise buffer that holds what a step can read (every
@@ -168,4 +172,5 @@ SPEC = DrafterSpec(
     needs_cost=True,
     uses_store=True,
     shared=(GT_STATS, COMPILED_GROUP),
+    kernels=lambda cfg: KERNELS if cfg.compiled else None,
 )

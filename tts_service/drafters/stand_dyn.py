@@ -374,6 +374,10 @@ COMPILED_GROUP: Shared[StandDynDrafterConfig, object] = Shared(
 """One problem's compiled rows: `SUFFIX_COUNTS` as arrays, and one kernel call a step."""
 
 
+KERNELS = "tts_service.drafters.stand_dyn_compiled"
+"""The compiled drafter's module (its `warm()` loads the kernels)."""
+
+
 def compiled_applies(cfg: StandDynDrafterConfig, store: NgramStore) -> bool:
     """Whether `stand_dyn_compiled` may draft for `cfg` over `store`: asked for, an in-process store
     (one that can index itself), and with `drawn` a noise buffer that holds what a step can read
@@ -411,4 +415,5 @@ SPEC = DrafterSpec(
     needs_cost=True,
     uses_store=True,
     shared=(MODEL_STATE, SUFFIX_COUNTS, COMPILED_MODEL, COMPILED_GROUP),
+    kernels=lambda cfg: KERNELS if cfg.compiled else None,
 )

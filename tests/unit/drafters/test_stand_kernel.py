@@ -16,8 +16,10 @@ from store.base import NgramRow
 from store.memory import InMemoryNgramStore, TieredStore
 from tests.conftest import save_tiny_model
 from tests.unit.drafters.test_stand_compiled import _twin_stores, assert_arrays_lay_out_as_the_trees
-from tts_service.drafters.kernels import STAND, STAND_DYN, kernels_of, preload
+from tts_service.drafters.kernels import auto_kernels, kernels_of, preload
 from tts_service.drafters.matching import SuffixCounts
+from tts_service.drafters.stand import KERNELS as STAND
+from tts_service.drafters.stand_dyn import KERNELS as STAND_DYN
 from tts_service.drafters.stand_dyn import compiled_applies
 from tts_service.drafters.stand_dyn_compiled import CompiledStandDyn, StandDynGroup, warm
 from tts_service.drafters.stand_dyn_config import SUFFIX_ORDERS, StandDynDrafterConfig
@@ -127,6 +129,7 @@ def test_the_kernels_a_drafter_config_drafts_with():
     assert kernels_of(StandDynDrafterConfig(drawn=True)) == STAND_DYN
     assert kernels_of(StandDynDrafterConfig(drawn=True, compiled=False)) is None  # CPU `auto`
     assert kernels_of(StandSpineDrafterConfig()) is None
+    assert auto_kernels() == STAND_DYN  # `auto` on a GPU
 
 
 def test_a_cpu_model_load_never_imports_numba(tmp_path):
