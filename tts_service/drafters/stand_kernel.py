@@ -120,7 +120,7 @@ def _inverse_mass(probs, s: int, n: int) -> float:
     return 1.0 / (total if total != 0.0 else 1.0)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _found_at(f_tok, nf: int, token: int) -> int:
     for i in range(nf):
         if f_tok[i] == token:
@@ -128,14 +128,14 @@ def _found_at(f_tok, nf: int, token: int) -> int:
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _flag(suffix, ss: int, token: int, flags) -> int:
     """A candidate's suffix flag (`stand_dyn.suffix_flags`: `flags` (absent, named))."""
     absent, named = flags
     return named if named and find_pair(suffix[4], suffix[5], ss, token) >= 0 else absent
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _stored(store, suffix, tail, tlen: int, hit, flags, found) -> int:
     """The longest stored entry's ids, then the next shorter order's it lacks (back-off), into
     `found` (tokens, kinds, q); returns how many. `hit`: (slot, order, suffix n, suffix
@@ -174,23 +174,24 @@ def _stored(store, suffix, tail, tlen: int, hit, flags, found) -> int:
     return nf
 
 
-@njit(cache=True)
-def _counted(suffix, ss: int, kind: int, found, nf: int) -> int:
-    """The suffix counts' tokens after the counted suffix at `ss` not yet in `found`, with
-    `kind` and their share of the count; returns how many `found` holds."""
+@njit(cache=True, inline="always")
+def _counted(suffix, ss: int, kind: int, found, nf: int, fresh: bool) -> int:
+    """The suffix counts' tokens after the counted suffix at `ss` not yet in `found` (`fresh`:
+    `found` is empty, and a suffix's tokens are distinct), with `kind` and their share of the
+    count; returns how many `found` holds."""
     _, _, total, head, _, pk, icnt, inext, _ = suffix
     f_tok, f_kind, f_q, _ = found
     inv = 1.0 / total[ss]
     i = head[ss]
     while i >= 0:
-        if _found_at(f_tok, nf, pk[i, 1]) < 0:
+        if fresh or _found_at(f_tok, nf, pk[i, 1]) < 0:
             f_tok[nf], f_kind[nf], f_q[nf] = pk[i, 1], kind, icnt[i] * inv
             nf += 1
         i = inext[i]
     return nf
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _successors(model, suffix, ss: int, last: int, flags, found, nf: int) -> int:
     """The successor table's tokens after `last` not yet in `found`; returns how many it
     holds."""
@@ -205,7 +206,7 @@ def _successors(model, suffix, ss: int, last: int, flags, found, nf: int) -> int
     return nf
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _rank(model, found, nf: int) -> None:
     """Rate `found`'s candidates (−α̂ = −a − b·q of the key's line) and sort them best first:
     (−α̂, token), as Python sorts the tuples."""
@@ -229,7 +230,7 @@ def _rank(model, found, nf: int) -> None:
         f_tok[j + 1], f_kind[j + 1], f_q[j + 1], f_neg[j + 1] = nt, nk, nq, nn
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _candidates(src, tail, tlen: int, hit, found) -> int:
     """`StandDynDrafter._ranked`: the node's candidates in `found` (tokens, kinds, q, −α̂;
     best first; room for every one); returns how many. `src`: (store, suffix, model) arrays;
@@ -240,16 +241,16 @@ def _candidates(src, tail, tlen: int, hit, found) -> int:
     flags = (1, 3 if n >= 8 else 2) if n >= MIN_SUFFIX else (0, 0)
     nf = _stored(store, suffix, tail, tlen, hit, flags, found) if slot >= 0 else 0
     if n >= MIN_SUFFIX:
-        nf = _counted(suffix, ss, _kind(SUFFIX, 0, 0) + flags[1], found, nf)
+        nf = _counted(suffix, ss, _kind(SUFFIX, 0, 0) + flags[1], found, nf, False)
     if nf == 0 and tlen > 0:
-        if n:  # a short match: its tokens, distinct, none found before
-            nf = _counted(suffix, ss, _kind(SUFFIX, n, 0), found, nf)
+        if n:  # a short match
+            nf = _counted(suffix, ss, _kind(SUFFIX, n, 0), found, nf, True)
         nf = _successors(model, suffix, ss, tail[tlen - 1], flags, found, nf)
     _rank(model, found, nf)
     return nf
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _draws_first(store, model, slot: int, o: int, f_neg, nf: int) -> bool:
     """Whether a node whose longest stored entry is `slot` (order `o`) draws its children:
     `StandDynDrafter.drawn_first` rates the plan's first slot (the largest stored probability,
@@ -267,7 +268,7 @@ def _draws_first(store, model, slot: int, o: int, f_neg, nf: int) -> bool:
     return nf == 0 or -la[key] - lb[key] * q <= f_neg[0]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, model, found, qs) -> int:
     """`StandDynDrafter.drawn_plan` given the draw order `rank` of the `nc` stored ids
     (`gumbel_order`): the children in that order in `found`, slot j calibrated on the j-th
@@ -304,38 +305,17 @@ def _found_arrays(size: int):
     )
 
 
-@njit(cache=True)
-def _workspace(limit: int, width: int):
-    """A tree's scratch: per node (tail, tail length, α̂, its candidates' start in the plan,
-    how many), the plan (every opened node's candidates, flat; grown as needed), one node's
-    candidates (`_found_arrays`), and a drawn plan's (positive stored probabilities, Gumbel keys,
-    draw order, probabilities largest first)."""
-    nodes = (
-        np.full((limit + 1, TAIL), -1, np.int64),
-        np.zeros(limit + 1, np.int64),
-        np.zeros(limit + 1, np.float64),
-        np.zeros(limit + 1, np.int64),
-        np.zeros(limit + 1, np.int64),
-    )
-    draw = (
-        np.empty(width, np.float64),
-        np.empty(width, np.float64),
-        np.empty(width, np.int64),
-        np.empty(width, np.float64),
-    )
-    return nodes, _found_arrays(64 * (limit + 1)), _found_arrays(64), draw
-
-
-@njit(cache=True)
-def _draw_children(src, entry, node: int, work, noise, at, out):
+@njit(cache=True, inline="always")
+def _draw_children(src, entry, node: int, draw, found, noise, at, out):
     """`StandDynDrafter.drawn_plan` at `node`, whose longest stored entry is `entry` (slot,
     order): its support (the stored ids with a positive probability) in `out`, the children in
-    their Gumbel order from the row's noise (`at`: read so far, moved on) in the work's
-    candidates; returns (how many, the noise's new (pos, moved))."""
+    their Gumbel order from the row's noise (`at`: read so far, moved on) in `found`, with the
+    scratch `draw` (probabilities, keys, order, sorted probabilities); returns (how many, the
+    noise's new (pos, moved))."""
     store, _, model = src
     ids, probs, nids, count = store[2], store[3], store[4], store[5]
     slot, o = entry
-    c_p, keys, by_key, sorted_q = work[3]
+    c_p, keys, by_key, sorted_q = draw
     draws, qn, qids, qp = out[4], out[7], out[8], out[9]
     nc = 0
     for j in range(nids[slot]):
@@ -346,63 +326,39 @@ def _draw_children(src, entry, node: int, work, noise, at, out):
     qn[node] = nc
     pos, moved = gumbel_order(c_p, nc, noise, at[0], at[1], keys, by_key)
     base = _kind(DRAWN, o, count[slot])
-    nf = _drawn_plan(qids[node], c_p, nc, by_key, base, model, work[2], sorted_q)
+    nf = _drawn_plan(qids[node], c_p, nc, by_key, base, model, found, sorted_q)
     draws[node] = True
     return nf, pos, moved
 
 
 @njit(cache=True)
-def _open(src, node: int, drawn: bool, work, noise, at, out):
-    """Open `node`: its candidates ranked (`_candidates`) or, with `drawn` where calibration
-    rates them higher, its drawn children, in the work's candidates (grown to hold them);
-    returns (the work, how many, the noise's (pos, moved))."""
-    store, suffix, model = src
-    tab, keytok, ids, _, _, _, meta, max_order = store
-    tails, tlens = work[0][0], work[0][1]
-    tl = tlens[node]
-    slot, o = lookup_slot(tab, keytok, meta, tails[node], tl, max_order)
-    n, ss = suffix_lookup(suffix[0], suffix[1], tails[node], tl)
-    room = 2 * ids.shape[1] + model[0].shape[1] + (suffix[2][ss] if ss >= 0 else 0)
-    if room > work[2][0].shape[0]:  # distinct suffix tokens <= their total count
-        work = (work[0], work[1], _found_arrays(room), work[3])
-    nf = _candidates(src, tails[node], tl, (slot, o, n, ss), work[2])
-    pos, moved = at
-    if drawn and slot >= 0 and _draws_first(store, model, slot, o, work[2][3], nf):
-        nf, pos, moved = _draw_children(src, (slot, o), node, work, noise, at, out)
-    return work, nf, pos, moved
+def _grown(plan, size: int):
+    """The plan's arrays with room for at least `size` candidates."""
+    more = _found_arrays(max(2 * plan[0].shape[0], size))
+    return (
+        np.concatenate((plan[0], more[0])),
+        np.concatenate((plan[1], more[1])),
+        np.concatenate((plan[2], more[2])),
+        np.concatenate((plan[3], more[3])),
+    )
 
 
-@njit(cache=True)
-def _keep_plan(work, node: int, used: int, nf: int):
-    """Append the work's `nf` candidates to the plan as `node`'s (grown to hold them); returns
-    the work."""
-    if used + nf > work[1][0].shape[0]:
-        grow = _found_arrays(max(2 * work[1][0].shape[0], used + nf))
-        plan = (
-            np.concatenate((work[1][0], grow[0])),
-            np.concatenate((work[1][1], grow[1])),
-            np.concatenate((work[1][2], grow[2])),
-            np.concatenate((work[1][3], grow[3])),
-        )
-        work = (work[0], plan, work[2], work[3])
-    plan, found = work[1], work[2]
+@njit(cache=True, inline="always")
+def _append(plan, found, used: int, nf: int) -> None:
+    """`found`'s first `nf` candidates into the plan from `used` on."""
     plan[0][used : used + nf] = found[0][:nf]
     plan[1][used : used + nf] = found[1][:nf]
     plan[2][used : used + nf] = found[2][:nf]
     plan[3][used : used + nf] = found[3][:nf]
-    work[0][3][node], work[0][4][node] = used, nf
-    return work
 
 
-@njit(cache=True)
-def _add_child(work, node: int, c: int, child: int, drawn: bool, out) -> None:
+@njit(cache=True, inline="always")
+def _add_child(tails, tlens, plan, node: int, c: int, child: int, drawn: bool, out) -> None:
     """Hang plan candidate `c` below `node` as node `child`: its token, kind, q, tail and,
     with drawn children, its place in `node`'s support."""
-    tails, tlens = work[0][0], work[0][1]
-    p_tok, p_kind, p_q, _ = work[1]
     parent, token, kind, q, draws, sampled, slot, qn, qids, _ = out
-    t = p_tok[c]
-    parent[child], token[child], kind[child], q[child] = node, t, p_kind[c], p_q[c]
+    t = plan[0][c]
+    parent[child], token[child], kind[child], q[child] = node, t, plan[1][c], plan[2][c]
     if drawn:  # the child's place in its parent's support
         sampled[child] = draws[node]
         if draws[node]:
@@ -421,16 +377,31 @@ def _add_child(work, node: int, c: int, child: int, drawn: bool, out) -> None:
         tlens[child] = TAIL
 
 
+@njit(cache=True, inline="always")
+def _hit(src, tail, tl: int):
+    """A node's lookups: the store's longest entry (slot, order; slot -1: none) and the
+    longest counted suffix (n, slot), and how many candidates they can yield at most."""
+    store, suffix, model = src
+    tab, keytok, ids, _, _, _, meta, max_order = store
+    slot, o = lookup_slot(tab, keytok, meta, tail, tl, max_order)
+    n, ss = suffix_lookup(suffix[0], suffix[1], tail, tl)
+    room = 2 * ids.shape[1] + model[0].shape[1] + (suffix[2][ss] if ss >= 0 else 0)
+    return (slot, o, n, ss), room
+
+
 @njit(cache=True)
 def draft_tree(src, root_tail, limit: int, cost, drawn: bool, noise, out) -> int:
     """`StandDynDrafter.draft`: the tree in `out` (a row's `DynOut` slices; node 0 the root);
     returns its size. `src`: (store, suffix, model) arrays; `cost`: the verify cost's sizes
     and seconds (empty: fill the budget). With `drawn`, a node may draw its children
     (`_draw_children`) from the row's `noise` (`stand_compiled.row_noise`, which gets how far
-    it read)."""
+    it read). Per node: its tail, the tail's length, α̂, its candidates' start in the plan (every
+    opened node's candidates, flat) and how many."""
     xs, ys = cost
-    work = _workspace(limit, src[0][2].shape[1])
-    tails, tlens, alpha, plan_at, plan_n = work[0]
+    tails = np.full((limit + 1, TAIL), -1, np.int64)
+    tlens, alpha = np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.float64)
+    plan_at, plan_n = np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.int64)
+    plan, found, draw = _found_arrays(64 * (limit + 1)), _found_arrays(64), _draw_arrays(src)
     rl = len(root_tail)
     tails[0, :rl] = root_tail
     tlens[0], alpha[0] = rl, 1.0
@@ -439,25 +410,49 @@ def draft_tree(src, root_tail, limit: int, cost, drawn: bool, noise, out) -> int
     expected, size, used, pos, moved = 1.0, 1, 0, 0, False
     while len(heap) > 0 and size <= limit:
         neg, node, rank = heapq.heappop(heap)
-        if rank < 0:
-            work, nf, pos, moved = _open(src, node, drawn, work, noise, (pos, moved), out)
+        if rank < 0:  # open the node: rank its candidates (or draw its children)
+            hit, room = _hit(src, tails[node], tlens[node])
+            if room > found[0].shape[0]:  # distinct suffix tokens <= their total count
+                found = _found_arrays(room)
+            nf = _candidates(src, tails[node], tlens[node], hit, found)
+            if drawn and hit[0] >= 0 and _draws_first(src[0], src[2], hit[0], hit[1], found[3], nf):
+                entry = (hit[0], hit[1])
+                nf, pos, moved = _draw_children(
+                    src, entry, node, draw, found, noise, (pos, moved), out
+                )
             if nf > 0:
-                work = _keep_plan(work, node, used, nf)
+                if used + nf > plan[0].shape[0]:
+                    plan = _grown(plan, used + nf)
+                _append(plan, found, used, nf)
+                plan_at[node], plan_n[node] = used, nf
                 used += nf
-                heapq.heappush(heap, (alpha[node] * work[1][3][used - nf], node, 0))
+                heapq.heappush(heap, (alpha[node] * plan[3][used - nf], node, 0))
             continue
         if len(xs) > 0 and not _worth_growing(xs, ys, size, expected, -neg, limit + 1):
             break
         c = plan_at[node] + rank
-        _add_child(work, node, c, size, drawn, out)
+        _add_child(tails, tlens, plan, node, c, size, drawn, out)
         alpha[size] = -neg
         expected -= neg
         if rank + 1 < plan_n[node]:
-            heapq.heappush(heap, (alpha[node] * work[1][3][c + 1], node, rank + 1))
+            heapq.heappush(heap, (alpha[node] * plan[3][c + 1], node, rank + 1))
         heapq.heappush(heap, (neg, size, -1))
         size += 1
     noise[3][0], noise[3][1] = moved, pos
     return size
+
+
+@njit(cache=True)
+def _draw_arrays(src):
+    """A drawn plan's scratch, one slot per stored id: positive stored probabilities, Gumbel
+    keys, draw order, probabilities largest first."""
+    width = src[0][2].shape[1]
+    return (
+        np.empty(width, np.float64),
+        np.empty(width, np.float64),
+        np.empty(width, np.int64),
+        np.empty(width, np.float64),
+    )
 
 
 class RowInputs(NamedTuple):
