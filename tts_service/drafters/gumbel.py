@@ -18,7 +18,7 @@ class GumbelNoise:
     It reads the draft stream of trajectory `seed`, never the verifier's (`engine.streams`).
     The noise is host data, so it is drawn with numpy: a torch refill dispatched six ops on
     tiny tensors, one refill per row every few hundred nodes, which made the host's op count
-    grow with the rows (issue 27). The Python drafter takes floats (`take`); the compiled one
+    grow with the rows. The Python drafter takes floats (`take`); the compiled one
     reads a window of the buffer and of the next one (`window`, `advance`), drawn early from
     the same stream, so both see the same values in the same order.
     """

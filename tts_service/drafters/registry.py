@@ -137,7 +137,7 @@ nothing under greedy), drafted in Python (the kernels' load would cost a CPU run
 save beside 30-100 ms forwards, and a CPU model load imports no numba); on a GPU not yet: drawn
 rows cost the host more than deterministic ones (+0.10–0.15 ms a step at 16 rows on this CPU's
 host: "The host path"), which by arithmetic they now repay at both temperatures, but no GPU
-session has measured it."""
+run has measured it yet."""
 DEVICE_FIELDS: dict[str, dict[str, dict[str, Any]]] = {"stand": {"cpu": {"compiled": False}}}
 """A drafter kind's fields per device type, beneath the user's preset: on a CPU `stand` drafts
 in Python, where its compiled drafter saves ~1% of a step (a forward costs 30-100 ms) and its

@@ -1,6 +1,6 @@
 """`stand` drafting compiled: the trees of `StandDrafter`, drafted by one numba call per step
-for all of a problem's rows instead of a Python loop over each row's shape nodes (issue 27's
-host budget; docs/design.md, "The compiled drafter").
+for all of a problem's rows instead of a Python loop over each row's shape nodes (the host's
+budget between forwards; docs/design.md, "The compiled drafter").
 
 `stand_tree` is `StandDrafter.grow` from the root statement for statement: the same shape
 nodes, the same store lookups (on the store's arrays, `InMemoryNgramStore.compiled()`), the same

@@ -71,7 +71,7 @@ class NodeTopK:
     """Top-k of the target's distribution at every tree node (after temperature and filters).
 
     Host arrays (numpy, copied out of the step's one copy back): the drafters read them on the
-    host, and tensors would add dispatched ops per step for nothing (issue 27)."""
+    host, and tensors would add dispatched ops per step for nothing."""
 
     ids: np.ndarray  # [n, k] int64
     probs: np.ndarray  # [n, k] float64
