@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from store.memory import InMemoryNgramStore
-from tests.conftest import DRAFTER_CONFIGS, word_tokenizer
+from tests.conftest import COPYING_KINDS, DRAFTER_CONFIGS, word_tokenizer
 from tests.unit.engine.test_allocate import FLAT
 from tts_service.config import SamplingConfig
 from tts_service.engine.allocate import DraftCost
@@ -168,8 +168,9 @@ def test_a_continuously_batched_run_is_token_identical_to_plain(
         assert 1 < report.forwards.mean_rows_per_forward <= max_rows
         joined_late = sum(1 for rows, _ in report.forwards.trace if rows < max_rows)
         assert joined_late < len(report.forwards.trace)  # most steps ran full
-    if drafter_config.kind not in ("plain", "ptd"):
-        assert report.summary()["acceptance_length"] > 1.2
+    if drafter_config.kind not in ("plain", "ptd"):  # a new family: some draft accepted
+        bar = 1.2 if drafter_config.kind in COPYING_KINDS else 1.0
+        assert report.summary()["acceptance_length"] > bar
 
 
 @pytest.mark.parametrize("method", ["stand-dyn", "gtcp"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from store.memory import InMemoryNgramStore
-from tests.conftest import DRAFTER_CONFIGS
+from tests.conftest import COPYING_KINDS, DRAFTER_CONFIGS
 from tts_service.drafters.registry import DRAFTER_CONFIGS as CONFIG_MODELS
 from tts_service.drafters.registry import KINDS, METHODS, DraftEnv, build_drafter
 from tts_service.engine.cost import CostModel, VerifyCost
@@ -15,6 +15,7 @@ from tts_service.engine.cost import CostModel, VerifyCost
 def test_every_method_names_a_registered_family_with_its_config_model():
     assert {m.kind for m in METHODS.values()} == set(KINDS) == set(CONFIG_MODELS)
     assert all(KINDS[k].config is CONFIG_MODELS[k] for k in KINDS)
+    assert set(KINDS) >= COPYING_KINDS  # the harnesses' acceptance bars name real families
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import DRAFTER_CONFIGS, make_drafter, tiny_llama
+from tests.conftest import COPYING_KINDS, DRAFTER_CONFIGS, make_drafter, tiny_llama
 from tests.engine_loop import generate
 from tts_service.config import SamplingConfig
 from tts_service.engine.decode import plain_generate
@@ -66,8 +66,8 @@ def test_every_drafter_is_token_identical_to_plain_greedy(tiny_model, drafter_co
         assert mean == 1.0
     elif drafter_config.kind == "ptd":  # self-drafting: it does not copy the repeated prompt
         assert mean > 1.15, mean
-    else:
-        assert mean > 1.3, mean
+    else:  # a family not known to copy (a new one): some draft accepted, not all rejected
+        assert mean > (1.3 if drafter_config.kind in COPYING_KINDS else 1.0), mean
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7, 13])
