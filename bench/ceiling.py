@@ -206,7 +206,7 @@ def trajectory(
     return out
 
 
-class StepCounter:
+class StepCounter(Drafter):
     """A trajectory's drafter, unchanged, that books each step's root position (response
     tokens committed before it) and the tokens it committed."""
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 from tts_service.drafters.base import StaticTreeDrafter, shape_prefix
 from tts_service.drafters.stand_config import StandDrafterConfig
-from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeShape, select_subtree
 from tts_service.engine.verify import Acceptance
 
 BIG_TREE_NODES = 1024  # the calibration tree's cap: the whole 625-node shape is drafted
 
 
-class OnPathCounter:
+class OnPathCounter(Drafter):
     """Wraps a STAND drafter and counts, per shape node, how often it was accepted."""
 
     def __init__(self, inner: StaticTreeDrafter) -> None:

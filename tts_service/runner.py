@@ -37,7 +37,7 @@ from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import ForwardStats
 from tts_service.engine.sampling import SamplingParams
-from tts_service.engine.seam import Deferred, DraftContext, Drafter, DraftGroup, NodeTopK, group_of
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, DraftGroup, NodeTopK
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -135,7 +135,7 @@ def nodes_per_row(token_budget: int, active_rows: int) -> int:
     return max(0, token_budget // max(active_rows, 1) - 1)
 
 
-class TrajectoryRecorder:
+class TrajectoryRecorder(Drafter):
     """Wraps a drafter and keeps the target's top-k at every committed position (the
     trajectory log's `top_ids`/`top_probs`)."""
 
@@ -153,7 +153,7 @@ class TrajectoryRecorder:
 
     def grouped(self) -> tuple[DraftGroup, object] | None:
         """The inner drafter's group, if it drafts in one (`engine.seam.draft_all`)."""
-        return group_of(self.inner)
+        return self.inner.grouped()
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
         nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from

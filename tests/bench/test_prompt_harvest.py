@@ -16,7 +16,8 @@ from prompt_harvest import seeding  # noqa: E402
 
 
 class Counting:
-    """A drafter whose prompt observations are counted."""
+    """A drafter whose prompt observations are counted (everything else, `grouped` included,
+    is the inner drafter's)."""
 
     calls = 0
 

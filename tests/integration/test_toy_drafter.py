@@ -42,7 +42,7 @@ from typing import Literal
 from pydantic import Field
 
 from tts_service.config import StrictConfig
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -55,7 +55,7 @@ class ToyDrafterConfig(StrictConfig):
     num_nodes: int = Field(4, ge=1, le=64, description="Chain length drafted per step.")
 
 
-class ToyDrafter:
+class ToyDrafter(Drafter):
     def __init__(self, cfg: ToyDrafterConfig) -> None:
         self.cfg = cfg
 

@@ -15,6 +15,7 @@ from tts_service.config import SamplingConfig
 from tts_service.drafters.pld import PldDrafterConfig
 from tts_service.drafters.registry import METHODS, REPLAY_METHODS
 from tts_service.drafters.stand_config import StandDrafterConfig
+from tts_service.engine.seam import Drafter
 from tts_service.replay import LoggedProblem, parse_line, read_log, replay, replay_config
 from tts_service.runner import TrajectoryRecorder
 from tts_service.schemas import ReplayRequest
@@ -88,7 +89,7 @@ def test_a_drafter_that_fails_in_replay_fails_the_replay_with_its_own_error():
     """The runner's failure path resets replay's decoder as it resets the engine's: the
     drafter's error reaches the caller, not one from the reset."""
 
-    class Broken:
+    class Broken(Drafter):
         def __init__(self, drafter) -> None:
             self.drafter = drafter
 
@@ -133,7 +134,7 @@ def _synthetic_log(path, problems: int = 2, responses: int = 4, length: int = 40
         f.write("\n".join(lines) + "\n")
 
 
-class _Recording:
+class _Recording(Drafter):
     """A drafter that keeps every tree's draft node count (and drafts alone: a compiled
     drafter's group would draft around `draft`)."""
 

@@ -41,7 +41,7 @@ def shape_prefix(drafter: StaticTreeDrafter, ctx: DraftContext) -> range:
     return range(1, min(drafter.num_nodes, ctx.max_nodes, drafter.shape.num_nodes) + 1)
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Verifies the root only: plain decoding through the speculative engine."""
 
     def start(self, prompt_ids: list[int]) -> None:

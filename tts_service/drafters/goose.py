@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 from tts_service.config import StrictConfig
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
@@ -108,7 +108,7 @@ def spine_tree_budget(
     return b_s, b_r, [math.floor(b_b * (1 / i) / harmonic) for i in range(1, b_s + 1)]
 
 
-class GooseDrafter:
+class GooseDrafter(Drafter):
     def __init__(self, cfg: GooseDrafterConfig, table: AdjacencyTable) -> None:
         self.cfg = cfg
         self.table = table  # shared across trajectories: the hot start

@@ -73,7 +73,7 @@ class OnPathStats:
             self.hits[v] += 1.0
 
 
-class GtSizedDrafter:
+class GtSizedDrafter(Drafter):
     """A static-tree drafter whose tree size is re-chosen every step by the GT rule."""
 
     def __init__(

@@ -23,7 +23,7 @@ from tts_service.drafters.gumbel import GumbelNoise, gumbel_top_k
 from tts_service.drafters.spec import DrafterSpec, Method
 from tts_service.drafters.store_feed import feed_root, feed_store
 from tts_service.engine.cost import VerifyCostSource, worth_growing
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder
 from tts_service.engine.verify import Acceptance
 
@@ -48,7 +48,7 @@ class _Plan:
     ranked: list[float]
 
 
-class GtTreeDrafter:
+class GtTreeDrafter(Drafter):
     """Dynamic best-first trees over the logit n-gram store, sized by the GT rule."""
 
     def __init__(

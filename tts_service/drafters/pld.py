@@ -11,7 +11,7 @@ from pydantic import Field
 from tts_service.config import StrictConfig
 from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -25,7 +25,7 @@ class PldDrafterConfig(StrictConfig):
     num_draft_tokens: int = Field(6, ge=1, le=64, description="Chain length drafted per step.")
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     def __init__(self, cfg: PldDrafterConfig) -> None:
         if cfg.min_ngram > cfg.max_ngram:
             raise ValueError("pld: min_ngram must be <= max_ngram")

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from tts_service.config import StrictConfig
 from tts_service.drafters.spec import DrafterSpec, Method
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.engine.streams import Stream, stream_seed
 from tts_service.engine.tree import DraftTree, TreeBuilder
 from tts_service.engine.verify import Acceptance
@@ -119,7 +119,7 @@ class ProgressiveTree:
         return {self.nodes[c].token: self.subtree(c) for c in self.nodes[v].children}
 
 
-class PtdDrafter:
+class PtdDrafter(Drafter):
     def __init__(self, cfg: PtdDrafterConfig, seed: int = 0) -> None:
         self.cfg = cfg
         self.rng = random.Random(stream_seed(seed, Stream.DRAFT))  # never the verifier's stream

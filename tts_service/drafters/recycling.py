@@ -15,7 +15,7 @@ from tts_service.config import Sizing, StrictConfig, TreeName, resolve_tree_path
 from tts_service.drafters.base import ShapedTree, shape_prefix
 from tts_service.drafters.gt import GT_STATS, gt_sized
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
-from tts_service.engine.seam import DraftContext, NodeTopK
+from tts_service.engine.seam import DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, TreeBuilder, load_tree_shape
 from tts_service.engine.verify import Acceptance
 
@@ -37,7 +37,7 @@ class RecyclingDrafterConfig(StrictConfig):
     sizing: Sizing = "fixed"
 
 
-class TokenRecyclingDrafter:
+class TokenRecyclingDrafter(Drafter):
     def __init__(
         self, cfg: RecyclingDrafterConfig, vocab_size: int, table: torch.Tensor | None = None
     ) -> None:

@@ -37,7 +37,7 @@ from tts_service.engine.tree import DraftTree, SparseDist, TreeBuilder, load_tre
 from tts_service.engine.verify import Acceptance
 
 
-class StandDrafter:
+class StandDrafter(Drafter):
     def __init__(self, cfg: StandDrafterConfig, store: NgramStore, seed: int = 0) -> None:
         self.cfg = cfg
         self.store = store

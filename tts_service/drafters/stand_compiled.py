@@ -30,7 +30,7 @@ from tts_service.drafters.gumbel import GumbelNoise
 from tts_service.drafters.stand_config import StandDrafterConfig
 from tts_service.drafters.store_feed import feed_index, feed_root, learned_nodes
 from tts_service.engine import walk_compiled
-from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import (
     DraftTree,
     DrawnArrays,
@@ -342,7 +342,7 @@ class StandGroup:
         return trees
 
 
-class CompiledStand:
+class CompiledStand(Drafter):
     """`StandDrafter`, one row of a `StandGroup` (which drafts the step's rows in one call); it
     observes as the Python drafter does, deferred likewise, merging into the store's arrays."""
 

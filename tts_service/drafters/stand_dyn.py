@@ -153,7 +153,7 @@ def suffix_flags(order: int) -> tuple[int, int]:
     return 1, 3 if order >= 8 else 2
 
 
-class StandDynDrafter:
+class StandDynDrafter(Drafter):
     def __init__(
         self,
         cfg: StandDynDrafterConfig,

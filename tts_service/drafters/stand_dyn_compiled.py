@@ -40,7 +40,7 @@ from tts_service.drafters.store_feed import feed_index, feed_root, learned_nodes
 from tts_service.drafters.suffix_index import SuffixIndex
 from tts_service.engine import walk_compiled
 from tts_service.engine.cost import VerifyCost, VerifyCostSource
-from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree, DrawnArrays, DrawnBatch, DrawnQ
 from tts_service.engine.verify import Acceptance
 
@@ -275,7 +275,7 @@ class StandDynGroup:
         return hit[1], hit[2]
 
 
-class CompiledStandDyn:
+class CompiledStandDyn(Drafter):
     """`StandDynDrafter`, one row of a `StandDynGroup` (which drafts the step's rows in one
     call); it draws from its trajectory's noise as the Python drafter does, and observes as it
     does (calibration, store, successors), deferred likewise."""

@@ -28,7 +28,7 @@ from tts_service.drafters.matching import ExactMatchIndex
 from tts_service.drafters.spec import DrafterSpec, Method, Shared
 from tts_service.drafters.stand import StandDrafter
 from tts_service.drafters.stand_config import StandDrafterConfig
-from tts_service.engine.seam import Deferred, DraftContext, NodeTopK
+from tts_service.engine.seam import Deferred, DraftContext, Drafter, NodeTopK
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
 
@@ -64,7 +64,7 @@ def spine_budget(num_nodes: int, spine_len: int, share: float) -> tuple[int, lis
     return m, alloc
 
 
-class StandSpineDrafter:
+class StandSpineDrafter(Drafter):
     def __init__(
         self,
         cfg: StandSpineDrafterConfig,

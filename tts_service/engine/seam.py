@@ -98,9 +98,10 @@ class Drafter(Protocol):
         context's last `OBSERVE_TAIL` tokens)."""
 
     def grouped(self) -> tuple[DraftGroup, object] | None:
-        """Optional (a drafter without it drafts alone): (group, member) when this drafter
-        drafts a step together with others in one call (`draft_all`). A wrapper that changes
-        what its inner drafter drafts (GT sizing's subtrees) must not forward it."""
+        """(group, member) when this drafter drafts a step together with others in one call
+        (`draft_all`); by default None: it drafts alone. A wrapper that changes what its inner
+        drafter drafts (GT sizing's subtrees) keeps the default."""
+        return None
 
 
 class DraftGroup(Protocol):
@@ -111,13 +112,6 @@ class DraftGroup(Protocol):
         them."""
 
 
-def group_of(drafter: object) -> tuple[DraftGroup, object] | None:
-    """(group, member) of a drafter that drafts in a `DraftGroup` (its `grouped()`, which the
-    protocol leaves optional), else None."""
-    grouped = getattr(drafter, "grouped", None)
-    return grouped() if grouped is not None else None
-
-
 def draft_all(drafters: Sequence[Drafter], ctxs: Sequence[DraftContext]) -> list[DraftTree]:
     """Every row's tree: grouped drafters in one call per group (rows in order within it),
     the others one by one. Groups share no state with other drafters, so this is what
@@ -125,7 +119,7 @@ def draft_all(drafters: Sequence[Drafter], ctxs: Sequence[DraftContext]) -> list
     trees: list[DraftTree | None] = [None] * len(drafters)
     groups: dict[int, tuple[DraftGroup, list[int], list]] = {}
     for b, (drafter, ctx) in enumerate(zip(drafters, ctxs, strict=True)):
-        found = group_of(drafter)
+        found = drafter.grouped()
         if found is None:
             trees[b] = drafter.draft(ctx)
         else:

@@ -11,7 +11,7 @@ from tts_service.config import SamplingConfig
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.decode import plain_generate
 from tts_service.engine.options import DecoderOptions
-from tts_service.engine.seam import DraftContext
+from tts_service.engine.seam import DraftContext, Drafter
 from tts_service.runner import nodes_per_row
 
 VOCAB = 64
@@ -78,7 +78,7 @@ class _Spy(BatchDecoder):
         return logits
 
 
-class _Recording:
+class _Recording(Drafter):
     def __init__(self, inner, spy: _Spy):
         self.inner, self.spy = inner, spy
 
