@@ -61,7 +61,7 @@ def run_three_problems(
     group_draft = getattr(group, name)
     monkeypatch.setattr(group, name, lambda self, *a: calls.append(1) or group_draft(self, *a))
     if member is not None:
-        monkeypatch.setattr(member, "grouped", None)
+        monkeypatch.setattr(member, "grouped", lambda self: None)
     requests, stores = [], []
     for p, prompt in enumerate(_prompts()[:3]):
         stores.append(InMemoryNgramStore())

@@ -120,7 +120,7 @@ def _inverse_mass(probs, s: int, n: int) -> float:
     return 1.0 / (total if total != 0.0 else 1.0)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _found_at(f_tok, nf: int, token: int) -> int:
     for i in range(nf):
         if f_tok[i] == token:
@@ -128,90 +128,64 @@ def _found_at(f_tok, nf: int, token: int) -> int:
     return -1
 
 
-@njit(cache=True, inline="always")
-def _flag(suffix, ss: int, token: int, flags) -> int:
-    """A candidate's suffix flag (`stand_dyn.suffix_flags`: `flags` (absent, named))."""
-    absent, named = flags
-    return named if named and find_pair(suffix[4], suffix[5], ss, token) >= 0 else absent
-
-
-@njit(cache=True, inline="always")
-def _stored(store, suffix, tail, tlen: int, hit, flags, found) -> int:
-    """The longest stored entry's ids, then the next shorter order's it lacks (back-off), into
-    `found` (tokens, kinds, q); returns how many. `hit`: (slot, order, suffix n, suffix
-    slot)."""
-    tab, keytok, ids, probs, nids, count, meta, _ = store
-    f_tok, f_kind, f_q, _ = found
-    slot, o, _, ss = hit
-    nf = 0
-    base = _kind(STORE, o, count[slot])
-    inv = _inverse_mass(probs, slot, nids[slot])
-    for j in range(nids[slot]):
-        p = probs[slot, j]
+@njit(cache=True)
+def _entry(ids, probs, nids, s: int, base: int, f_tok, f_kind, f_q, nf: int, overwrite: bool):
+    """Stored entry `s`'s ids with a positive probability as candidates of kind `base`, their
+    probability normalised over the entry: new ones appended, ones `f_tok[:nf]` holds
+    overwritten (`overwrite`) or kept; returns how many candidates there are."""
+    inv = _inverse_mass(probs, s, nids[s])
+    for j in range(nids[s]):
+        p, token = probs[s, j], ids[s, j]
         if p > 0:
-            token = ids[slot, j]
             at = _found_at(f_tok, nf, token)
             if at < 0:
                 at = nf
                 nf += 1
-            f_tok[at], f_kind[at], f_q[at] = token, base + _flag(suffix, ss, token, flags), p * inv
-    if o <= 1:
-        return nf
-    sh, sho = lookup_slot(tab, keytok, meta, tail, tlen, o - 1)
-    if sh < 0:
-        return nf
-    at = _found_at(f_tok, nf, ids[sh, 0] if nids[sh] > 0 else -1)
-    if at >= 0:
-        f_kind[at] += AGREE
-    base = _kind(BACKOFF, sho, count[sh])
-    inv = _inverse_mass(probs, sh, nids[sh])
-    for j in range(nids[sh]):
-        p, token = probs[sh, j], ids[sh, j]
-        if p > 0 and _found_at(f_tok, nf, token) < 0:
-            f_tok[nf], f_kind[nf] = token, base + _flag(suffix, ss, token, flags)
-            f_q[nf] = p * inv
-            nf += 1
+            elif not overwrite:
+                continue
+            f_tok[at], f_kind[at], f_q[at] = token, base, p * inv
     return nf
 
 
-@njit(cache=True, inline="always")
-def _counted(suffix, ss: int, kind: int, found, nf: int, fresh: bool) -> int:
-    """The suffix counts' tokens after the counted suffix at `ss` not yet in `found` (`fresh`:
-    `found` is empty, and a suffix's tokens are distinct), with `kind` and their share of the
-    count; returns how many `found` holds."""
-    _, _, total, head, _, pk, icnt, inext, _ = suffix
-    f_tok, f_kind, f_q, _ = found
-    inv = 1.0 / total[ss]
-    i = head[ss]
+@njit(cache=True)
+def _suffix_flags(ptab, pk, ss: int, absent: int, named: int, f_tok, f_kind, lo: int, hi: int):
+    """Candidates lo..hi-1 get their suffix flag (`stand_dyn.suffix_flags`): `named` if the
+    suffix counts at `ss` name the token, else `absent`."""
+    for i in range(lo, hi):
+        hit = named > 0 and find_pair(ptab, pk, ss, f_tok[i]) >= 0
+        f_kind[i] += named if hit else absent
+
+
+@njit(cache=True)
+def _counted(pk, icnt, inext, first: int, inv: float, kind: int, f_tok, f_kind, f_q, nf: int):
+    """The suffix counts' tokens after one counted suffix (its items from `first` on; `inv`: 1 /
+    its count) not among the `nf` candidates before them (its own are distinct), with `kind`
+    and their share of the count; returns how many candidates there are."""
+    before, i = nf, first
     while i >= 0:
-        if fresh or _found_at(f_tok, nf, pk[i, 1]) < 0:
+        if _found_at(f_tok, before, pk[i, 1]) < 0:
             f_tok[nf], f_kind[nf], f_q[nf] = pk[i, 1], kind, icnt[i] * inv
             nf += 1
         i = inext[i]
     return nf
 
 
-@njit(cache=True, inline="always")
-def _successors(model, suffix, ss: int, last: int, flags, found, nf: int) -> int:
-    """The successor table's tokens after `last` not yet in `found`; returns how many it
-    holds."""
-    succ_ids, succ_p, succ_n, _, _ = model
-    f_tok, f_kind, f_q, _ = found
-    base = _kind(SUCCESSOR, 0, 0)
+@njit(cache=True)
+def _successors(succ_ids, succ_p, succ_n, last: int, base: int, f_tok, f_kind, f_q, nf: int):
+    """The successor table's tokens after `last` not yet among the candidates; returns how
+    many candidates there are."""
     for j in range(succ_n[last]):
         p, token = succ_p[last, j], succ_ids[last, j]
         if p > 0 and _found_at(f_tok, nf, token) < 0:
-            f_tok[nf], f_kind[nf], f_q[nf] = token, base + _flag(suffix, ss, token, flags), p
+            f_tok[nf], f_kind[nf], f_q[nf] = token, base, p
             nf += 1
     return nf
 
 
-@njit(cache=True, inline="always")
-def _rank(model, found, nf: int) -> None:
-    """Rate `found`'s candidates (−α̂ = −a − b·q of the key's line) and sort them best first:
+@njit(cache=True)
+def _rank(la, lb, f_tok, f_kind, f_q, f_neg, nf: int) -> None:
+    """Rate the candidates (−α̂ = −a − b·q of the key's line) and sort them best first:
     (−α̂, token), as Python sorts the tuples."""
-    la, lb = model[3], model[4]
-    f_tok, f_kind, f_q, f_neg = found
     for i in range(nf):
         q = f_q[i]
         key = f_kind[i] * BINS + (int(q * BINS) if q < 1.0 else BINS - 1)
@@ -230,34 +204,51 @@ def _rank(model, found, nf: int) -> None:
         f_tok[j + 1], f_kind[j + 1], f_q[j + 1], f_neg[j + 1] = nt, nk, nq, nn
 
 
-@njit(cache=True, inline="always")
-def _candidates(src, tail, tlen: int, hit, found) -> int:
-    """`StandDynDrafter._ranked`: the node's candidates in `found` (tokens, kinds, q, −α̂;
-    best first; room for every one); returns how many. `src`: (store, suffix, model) arrays;
-    `hit`: the store's longest entry (slot, order; slot -1: none) and the longest counted
-    suffix (n, slot: `suffix_lookup`)."""
-    store, suffix, model = src
-    slot, _, n, ss = hit
-    flags = (1, 3 if n >= 8 else 2) if n >= MIN_SUFFIX else (0, 0)
-    nf = _stored(store, suffix, tail, tlen, hit, flags, found) if slot >= 0 else 0
+@njit(cache=True)
+def _candidates(
+    tab, keytok, ids, probs, nids, count, meta, total, head, ptab, pk, icnt, inext,
+    succ_ids, succ_p, succ_n, la, lb, tail, tlen, slot, o, n, ss, f_tok, f_kind, f_q, f_neg,
+):  # fmt: skip
+    """`StandDynDrafter._ranked`: the node's candidates in f_* (best first by −α̂, then
+    token; room for every one); returns how many. `slot`, `o`: the store's longest entry (-1:
+    none); `n`, `ss`: the longest counted suffix (`suffix_lookup`). Its arrays arrive one by
+    one (`KNOWN` in tests/unit/test_structure.py): it runs at every opened node, where
+    unpacking the groups' tuples counts a reference to each of their arrays (numba's reference
+    counts: the kernel ran 1.3-1.6x slower)."""
+    absent, named = (1, 3 if n >= 8 else 2) if n >= MIN_SUFFIX else (0, 0)
+    nf = 0
+    if slot >= 0:
+        nf = _entry(
+            ids, probs, nids, slot, _kind(STORE, o, count[slot]), f_tok, f_kind, f_q, 0, True
+        )
+        sh, sho = lookup_slot(tab, keytok, meta, tail, tlen, o - 1) if o > 1 else (-1, 0)
+        if sh >= 0:
+            at = _found_at(f_tok, nf, ids[sh, 0] if nids[sh] > 0 else -1)
+            if at >= 0:
+                f_kind[at] += AGREE
+            base = _kind(BACKOFF, sho, count[sh])
+            nf = _entry(ids, probs, nids, sh, base, f_tok, f_kind, f_q, nf, False)
+    _suffix_flags(ptab, pk, ss, absent, named, f_tok, f_kind, 0, nf)
     if n >= MIN_SUFFIX:
-        nf = _counted(suffix, ss, _kind(SUFFIX, 0, 0) + flags[1], found, nf, False)
+        kind = _kind(SUFFIX, 0, 0) + named
+        nf = _counted(pk, icnt, inext, head[ss], 1.0 / total[ss], kind, f_tok, f_kind, f_q, nf)
     if nf == 0 and tlen > 0:
-        if n:  # a short match
-            nf = _counted(suffix, ss, _kind(SUFFIX, n, 0), found, nf, True)
-        nf = _successors(model, suffix, ss, tail[tlen - 1], flags, found, nf)
-    _rank(model, found, nf)
+        if n:
+            kind = _kind(SUFFIX, n, 0)
+            nf = _counted(pk, icnt, inext, head[ss], 1.0 / total[ss], kind, f_tok, f_kind, f_q, 0)
+        lo, base = nf, _kind(SUCCESSOR, 0, 0)
+        nf = _successors(succ_ids, succ_p, succ_n, tail[tlen - 1], base, f_tok, f_kind, f_q, nf)
+        _suffix_flags(ptab, pk, ss, absent, named, f_tok, f_kind, lo, nf)
+    _rank(la, lb, f_tok, f_kind, f_q, f_neg, nf)
     return nf
 
 
-@njit(cache=True, inline="always")
-def _draws_first(store, model, slot: int, o: int, f_neg, nf: int) -> bool:
+@njit(cache=True)
+def _draws_first(probs, nids, count, la, lb, slot: int, o: int, f_neg, nf: int) -> bool:
     """Whether a node whose longest stored entry is `slot` (order `o`) draws its children:
     `StandDynDrafter.drawn_first` rates the plan's first slot (the largest stored probability,
     normalised) at least as high as the best deterministic candidate `f_neg[0]` (or there is
     none)."""
-    probs, nids, count = store[3], store[4], store[5]
-    la, lb = model[3], model[4]
     top = 0.0
     for j in range(nids[slot]):
         top = max(top, probs[slot, j])
@@ -268,12 +259,12 @@ def _draws_first(store, model, slot: int, o: int, f_neg, nf: int) -> bool:
     return nf == 0 or -la[key] - lb[key] * q <= f_neg[0]
 
 
-@njit(cache=True, inline="always")
-def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, model, found, qs) -> int:
+@njit(cache=True)
+def _drawn_plan(c_ids, c_p, nc: int, rank, base: int, la, lb, found, qs) -> int:
     """`StandDynDrafter.drawn_plan` given the draw order `rank` of the `nc` stored ids
-    (`gumbel_order`): the children in that order in `found`, slot j calibrated on the j-th
-    largest normalised probability (kind `base` + min(j, 3), sorted in `qs`); returns nc."""
-    la, lb = model[3], model[4]
+    (`gumbel_order`): the children in that order in `found` (tokens, kinds, q, −α̂), slot j
+    calibrated on the j-th largest normalised probability (kind `base` + min(j, 3), sorted in
+    `qs`); returns nc."""
     f_tok, f_kind, f_q, f_neg = found
     total = 0.0
     for i in range(nc):
@@ -305,18 +296,17 @@ def _found_arrays(size: int):
     )
 
 
-@njit(cache=True, inline="always")
-def _draw_children(src, entry, node: int, draw, found, noise, at, out):
-    """`StandDynDrafter.drawn_plan` at `node`, whose longest stored entry is `entry` (slot,
-    order): its support (the stored ids with a positive probability) in `out`, the children in
-    their Gumbel order from the row's noise (`at`: read so far, moved on) in `found`, with the
-    scratch `draw` (probabilities, keys, order, sorted probabilities); returns (how many, the
-    noise's new (pos, moved))."""
-    store, _, model = src
-    ids, probs, nids, count = store[2], store[3], store[4], store[5]
-    slot, o = entry
-    c_p, keys, by_key, sorted_q = draw
+@njit(cache=True)
+def _draw_children(src, slot: int, o: int, node: int, draw, found, noise, at, out):
+    """`StandDynDrafter.drawn_plan` at `node`, whose longest stored entry is `slot` (order
+    `o`): its support (the stored ids with a positive probability) in `out` (`DynOut`'s row
+    slices), the children in their Gumbel order from the row's noise (`at`: read so far, moved
+    on) in `found`, with the scratch `draw` (`_draw_arrays`); returns (how many, the noise's
+    new (pos, moved)). Once per drawing node."""
+    ids, probs, nids, count = src[0][2], src[0][3], src[0][4], src[0][5]
+    la, lb = src[2][3], src[2][4]
     draws, qn, qids, qp = out[4], out[7], out[8], out[9]
+    c_p, keys, by_key, sorted_q = draw
     nc = 0
     for j in range(nids[slot]):
         if probs[slot, j] > 0:
@@ -326,7 +316,7 @@ def _draw_children(src, entry, node: int, draw, found, noise, at, out):
     qn[node] = nc
     pos, moved = gumbel_order(c_p, nc, noise, at[0], at[1], keys, by_key)
     base = _kind(DRAWN, o, count[slot])
-    nf = _drawn_plan(qids[node], c_p, nc, by_key, base, model, found, sorted_q)
+    nf = _drawn_plan(qids[node], c_p, nc, by_key, base, la, lb, found, sorted_q)
     draws[node] = True
     return nf, pos, moved
 
@@ -343,116 +333,122 @@ def _grown(plan, size: int):
     )
 
 
-@njit(cache=True, inline="always")
-def _append(plan, found, used: int, nf: int) -> None:
-    """`found`'s first `nf` candidates into the plan from `used` on."""
-    plan[0][used : used + nf] = found[0][:nf]
-    plan[1][used : used + nf] = found[1][:nf]
-    plan[2][used : used + nf] = found[2][:nf]
-    plan[3][used : used + nf] = found[3][:nf]
+@njit(cache=True)
+def _support_slot(draws, sampled, slot, qn, qids, node: int, child: int, token: int) -> None:
+    """With drawn children: `child`'s place in its parent `node`'s support (a deterministic
+    child's token joins it)."""
+    sampled[child] = draws[node]
+    if draws[node]:
+        slot[child] = _found_at(qids[node], qn[node], token)
+    else:
+        k = max(qn[node], 0)
+        qids[node, k], slot[child], qn[node] = token, k, k + 1
 
 
-@njit(cache=True, inline="always")
-def _add_child(tails, tlens, plan, node: int, c: int, child: int, drawn: bool, out) -> None:
-    """Hang plan candidate `c` below `node` as node `child`: its token, kind, q, tail and,
-    with drawn children, its place in `node`'s support."""
-    parent, token, kind, q, draws, sampled, slot, qn, qids, _ = out
-    t = plan[0][c]
-    parent[child], token[child], kind[child], q[child] = node, t, plan[1][c], plan[2][c]
-    if drawn:  # the child's place in its parent's support
-        sampled[child] = draws[node]
-        if draws[node]:
-            slot[child] = _found_at(qids[node], qn[node], t)
-        else:
-            k = max(qn[node], 0)
-            qids[node, k], slot[child], qn[node] = t, k, k + 1
+@njit(cache=True)
+def _extend_tail(tails, tlens, node: int, child: int, token: int) -> None:
+    """`child`'s tail: its parent's, then its token (the last TAIL tokens)."""
     tl = tlens[node]
     if tl < TAIL:
         tails[child, :tl] = tails[node, :tl]
-        tails[child, tl] = t
+        tails[child, tl] = token
         tlens[child] = tl + 1
     else:
         tails[child, : TAIL - 1] = tails[node, 1:]
-        tails[child, TAIL - 1] = t
+        tails[child, TAIL - 1] = token
         tlens[child] = TAIL
 
 
-@njit(cache=True, inline="always")
-def _hit(src, tail, tl: int):
-    """A node's lookups: the store's longest entry (slot, order; slot -1: none) and the
-    longest counted suffix (n, slot), and how many candidates they can yield at most."""
-    store, suffix, model = src
-    tab, keytok, ids, _, _, _, meta, max_order = store
-    slot, o = lookup_slot(tab, keytok, meta, tail, tl, max_order)
-    n, ss = suffix_lookup(suffix[0], suffix[1], tail, tl)
-    room = 2 * ids.shape[1] + model[0].shape[1] + (suffix[2][ss] if ss >= 0 else 0)
-    return (slot, o, n, ss), room
+@njit(cache=True)
+def _append(p_tok, p_kind, p_q, p_neg, f_tok, f_kind, f_q, f_neg, used: int, nf: int) -> None:
+    """The `nf` candidates into the plan from `used` on."""
+    p_tok[used : used + nf] = f_tok[:nf]
+    p_kind[used : used + nf] = f_kind[:nf]
+    p_q[used : used + nf] = f_q[:nf]
+    p_neg[used : used + nf] = f_neg[:nf]
 
 
 @njit(cache=True)
-def draft_tree(src, root_tail, limit: int, cost, drawn: bool, noise, out) -> int:
-    """`StandDynDrafter.draft`: the tree in `out` (a row's `DynOut` slices; node 0 the root);
-    returns its size. `src`: (store, suffix, model) arrays; `cost`: the verify cost's sizes
-    and seconds (empty: fill the budget). With `drawn`, a node may draw its children
-    (`_draw_children`) from the row's `noise` (`stand_compiled.row_noise`, which gets how far
-    it read). Per node: its tail, the tail's length, α̂, its candidates' start in the plan (every
-    opened node's candidates, flat) and how many."""
-    xs, ys = cost
-    tails = np.full((limit + 1, TAIL), -1, np.int64)
-    tlens, alpha = np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.float64)
-    plan_at, plan_n = np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.int64)
-    plan, found, draw = _found_arrays(64 * (limit + 1)), _found_arrays(64), _draw_arrays(src)
-    rl = len(root_tail)
-    tails[0, :rl] = root_tail
-    tlens[0], alpha[0] = rl, 1.0
-    out[0][0], out[1][0], out[2][0], out[3][0] = -1, root_tail[rl - 1], -1, 0.0
-    heap = [(-1.0, 0, -1)]
-    expected, size, used, pos, moved = 1.0, 1, 0, 0, False
-    while len(heap) > 0 and size <= limit:
-        neg, node, rank = heapq.heappop(heap)
-        if rank < 0:  # open the node: rank its candidates (or draw its children)
-            hit, room = _hit(src, tails[node], tlens[node])
-            if room > found[0].shape[0]:  # distinct suffix tokens <= their total count
-                found = _found_arrays(room)
-            nf = _candidates(src, tails[node], tlens[node], hit, found)
-            if drawn and hit[0] >= 0 and _draws_first(src[0], src[2], hit[0], hit[1], found[3], nf):
-                entry = (hit[0], hit[1])
-                nf, pos, moved = _draw_children(
-                    src, entry, node, draw, found, noise, (pos, moved), out
-                )
-            if nf > 0:
-                if used + nf > plan[0].shape[0]:
-                    plan = _grown(plan, used + nf)
-                _append(plan, found, used, nf)
-                plan_at[node], plan_n[node] = used, nf
-                used += nf
-                heapq.heappush(heap, (alpha[node] * plan[3][used - nf], node, 0))
-            continue
-        if len(xs) > 0 and not _worth_growing(xs, ys, size, expected, -neg, limit + 1):
-            break
-        c = plan_at[node] + rank
-        _add_child(tails, tlens, plan, node, c, size, drawn, out)
-        alpha[size] = -neg
-        expected -= neg
-        if rank + 1 < plan_n[node]:
-            heapq.heappush(heap, (alpha[node] * plan[3][c + 1], node, rank + 1))
-        heapq.heappush(heap, (neg, size, -1))
-        size += 1
-    noise[3][0], noise[3][1] = moved, pos
-    return size
-
-
-@njit(cache=True)
-def _draw_arrays(src):
+def _draw_arrays(width: int):
     """A drawn plan's scratch, one slot per stored id: positive stored probabilities, Gumbel
     keys, draw order, probabilities largest first."""
-    width = src[0][2].shape[1]
     return (
         np.empty(width, np.float64),
         np.empty(width, np.float64),
         np.empty(width, np.int64),
         np.empty(width, np.float64),
     )
+
+
+@njit(cache=True)
+def _node_arrays(limit: int, root_tail):
+    """Per node: its tail (the root's set), the tail's length, α̂ (the root's 1), its
+    candidates' start in the plan and how many."""
+    tails = np.full((limit + 1, TAIL), -1, np.int64)
+    tlens, alpha = np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.float64)
+    tails[0, : len(root_tail)] = root_tail
+    tlens[0], alpha[0] = len(root_tail), 1.0
+    return tails, tlens, alpha, np.zeros(limit + 1, np.int64), np.zeros(limit + 1, np.int64)
+
+
+@njit(cache=True)
+def draft_tree(src, root_tail, limit: int, cost, drawn: bool, noise, out) -> int:
+    """`StandDynDrafter.draft`: the tree in `out` (a row's `DynOut` slices; node 0 the root);
+    returns its size. `src`: (store, suffix, model) arrays, unpacked once here (the per-node
+    work takes arrays); `cost`: the verify cost's sizes and seconds (empty: fill the budget).
+    With `drawn`, a node may draw its children (`_draw_children`) from the row's `noise`
+    (`stand_compiled.row_noise`, which gets how far it read). The plan holds every opened
+    node's candidates, flat."""
+    tab, keytok, ids, probs, nids, count, meta, max_order = src[0]
+    stab, skt, total, head, ptab, pk, icnt, inext, _ = src[1]
+    succ_ids, succ_p, succ_n, la, lb = src[2]
+    parent, token, kind, q, draws, sampled, slot, qn, qids, _ = out
+    tails, tlens, alpha, plan_at, plan_n = _node_arrays(limit, root_tail)
+    p_tok, p_kind, p_q, p_neg = _found_arrays(64 * (limit + 1))
+    f_tok, f_kind, f_q, f_neg = _found_arrays(64)
+    xs, ys, draw = cost[0], cost[1], _draw_arrays(ids.shape[1])
+    parent[0], token[0], kind[0], q[0] = -1, root_tail[len(root_tail) - 1], -1, 0.0
+    heap = [(-1.0, 0, -1)]
+    expected, size, used, pos, moved = 1.0, 1, 0, 0, False
+    while len(heap) > 0 and size <= limit:
+        neg, node, rank = heapq.heappop(heap)
+        if rank < 0:  # open the node: rank its candidates (or draw its children)
+            tail, tl = tails[node], tlens[node]
+            s, o = lookup_slot(tab, keytok, meta, tail, tl, max_order)
+            n, ss = suffix_lookup(stab, skt, tail, tl)
+            room = 2 * ids.shape[1] + succ_ids.shape[1] + (total[ss] if ss >= 0 else 0)
+            if room > f_tok.shape[0]:  # distinct suffix tokens <= their total count
+                f_tok, f_kind, f_q, f_neg = _found_arrays(room)
+            nf = _candidates(
+                tab, keytok, ids, probs, nids, count, meta, total, head, ptab, pk, icnt, inext,
+                succ_ids, succ_p, succ_n, la, lb, tail, tl, s, o, n, ss, f_tok, f_kind, f_q, f_neg,
+            )  # fmt: skip
+            if drawn and s >= 0 and _draws_first(probs, nids, count, la, lb, s, o, f_neg, nf):
+                found, at = (f_tok, f_kind, f_q, f_neg), (pos, moved)
+                nf, pos, moved = _draw_children(src, s, o, node, draw, found, noise, at, out)
+            if nf > 0:
+                if used + nf > p_tok.shape[0]:
+                    p_tok, p_kind, p_q, p_neg = _grown((p_tok, p_kind, p_q, p_neg), used + nf)
+                _append(p_tok, p_kind, p_q, p_neg, f_tok, f_kind, f_q, f_neg, used, nf)
+                plan_at[node], plan_n[node] = used, nf
+                used += nf
+                heapq.heappush(heap, (alpha[node] * f_neg[0], node, 0))
+            continue
+        if len(xs) > 0 and not _worth_growing(xs, ys, size, expected, -neg, limit + 1):
+            break
+        c = plan_at[node] + rank
+        t = p_tok[c]
+        parent[size], token[size], kind[size], q[size] = node, t, p_kind[c], p_q[c]
+        if drawn:
+            _support_slot(draws, sampled, slot, qn, qids, node, size, t)
+        _extend_tail(tails, tlens, node, size, t)
+        alpha[size], expected = -neg, expected - neg
+        if rank + 1 < plan_n[node]:
+            heapq.heappush(heap, (alpha[node] * p_neg[c + 1], node, rank + 1))
+        heapq.heappush(heap, (neg, size, -1))
+        size += 1
+    noise[3][0], noise[3][1] = moved, pos
+    return size
 
 
 class RowInputs(NamedTuple):
