@@ -15,6 +15,7 @@ evicted slots are reused.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -79,14 +80,92 @@ def _ranked_into(ids, probs, s: int, cand_ids, cand_p, m: int, topk: int) -> int
     return n
 
 
+class StoreArrays(NamedTuple):
+    """What a merge writes of an index (`StoreIndex`'s arrays over `slots` slots), in kernel
+    order: `tab` the n-gram table (`store.hashtable`: slot ids); `ids` `[slots, topk]` int64
+    and `probs` `[slots, topk]` float64 each entry's top k, `nids` `[slots]` how many are real;
+    `count` `[slots]` the rows merged into it; `keytok` `[slots, 9]` its key (order, tokens, -1
+    padded; order 0: a free slot); `prev` / `nxt` `[slots]` the LRU list's links (`nxt` also
+    chains the free slots); `meta` the counters (`HEAD` .. `DELETED`, then hits by order)."""
+
+    tab: np.ndarray
+    ids: np.ndarray
+    probs: np.ndarray
+    nids: np.ndarray
+    count: np.ndarray
+    keytok: np.ndarray
+    prev: np.ndarray
+    nxt: np.ndarray
+    meta: np.ndarray
+
+
+class MergedRows(NamedTuple):
+    """Rows to merge (`StoreIndex.add_arrays`), in kernel order: `ctx` `[R, max_order]` int64
+    each row's context right-aligned, -1 padded; `clen` `[R]` its whole length; `ids` `[R, W]`
+    int64 and `probs` `[R, W]` float64 its distribution, of which `n` `[R]` are real."""
+
+    ctx: np.ndarray
+    clen: np.ndarray
+    ids: np.ndarray
+    probs: np.ndarray
+    n: np.ndarray
+
+
 @njit(cache=True)
-def add_rows(
-    tab, ids, probs, nids, count, keytok, prev, nxt, meta,
-    ctx, clen, row_ids, row_p, row_n, max_order: int, max_entries: int,
-):  # fmt: skip
-    """`InMemoryNgramStore.add` (merge="stand") over arrays: every order of every row, then
-    the least recently updated entries past `max_entries` go. The caller made room for
-    `rows × max_order` new slots."""
+def _new_slot(nxt, meta) -> int:
+    """A slot for a new entry: the last freed one, else the next fresh one."""
+    if meta[FREE] >= 0:
+        s = meta[FREE]
+        meta[FREE] = nxt[s]
+    else:
+        s = meta[FRESH]
+        meta[FRESH] += 1
+    return s
+
+
+@njit(cache=True)
+def _union(row_ids, row_p, r: int, k_new: int, k: int, m: int, cand_ids, cand_p) -> int:
+    """Row `r`'s first `k_new` (id, p) added to the `m` candidates at weight 1 / (k + 1), over
+    the union of ids (STAND's running mean after `k` rows); returns how many candidates."""
+    for j in range(k_new):
+        tok, p = row_ids[r, j], row_p[r, j]
+        at = -1
+        for i in range(m):
+            if cand_ids[i] == tok:
+                at = i
+                break
+        if at < 0:
+            cand_ids[m], cand_p[m] = tok, 0.0 + p / (k + 1)
+            m += 1
+        else:
+            cand_p[at] = cand_p[at] + p / (k + 1)
+    return m
+
+
+@njit(cache=True)
+def _evict(tab, keytok, prev, nxt, meta, max_entries: int) -> None:
+    """The least recently updated entries past `max_entries` go; their slots are freed."""
+    while meta[ENTRIES] > max_entries:
+        s = meta[HEAD]
+        _unlink(prev, nxt, meta, s)
+        delete_ngram(tab, keytok, s)
+        keytok[s, 0] = 0  # a free slot
+        meta[DELETED] += 1
+        nxt[s] = meta[FREE]
+        meta[FREE] = s
+        meta[ENTRIES] -= 1
+        meta[EVICTIONS] += 1
+
+
+@njit(cache=True)
+def add_rows(store, rows, max_order: int, max_entries: int):
+    """`InMemoryNgramStore.add` (merge="stand") over arrays (`store`: `StoreArrays`, `rows`:
+    `MergedRows`, as plain tuples): every order of every row, then the least recently updated
+    entries past `max_entries` go. The caller made room for `rows × max_order` new slots.
+    Unpacked once here: its helpers take arrays (a tuple unpacked per key counts a reference
+    to each of its arrays, which made merges 1.4-2.4x slower)."""
+    tab, ids, probs, nids, count, keytok, prev, nxt, meta = store
+    ctx, clen, row_ids, row_p, row_n = rows
     topk = ids.shape[1]
     width = ctx.shape[1]
     cand_ids = np.empty(topk + row_ids.shape[1], np.int64)
@@ -100,12 +179,7 @@ def add_rows(
                 for j in range(k_new):
                     cand_ids[m], cand_p[m] = row_ids[r, j], row_p[r, j]
                     m += 1
-                if meta[FREE] >= 0:
-                    s = meta[FREE]
-                    meta[FREE] = nxt[s]
-                else:
-                    s = meta[FRESH]
-                    meta[FRESH] += 1
+                s = _new_slot(nxt, meta)
                 insert_ngram(tab, keytok, ctx[r], width, n, s)
                 nids[s] = _ranked_into(ids, probs, s, cand_ids, cand_p, m, topk)
                 count[s] = 1
@@ -116,33 +190,29 @@ def add_rows(
             m = nids[s]
             for j in range(m):  # the old mean, weighted k / (k + 1)
                 cand_ids[j], cand_p[j] = ids[s, j], probs[s, j] * k / (k + 1)
-            for j in range(k_new):  # the new row, weighted 1 / (k + 1), over the union of ids
-                tok, p = row_ids[r, j], row_p[r, j]
-                at = -1
-                for i in range(m):
-                    if cand_ids[i] == tok:
-                        at = i
-                        break
-                if at < 0:
-                    cand_ids[m], cand_p[m] = tok, 0.0 + p / (k + 1)
-                    m += 1
-                else:
-                    cand_p[at] = cand_p[at] + p / (k + 1)
+            m = _union(row_ids, row_p, r, k_new, k, m, cand_ids, cand_p)  # the new row
             nids[s] = _ranked_into(ids, probs, s, cand_ids, cand_p, m, topk)
             count[s] = k + 1
             if meta[TAIL] != s:
                 _unlink(prev, nxt, meta, s)
                 _append(prev, nxt, meta, s)
-    while meta[ENTRIES] > max_entries:
-        s = meta[HEAD]
-        _unlink(prev, nxt, meta, s)
-        delete_ngram(tab, keytok, s)
-        keytok[s, 0] = 0  # a free slot
-        meta[DELETED] += 1
-        nxt[s] = meta[FREE]
-        meta[FREE] = s
-        meta[ENTRIES] -= 1
-        meta[EVICTIONS] += 1
+    _evict(tab, keytok, prev, nxt, meta, max_entries)
+
+
+@njit(cache=True)
+def _load_one(store, ctx, row_ids, row_p, k: int) -> None:
+    """One stored entry (key `ctx`, its top k and count `k`) into the next fresh slot
+    (`StoreArrays`, a plain tuple), at the LRU list's tail."""
+    tab, ids, probs, nids, count, keytok, prev, nxt, meta = store
+    s = meta[FRESH]
+    meta[FRESH] += 1
+    insert_ngram(tab, keytok, ctx, len(ctx), len(ctx), s)
+    m = min(len(row_ids), ids.shape[1])
+    for j in range(m):
+        ids[s, j], probs[s, j] = row_ids[j], row_p[j]
+    nids[s], count[s] = m, k
+    meta[ENTRIES] += 1
+    _append(prev, nxt, meta, s)
 
 
 class StoreIndex:
@@ -181,6 +251,14 @@ class StoreIndex:
         """What a kernel reads: (tab, keytok, ids, probs, nids, count, meta)."""
         return self.tab, self.keytok, self.ids, self.probs, self.nids, self.count, self.meta
 
+    def _written(self) -> tuple:
+        """The index's arrays as it is now, as the plain tuple a kernel takes, in `StoreArrays`'
+        order (built as a tuple: a `StoreArrays` converted costs 0.3 us more a call)."""
+        return (
+            self.tab, self.ids, self.probs, self.nids, self.count, self.keytok,
+            self.prev, self.nxt, self.meta,
+        )  # fmt: skip
+
     def _room(self, new: int) -> None:
         """Slots and table room for `new` more keys."""
         need = int(self.meta[FRESH]) + new
@@ -213,11 +291,8 @@ class StoreIndex:
     def add_arrays(self, ctx, clen, row_ids, row_p, row_n) -> None:
         """`add` of rows already as arrays: contexts right-aligned in `[R, max_order]`."""
         self._room(len(ctx) * self.max_order)
-        add_rows(
-            self.tab, self.ids, self.probs, self.nids, self.count, self.keytok,
-            self.prev, self.nxt, self.meta, ctx, clen, row_ids, row_p, row_n,
-            self.max_order, self.max_entries,
-        )  # fmt: skip
+        rows = (ctx, clen, row_ids, row_p, row_n)  # `MergedRows`' order
+        add_rows(self._written(), rows, self.max_order, self.max_entries)
 
     def load(self, entries: Iterable[tuple[tuple[int, ...], NgramEntry]]) -> None:
         """Take a store's entries, least recently updated first, as they are."""
@@ -226,11 +301,7 @@ class StoreIndex:
             ids = np.array(entry.ids, np.int64)[None]
             probs = np.array(entry.probs, np.float64)[None]
             self._room(1)
-            _load_one(
-                self.tab, self.ids, self.probs, self.nids, self.count, self.keytok,
-                self.prev, self.nxt, self.meta, ctx[0], ids[0], probs[0],
-                entry.count,
-            )  # fmt: skip
+            _load_one(self._written(), ctx[0], ids[0], probs[0], entry.count)
 
     def lookup(self, context: Sequence[int]) -> NgramEntry | None:
         """What a kernel's lookup finds, as the dict store returns it (tests, reports)."""
@@ -270,18 +341,3 @@ class StoreIndex:
             out.append((tuple(self.keytok[s, 1 : 1 + n].tolist()), entry))
             s = int(self.nxt[s])
         return out
-
-
-@njit(cache=True)
-def _load_one(
-    tab, ids, probs, nids, count, keytok, prev, nxt, meta, ctx, row_ids, row_p, k
-):  # fmt: skip
-    s = meta[FRESH]
-    meta[FRESH] += 1
-    insert_ngram(tab, keytok, ctx, len(ctx), len(ctx), s)
-    m = min(len(row_ids), ids.shape[1])
-    for j in range(m):
-        ids[s, j], probs[s, j] = row_ids[j], row_p[j]
-    nids[s], count[s] = m, k
-    meta[ENTRIES] += 1
-    _append(prev, nxt, meta, s)

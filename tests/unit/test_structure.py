@@ -23,9 +23,6 @@ MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 600
 MAX_KERNEL_PARAMETERS = 10
 KNOWN = {
-    "store.index": [
-        "add_rows: 63 lines", "kernel add_rows: 16 parameters", "kernel _load_one: 13 parameters",
-    ],
     "tts_service.engine.walk_compiled": [
         "walk_rows: 93 lines", "kernel walk_rows: 11 parameters",
         "kernel gather_rows: 14 parameters",

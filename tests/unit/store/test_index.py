@@ -18,6 +18,7 @@ from store.hashtable import (
     new_table,
     room,
 )
+from store.index import StoreArrays, StoreIndex
 from store.memory import InMemoryNgramStore
 
 
@@ -66,6 +67,15 @@ def test_lookups_before_and_after_the_index_are_counted_in_the_stores_stats():
         plain.lookup(ctx)
         index.lookup(ctx)  # a kernel's lookup
     assert indexed.stats() == plain.stats()
+
+
+def test_the_merge_kernels_tuple_is_laid_out_as_store_arrays():
+    """`add_rows` and `_load_one` unpack the index's arrays in `StoreArrays`' order."""
+    index = StoreIndex(max_order=4, topk=3, max_entries=10)
+    index.add([NgramRow((1, 2), (5,), (1.0,))])
+    written = index._written()
+    assert len(written) == len(StoreArrays._fields)
+    assert all(a is getattr(index, f) for a, f in zip(written, StoreArrays._fields, strict=True))
 
 
 def test_a_summing_store_keeps_no_index():
