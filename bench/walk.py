@@ -1,14 +1,12 @@
-"""Rule (c)'s host walk, compiled against in arrays, on the layouts and copies of real steps.
+"""Rule (c)'s host walk, compiled, on the layouts and copies of real steps.
 
     python -m bench.walk [--rows 16 64] [--steps 30] [--json PATH]
 
 Runs `bench.host`'s `stand` cells (sampled trees at 8 nodes, the acceptance captured) and keeps
 every step's walked layout and copy (`treebatch.walk_sparse_all`'s inputs); then times the
-compiled walk (`engine.walk_compiled`) and the array version (`treebatch.walk_sparse_arrays`)
-on them, alternately, and counts the steps whose walks differ (the compiled walk is the
-reference's arithmetic exactly; the array version sums in numpy's order, equal but for a
-rounding at a boundary). Writes one record per row count: {rows, walked, steps, arrays_ms,
-compiled_ms, differ} (times: medians over the steps and 5 rounds).
+compiled walk (`treebatch.walk_sparse_all`, `engine.walk_compiled`) on them. Writes one record
+per row count: {rows, walked, steps, compiled_ms} (the time: a median over the steps and 5
+rounds).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 
 from bench import host
 from tts_service.engine import acceptance, collector
-from tts_service.engine.treebatch import SparseLayout, walk_sparse_all, walk_sparse_arrays
+from tts_service.engine.treebatch import SparseLayout, walk_sparse_all
 
 ROUNDS = 5
 
@@ -48,26 +46,19 @@ def captured(rows: int, steps: int) -> list[tuple[SparseLayout, np.ndarray]]:
 
 
 def measure(rows: int, steps: int) -> dict:
-    """One row count's record: both walks timed on a `stand` cell's steps, alternately."""
+    """One row count's record: the compiled walk timed on a `stand` cell's steps."""
     seen = captured(rows, steps)
-    arrays, compiled, differ = [], [], 0
+    compiled = []
     for _ in range(ROUNDS):
         for layout, data in seen:
             t0 = time.perf_counter()
-            a = walk_sparse_arrays(layout, data)
-            t1 = time.perf_counter()
-            c = walk_sparse_all(layout, data)
-            t2 = time.perf_counter()
-            differ += a != c
-            arrays.append(t1 - t0)
-            compiled.append(t2 - t1)
+            walk_sparse_all(layout, data)
+            compiled.append(time.perf_counter() - t0)
     return {
         "rows": rows,
         "walked": round(statistics.mean(len(layout.trees) for layout, _ in seen), 1),
         "steps": len(seen),
-        "arrays_ms": round(statistics.median(arrays) * 1e3, 3),
         "compiled_ms": round(statistics.median(compiled) * 1e3, 3),
-        "differ": differ // ROUNDS,
     }
 
 
@@ -86,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         rec = measure(rows, args.steps)
         records.append(rec)
         print(
-            f"rows {rows:3d} ({rec['walked']} walked, {rec['steps']} steps): arrays "
-            f"{rec['arrays_ms']:.3f} ms, compiled {rec['compiled_ms']:.3f} ms, "
-            f"{rec['differ']} differ",
+            f"rows {rows:3d} ({rec['walked']} walked, {rec['steps']} steps): compiled "
+            f"{rec['compiled_ms']:.3f} ms",
             flush=True,
         )
         if args.json:  # as it goes

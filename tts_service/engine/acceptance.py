@@ -4,11 +4,11 @@ one copy back to the host.
 Rules (a) and (b) run for all rows at once on the device (`engine.treebatch`). Rows whose trees
 have sampled children (rule (c), recursive rejection) also need p on each node's support and a
 draw from p outside it: on a GPU they are gathered on the device beside the rest
-(`treebatch.gather_sparse`) and the host walks them (every row at once past `WALK_ALL_FROM`
-rows), on a CPU each walk computes the nodes it reaches from the dense p (a copy is free
-there). Where the step's acceptance is captured (`graphs.GraphedAcceptance`, chosen once when
-the decoder is built), a batch of one set of sampling parameters replays the bucket's capture;
-any other batch runs it eagerly.
+(`treebatch.gather_sparse`) and the host walks them, every row in one compiled call
+(`treebatch.walk_sparse_all`); on a CPU each walk computes the nodes it reaches from the dense p
+(a copy is free there). Where the step's acceptance is captured (`graphs.GraphedAcceptance`,
+chosen once when the decoder is built), a batch of one set of sampling parameters replays the
+bucket's capture; any other batch runs it eagerly.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from tts_service.engine.seam import NodeTopK
 from tts_service.engine.streams import node_uniforms
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.treebatch import (
-    WALK_ALL_FROM,
-    GatheredNodes,
     SparseLayout,
     gather_sparse,
     outside_support,
@@ -211,19 +209,15 @@ class StepAcceptance:
         copy: StepCopy,
     ) -> dict[int, Acceptance]:
         """Rule (c)'s acceptance of each walked row: every row at once from the gathered
-        supports (many rows), each row from them (a few), or from the dense p (a CPU)."""
-        if layout is not None and len(walk) >= WALK_ALL_FROM:
+        supports (`walk_sparse_all`), or each row from the dense p (a CPU)."""
+        if layout is not None:
             return dict(zip(walk, walk_sparse_all(layout, copy.sparse), strict=True))
         walked = {}
-        for i, b in enumerate(walk):
-            if layout is not None:
-                nodes = GatheredNodes(layout, copy.sparse, i)
-                walked[b] = walk_sparse(trees[b], nodes, nodes.u, nodes.w)
-            else:
-                assert copy.uvw is not None and copy.probs is not None
-                u, v, w = (x[b].tolist() for x in copy.uvw)
-                supports = [node_support(trees[b], j) for j in range(trees[b].size)]
-                walked[b] = walk_sparse(trees[b], DenseNodes(copy.probs[b], supports, v), u, w)
+        for b in walk:
+            assert copy.uvw is not None and copy.probs is not None
+            u, v, w = (x[b].tolist() for x in copy.uvw)
+            supports = [node_support(trees[b], j) for j in range(trees[b].size)]
+            walked[b] = walk_sparse(trees[b], DenseNodes(copy.probs[b], supports, v), u, w)
         return walked
 
     def _replayed(

@@ -27,9 +27,9 @@ every row.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.tree import DraftTree, DrawnBatch
 from tts_service.engine.treepack import TreeBatch
-from tts_service.engine.verify import Acceptance, SparseNode
+from tts_service.engine.verify import Acceptance
 
 _TINY = 1e-300
 
@@ -206,40 +206,49 @@ def step_verdict(
     return verdict(tb, logits, store_probs(logits, cfg), k, uv)
 
 
-WALK_COMPILED = importlib.util.find_spec("numba") is not None
-"""`walk_sparse_all` runs compiled (`engine.walk_compiled`); else in array operations."""
-
-WALK_ALL_FROM = 1 if WALK_COMPILED else 8
-"""Rows of rule (c) from which `walk_sparse_all` beats walking them one by one
-(`GatheredNodes`: the nodes each walk reaches only). `bench.host`, stand at 8 nodes: compiled
-(0.03 ms at 4 walked rows, `bench.walk`), the same verify time at 1 row and less at 4; in array
-operations (a fixed ~0.25–0.5 ms a step) slower at 1 and 4 rows, faster at 16 and 64."""
+# The array groups the compiled walk and layout take (`engine.walk_compiled`). A kernel called
+# from Python takes each as a plain tuple in its `NamedTuple`'s field order, built as a tuple:
+# numba types a named tuple field by field, and converting one costs ~0.3 us a call.
 
 
-class GatheredNodes:
-    """Row `b`'s `verify.SparseNode`s read from `gather_sparse`'s copy when a walk
-    reaches them (`verify.walk_sparse`), and its uniforms (u, w)."""
-
-    def __init__(self, layout: SparseLayout, data: np.ndarray, b: int) -> None:
-        self.layout, self.rows, self.b = layout, data[b], b
-        k = data.shape[-1] - 4
-        self.k = k
-        self.u, self.w = self.rows[:, k + 2].tolist(), self.rows[:, k + 3].tolist()
-
-    def __getitem__(self, node: int) -> SparseNode:
-        support, row, k = self.layout.support(self.b, node), self.rows[node], self.k
-        return SparseNode(support, row[: len(support)].tolist(), float(row[k]), int(row[k + 1]))
-
-
-@dataclass(frozen=True)
-class _Children:
-    """The children of M nodes by rank `[M, J]` (node index in its tree, -1 past the last;
-    slot in the parent's support; drawn or not) and each node's q on its support `[M, K]`."""
+class Children(NamedTuple):
+    """The children of M nodes by rank (`SparseLayout.kids`; `walk_compiled.walk_rows` takes it
+    as a plain tuple, in this order): `node` `[M, J]` int64 each child's node index in its tree
+    (-1 past the last), `slot` `[M, J]` int64 its token's slot in the parent's support, `drawn`
+    `[M, J]` bool whether it was drawn (rule (c)) or is deterministic (rule (b)), and `q`
+    `[M, K]` float64 each node's q on its support (0 outside q)."""
 
     node: np.ndarray
     slot: np.ndarray
     drawn: np.ndarray
     q: np.ndarray
+
+
+class WalkOut(NamedTuple):
+    """What `walk_compiled.walk_rows` writes for W walked rows (a plain tuple, in this order):
+    `path` `[W, N]` int64 each row's accepted nodes, of which `plen` `[W]` int64 are real, and
+    `bonus` `[W]` int64 the token drawn where its walk stopped."""
+
+    path: np.ndarray
+    plen: np.ndarray
+    bonus: np.ndarray
+
+
+class TreeRows(NamedTuple):
+    """W trees as a compiled drafter's arrays hold them (`tree.DrawnBatch`'s, or gathered for
+    `walk_compiled.layout_rows`; `walk_compiled.gather_rows` takes two as plain tuples, in this
+    order): `parent` `[W, N]` int64 each node's parent (-1: the root, or past the tree),
+    `slot` `[W, N]` int64 its place in its parent's support, `drawn` `[W, N]` bool whether it
+    was drawn (`[W, 0]`: every child was), `q_len` `[W, N]` int64 its support's length (-1:
+    none), `q_ids` `[W, N, K]` int64 the support's ids (then zeros) and `q_probs` `[W, N, K]`
+    float64 its q there (zeros: deterministic children)."""
+
+    parent: np.ndarray
+    slot: np.ndarray
+    drawn: np.ndarray
+    q_len: np.ndarray
+    q_ids: np.ndarray
+    q_probs: np.ndarray
 
 
 _EVERY_CHILD_DRAWN = np.zeros((0, 0), np.bool_)  # a `DrawnBatch` without `sampled`, to numba
@@ -250,14 +259,14 @@ class SparseLayout:
     """What rule (c) needs of the walked rows' trees, laid out in one pass per step: every
     node's support (`verify.node_support`: its q's ids, then its children's other tokens) as ids
     `[W, N, K]` (pads repeat its last id; an empty support reads id 0), its length, and for
-    the M nodes with children, their children rank by rank (`_Children`)."""
+    the M nodes with children, their children rank by rank (`Children`)."""
 
     trees: Sequence[DraftTree]
     n: int
     ids: np.ndarray  # [W, N, K] int64
     lens: np.ndarray  # [W * N] int64
     parents: np.ndarray  # [M]: b * N + node of each node with children
-    kids: _Children
+    kids: Children
 
     @staticmethod
     def of(trees: Sequence[DraftTree], n: int, bucket: bool = False) -> SparseLayout:
@@ -310,7 +319,7 @@ class SparseLayout:
             out[kid_at] = vals
             return out.reshape(len(parents), ranks)
 
-        kids = _Children(
+        kids = Children(
             grid(kid_node, np.int64, -1), grid(kid_slot, np.int64), grid(kid_drawn, bool), q
         )
         return SparseLayout(
@@ -334,27 +343,24 @@ class SparseLayout:
             found[1].append(b)
             found[2].append(a.row)
         width = max(batch.q_ids.shape[2] for batch, _, _ in batches.values())
-        parent = np.full((w, n), -1, np.int64)
-        slot = np.zeros((w, n), np.int64)
-        q_len = np.full((w, n), -1, np.int64)
-        q_ids = np.zeros((w, n, width), np.int64)  # a node without q: zeros (its ids read 0)
-        q_probs = np.zeros((w, n, width))
-        drawn = np.ones((w, n), bool)
-        # a compiled drafter's trees: numba is there
+        into = (  # `TreeRows`, as a plain tuple
+            np.full((w, n), -1, np.int64),  # parent
+            np.zeros((w, n), np.int64),  # slot
+            np.ones((w, n), bool),  # drawn
+            np.full((w, n), -1, np.int64),  # q_len
+            np.zeros((w, n, width), np.int64),  # q_ids: a node without q reads 0
+            np.zeros((w, n, width)),  # q_probs
+        )
+        # numba loads with the first step that needs it, not with the engine
         from tts_service.engine.walk_compiled import gather_rows, layout_rows
 
         for batch, at, rows in batches.values():
             sampled = batch.sampled if batch.sampled is not None else _EVERY_CHILD_DRAWN
-            gather_rows(
-                batch.parents, batch.slot, sampled, batch.q_len, batch.q_ids, batch.q_probs,
-                np.array(rows, np.int64), np.array(at, np.int64),
-                parent, slot, drawn, q_len, q_ids, q_probs,
-            )  # fmt: skip
-        ids, lens, parents, kid_node, kid_slot, kid_drawn, q = layout_rows(
-            parent, slot, drawn, q_len, q_ids, q_probs, bucket
-        )
+            drawn = (batch.parents, batch.slot, sampled, batch.q_len, batch.q_ids, batch.q_probs)
+            gather_rows(drawn, np.array(rows, np.int64), np.array(at, np.int64), into)
+        ids, lens, parents, kid_node, kid_slot, kid_drawn, q = layout_rows(*into, bucket)
         return SparseLayout(
-            trees, n, ids, lens, parents, _Children(kid_node, kid_slot, kid_drawn, q)
+            trees, n, ids, lens, parents, Children(kid_node, kid_slot, kid_drawn, q)
         )
 
     def supports(self, walked: Sequence[int], rows: int) -> np.ndarray:
@@ -457,13 +463,9 @@ def walk_sparse_all(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
     the host half of rule (c) on a GPU, from the step's one copy. `data` `[W, N, K + 4]` (on
     the host) holds per node p on its support (`layout.ids`), p's mass outside it, a token
     drawn from p outside it, and the node's uniforms u (accepting it as a child) and w (its
-    bonus), as `gather_sparse` gathers them.
-
-    Compiled (`engine.walk_compiled`, the reference's arithmetic in one call for every row)
-    where numba is importable; else in array operations (`walk_sparse_arrays`)."""
-    if not WALK_COMPILED:
-        return walk_sparse_arrays(layout, data)
-    from tts_service.engine.walk_compiled import walk_rows
+    bonus), as `gather_sparse` gathers them. Compiled (`engine.walk_compiled`): the reference's
+    arithmetic in one call for every row."""
+    from tts_service.engine.walk_compiled import walk_rows  # numba: with the first walk
 
     rows, n, _ = data.shape
     kids, m = layout.kids, len(layout.parents)
@@ -474,99 +476,13 @@ def walk_sparse_all(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
     c = np.ascontiguousarray  # the layouts the kernel was compiled for (`walk_compiled.warm`)
     walk_rows(
         c(data, np.float64), c(layout.lens, np.int64), c(layout.ids, np.int64), m_of,
-        c(kids.node, np.int64), c(kids.slot, np.int64), c(kids.drawn, np.bool_),
-        c(kids.q, np.float64), path, plen, bonus,
+        (c(kids.node, np.int64), c(kids.slot, np.int64), c(kids.drawn, np.bool_),
+         c(kids.q, np.float64)),  # `Children`, as a plain tuple
+        (path, plen, bonus),  # `WalkOut`, as a plain tuple
     )  # fmt: skip
-    out = []
+    result = []
     steps_of, bonuses = plen.tolist(), bonus.tolist()
     for b, (tree, steps, x) in enumerate(zip(layout.trees, steps_of, bonuses, strict=True)):
         nodes = tuple(path[b, :steps].tolist())
-        out.append(Acceptance(nodes, tuple(tree.tokens[v] for v in nodes), x))
-    return out
-
-
-def walk_sparse_arrays(layout: SparseLayout, data: np.ndarray) -> list[Acceptance]:
-    """`walk_sparse_all` without numba, in a fixed number of array operations per sibling
-    rank whatever the row count (numpy: on arrays this small an operation costs a microsecond,
-    a torch op several). A node's residual after each of its children is rejected is known
-    before the walk (the children are tried in order, each rejection's residual a function of
-    the last), so every node with children steps through them at once, rank by rank; a row's
-    walk then follows the first child each node accepts and reads the bonus of the node it
-    stops at."""
-    rows, n, width = data.shape
-    k = width - 4
-    flat = data.reshape(rows * n, width)
-    values = np.where(np.arange(k) < layout.lens[:, None], flat[:, :k], 0.0)  # pads: nothing
-    mass, scale = flat[:, k], np.ones(rows * n)  # the outside's share of a residual: scale·mass
-    pick = np.full(rows * n, -1)  # the child each node accepts (its rank)
-    at = layout.parents
-    if len(at):
-        accept, values[at], scale[at] = _step_children(values[at], scale[at], mass[at], layout.kids)
-        kid_u = np.ones(accept.shape)  # a pad rank is never accepted
-        real = layout.kids.node >= 0
-        kid_u[real] = flat[((at // n)[:, None] * n + layout.kids.node)[real], k + 2]
-        passed = kid_u < accept
-        pick[at] = np.where(passed.any(-1), passed.argmax(-1), -1)
-    slot = bonus_slot(values, scale * mass, flat[:, k + 3]).tolist()
-    outside, pick = flat[:, k + 1].astype(np.int64).tolist(), pick.tolist()
-    ids = layout.ids.reshape(rows * n, -1)
-    out = []
-    for b, tree in enumerate(layout.trees):
-        node, path = 0, []
-        while pick[b * n + node] >= 0:
-            node = tree.children[node][pick[b * n + node]]
-            path.append(node)
-        s = slot[b * n + node]
-        bonus = int(ids[b * n + node, s]) if s >= 0 else outside[b * n + node]
-        out.append(Acceptance(tuple(path), tuple(tree.tokens[v] for v in path), bonus))
-    return out
-
-
-def _step_children(
-    values: np.ndarray, scale: np.ndarray, mass: np.ndarray, kids: _Children
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each node's children tried in order from its residual (`values` on the support `[M, K]`,
-    the outside at `scale` × `mass`): each child's acceptance probability once its earlier
-    siblings were rejected `[M, J]`, by its own rule (`verify._child_step`), and the residual
-    after all of them."""
-    m, k = values.shape
-    rows = np.arange(m)
-    tried = np.zeros((m, k), dtype=bool)
-    accept = np.zeros(kids.slot.shape)
-    for j in range(kids.slot.shape[1]):
-        on, x = kids.node[:, j] >= 0, kids.slot[:, j]
-        total = values.sum(-1) + scale * mass
-        norm = np.where(on & (total > _TINY), total, 1.0)
-        values, scale = values / norm[:, None], scale / norm
-        vx = values[rows, x]
-        qi = np.where(tried, 0.0, kids.q)
-        qs = qi.sum(-1)
-        qi = qi / np.where(qs > 0, qs, 1.0)[:, None]
-        qx = qi[rows, x]
-        rrs = np.where(qx > 0, np.minimum(vx / np.where(qx > 0, qx, 1.0), 1.0), 0.0)
-        rest = np.maximum(values - qi, 0.0)
-        same = rest.sum(-1) + scale * mass <= _TINY  # r == q_i: every draft is accepted
-        rrs = np.where(same, 1.0, rrs)
-        rest = np.where(same[:, None], values, rest)
-        matched = values.copy()
-        matched[rows, x] = 0.0
-        drawn = kids.drawn[:, j]
-        accept[:, j] = np.where(on, np.where(drawn, rrs, vx), 0.0)
-        rest = np.where(drawn[:, None], rest, matched)
-        values = np.where(on[:, None], rest, values)
-        tried[rows[on], x[on]] = True
-    return accept, values, scale
-
-
-def bonus_slot(values: np.ndarray, outside_mass: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """`verify._draw` for many nodes at once: the support slot `[M]` of the token drawn at the
-    uniform `w` from a residual with `values` `[M, K]` on the support and `outside_mass` spread
-    as p outside it: the first slot whose cumulative mass exceeds w × the total; -1: the
-    outside's token."""
-    total = values.sum(-1) + outside_mass
-    positive = values > 0
-    hit = positive & ((w * total)[:, None] < np.cumsum(values, -1))
-    slots = np.arange(values.shape[-1])
-    last = np.where(positive, slots, -1).max(-1, initial=-1)  # rounding past the support
-    spill = np.where((outside_mass > 0) | (last < 0), -1, last)
-    return np.where(hit.any(-1), hit.argmax(-1), spill)
+        result.append(Acceptance(nodes, tuple(tree.tokens[v] for v in nodes), x))
+    return result

@@ -373,7 +373,7 @@ def _draw(r: dict[int, float], outside_mass: float, w: float, outside: int) -> i
         if v > 0:
             last = token
             cum += v
-            if x < cum:  # cumulative, as `treebatch.bonus_slot` compares
+            if x < cum:  # cumulative, as `walk_compiled._bonus_slot` compares
                 return token
     if outside_mass > 0 or last is None:
         return outside

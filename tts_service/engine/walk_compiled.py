@@ -6,9 +6,14 @@ The walk is the reference's, operation for operation: each node's residual norma
 sum taken in support order, a drawn child's proposal q renormalised without its rejected
 siblings, a matched child zeroed, the bonus drawn by inverting the residual's CDF over the
 support and then the outside. Float64 throughout and sums in the reference's order, so every
-acceptance and bonus is the reference walk's exactly. A step's walk costs microseconds per row
-where the array version (`treebatch`'s fallback without numba) costs 0.25–0.94 ms at 4–48
-walked rows (`bench.walk`).
+acceptance and bonus is the reference walk's exactly. A step's walk costs a few microseconds
+a walked row (`bench.walk`).
+
+The kernels take their arrays grouped in plain tuples laid out as `treebatch`'s `NamedTuple`s
+(`Children`, `WalkOut`, `TreeRows`): numba types a plain tuple about as fast as separate
+arguments. `walk_rows` unpacks them once; its helpers take arrays, not the tuples, and are few
+(a drawn child, the bonus): a call counts a reference to each array it passes, which a helper
+per sibling (the normalisation) or unpacking a tuple per node made 30-50% of the kernel's time.
 """
 
 from __future__ import annotations
@@ -20,14 +25,64 @@ _TINY = 1e-300  # verify._TINY
 
 
 @njit(cache=True)
-def walk_rows(data, lens, ids, m_of, kid_node, kid_slot, kid_drawn, kid_q, path, plen, bonus):
+def _drawn_child(values, rest, tried, kid_q, m: int, size: int, x: int, outside: float, u: float):
+    """Rule (c) for a drawn child at slot `x` (`verify.sparse_rrs_step`): its parent's q
+    (`kid_q[m]`, on the support) without the rejected siblings (`tried`, `verify._without`)
+    against the residual `values` (the outside's mass `outside`), accepted at the uniform `u`
+    (returns True); rejected, `values` become the residual less q (unless it was q: every draft
+    accepted)."""
+    qt = 0.0
+    for s in range(size):
+        if not tried[s]:
+            qt += kid_q[m, s]
+    qx = kid_q[m, x] / qt if qt > 0 and not tried[x] else 0.0
+    accept = min(1.0, values[x] / qx) if qx > 0 else 0.0
+    left = 0.0
+    for s in range(size):
+        qs = kid_q[m, s] / qt if qt > 0 and not tried[s] else 0.0
+        rest[s] = max(0.0, values[s] - qs)
+        left += rest[s]
+    same = left + outside <= _TINY  # r == q_i: every draft accepted
+    if same:
+        accept = 1.0
+    if u < accept:
+        return True
+    if not same:
+        for s in range(size):
+            values[s] = rest[s]
+    return False
+
+
+@njit(cache=True)
+def _bonus_slot(values, size: int, outside: float, w: float) -> int:
+    """The bonus (`verify._draw`): the support slot where the residual's CDF (`values[:size]`,
+    then the `outside` mass) passes `w` × its total; -1: the outside's token."""
+    total = 0.0
+    for s in range(size):
+        total += values[s]
+    total += outside
+    target, cum, last = w * total, 0.0, -1
+    for s in range(size):
+        if values[s] > 0:
+            last = s
+            cum += values[s]
+            if target < cum:
+                return s
+    if outside > 0 or last < 0:
+        return -1
+    return last  # w × the total rounded past the support's mass and nothing is outside
+
+
+@njit(cache=True)
+def walk_rows(data, lens, ids, m_of, kids, out):
     """Every row's walk: `data` `[W, N, K + 4]` (per node p on its support, p's mass outside
     it, a token drawn from the outside, the uniforms u and w: `treebatch.gather_support`),
     `lens` `[W * N]` the supports' lengths, `ids` `[W, N, K]` their tokens; `m_of` `[W * N]`
-    each node's row in the children grids (-1: no children), whose `[M, J]` rows hold its
-    children by rank (`kid_node`: node index, -1 past the last; `kid_slot`: the child's token's
-    slot in the support; `kid_drawn`) and `kid_q` `[M, K]` its q on the support (0 outside
-    q). Writes each row's accepted path (`path` `[W, N]`, `plen` `[W]`) and bonus token."""
+    each node's row in the children grids (-1: no children), `kids` (`treebatch.Children`, a
+    plain tuple) its children by rank and its q. Writes each row's accepted path, its length
+    and bonus token into `out` (`treebatch.WalkOut`, a plain tuple)."""
+    kid_node, kid_slot, kid_drawn, kid_q = kids
+    path, plen, bonus = out
     rows, n, width = data.shape
     k = width - 4
     values = np.empty(max(k, 1), np.float64)
@@ -40,18 +95,14 @@ def walk_rows(data, lens, ids, m_of, kid_node, kid_slot, kid_drawn, kid_q, path,
             size = lens[at]
             for s in range(size):
                 values[s] = data[b, node, s]
-            c = 1.0
-            mass_out = data[b, node, k]
-            chosen = -1
-            m = m_of[at]
-            if m >= 0:
+            c, mass_out, chosen, m = 1.0, data[b, node, k], -1, m_of[at]
+            if m >= 0:  # its children by rank
                 for s in range(size):
                     tried[s] = False
                 for j in range(kid_node.shape[1]):
-                    child = kid_node[m, j]
+                    child, x = kid_node[m, j], kid_slot[m, j]
                     if child < 0:
                         break
-                    x = kid_slot[m, j]
                     total = 0.0  # the residual normalised (`verify._normalised`)
                     for s in range(size):
                         total += values[s]
@@ -60,69 +111,35 @@ def walk_rows(data, lens, ids, m_of, kid_node, kid_slot, kid_drawn, kid_q, path,
                         for s in range(size):
                             values[s] = values[s] / total
                         c = c / total
+                    u = data[b, child, k + 2]
                     if kid_drawn[m, j]:  # rule (c): `verify.sparse_rrs_step`
-                        qt = 0.0  # q without the rejected siblings (`verify._without`)
-                        for s in range(size):
-                            if not tried[s]:
-                                qt += kid_q[m, s]
-                        qx = kid_q[m, x] / qt if qt > 0 and not tried[x] else 0.0
-                        accept = min(1.0, values[x] / qx) if qx > 0 else 0.0
-                        left = 0.0
-                        for s in range(size):
-                            qs = kid_q[m, s] / qt if qt > 0 and not tried[s] else 0.0
-                            rest[s] = max(0.0, values[s] - qs)
-                            left += rest[s]
-                        same = left + c * mass_out <= _TINY  # r == q_i: every draft accepted
-                        if same:
-                            accept = 1.0
-                        if data[b, child, k + 2] < accept:
+                        if _drawn_child(values, rest, tried, kid_q, m, size, x, c * mass_out, u):
                             chosen = child
                             break
-                        if not same:
-                            for s in range(size):
-                                values[s] = rest[s]
-                    else:  # rule (b): `verify.sparse_match_step`
-                        if data[b, child, k + 2] < values[x]:
-                            chosen = child
-                            break
+                    elif u < values[x]:  # rule (b): `verify.sparse_match_step`
+                        chosen = child
+                        break
+                    else:
                         values[x] = 0.0
                     tried[x] = True
-            if chosen >= 0:
-                path[b, depth] = chosen
-                depth += 1
-                node = chosen
-                continue
-            outside = c * mass_out  # the bonus (`verify._draw`)
-            total = 0.0
-            for s in range(size):
-                total += values[s]
-            total += outside
-            target, cum, last, got = data[b, node, k + 3] * total, 0.0, -1, -1
-            for s in range(size):
-                if values[s] > 0:
-                    last = s
-                    cum += values[s]
-                    if target < cum:
-                        got = s
-                        break
-            if got >= 0:
-                bonus[b] = ids[b, node, got]
-            elif outside > 0 or last < 0:
-                bonus[b] = np.int64(data[b, node, k + 1])
-            else:
-                bonus[b] = ids[b, node, last]
-            plen[b] = depth
-            break
+            if chosen < 0:  # the bonus, from the residual left
+                got = _bonus_slot(values, size, c * mass_out, data[b, node, k + 3])
+                bonus[b] = ids[b, node, got] if got >= 0 else np.int64(data[b, node, k + 1])
+                plen[b] = depth
+                break
+            path[b, depth] = chosen
+            depth += 1
+            node = chosen
 
 
 @njit(cache=True)
-def gather_rows(
-    parents, slot, sampled, q_len, q_ids, q_probs, rows, at,
-    parent_to, slot_to, drawn_to, q_len_to, q_ids_to, q_probs_to,
-):  # fmt: skip
-    """Rows `rows` of one batch's arrays (`tree.DrawnBatch`'s; `sampled` `[*, 0]`: every child
-    drawn) into rows `at` of `layout_rows`' inputs, their first N nodes (a tree's all lie
-    there) and each node's support (past it the batch holds zeros, as the inputs do)."""
+def gather_rows(src, rows, at, dst):
+    """Rows `rows` of one batch's arrays (`src`: `treebatch.TreeRows` of a `tree.DrawnBatch`,
+    `drawn` `[*, 0]`: every child drawn) into rows `at` of `dst` (`TreeRows`, `layout_rows`'
+    inputs; both plain tuples), their first N nodes (a tree's all lie there) and each node's
+    support (past it the batch holds zeros, as `dst` does)."""
+    parents, slot, sampled, q_len, q_ids, q_probs = src
+    parent_to, slot_to, drawn_to, q_len_to, q_ids_to, q_probs_to = dst
     n, k = min(parent_to.shape[1], parents.shape[1]), q_ids.shape[2]
     for i in range(len(rows)):
         r, b = rows[i], at[i]
@@ -197,15 +214,14 @@ def warm() -> None:
     data[0, 0, 0], data[0, 0, 1] = 1.0, 0.0
     one, none = np.ones(1, np.int64), np.full(1, -1, np.int64)
     grid, q = np.zeros((0, 1), np.int64), np.zeros((0, 1))
-    path, plen, bonus = np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
-    walk_rows(
-        data, one, np.zeros((1, 1, 1), np.int64), none, grid, grid, grid.astype(np.bool_), q,
-        path, plen, bonus,
-    )  # fmt: skip
+    out = (np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    kids = (grid, grid, grid.astype(np.bool_), q)
+    walk_rows(data, one, np.zeros((1, 1, 1), np.int64), none, kids, out)
     z, ids, probs = np.zeros((1, 1), np.int64), np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1))
     drawn, at = np.ones((1, 1), np.bool_), np.zeros(1, np.int64)  # a one-node tree, all zeros
-    gather_rows(z - 1, z, drawn, z, ids, probs, at, at, z, z, drawn, z, ids, probs)
-    layout_rows(z - 1, z, drawn, z, ids, probs, False)
+    tree = (z - 1, z, drawn, z, ids, probs)
+    gather_rows(tree, at, at, tree)
+    layout_rows(*tree, False)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from tts_service.engine.acceptance import DenseNodes
 from tts_service.engine.streams import LANES, counter_uniforms
 from tts_service.engine.tree import DraftTree, SparseDist, ancestor_mask
 from tts_service.engine.treebatch import (
-    GatheredNodes,
     SparseLayout,
     accepted_path,
     gather_sparse,
@@ -24,10 +23,15 @@ from tts_service.engine.treebatch import (
     residual_bonus,
     residual_mass,
     walk_sparse_all,
-    walk_sparse_arrays,
 )
 from tts_service.engine.treepack import TreeBatch, shape_rows
-from tts_service.engine.verify import accept_greedy, accept_match, node_support, walk_sparse
+from tts_service.engine.verify import (
+    SparseNode,
+    accept_greedy,
+    accept_match,
+    node_support,
+    walk_sparse,
+)
 
 V = 5  # a small vocabulary: duplicate siblings and exhausted residuals are common
 
@@ -250,18 +254,27 @@ def random_drawn_tree(rng: random.Random, p: torch.Tensor) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(q))
 
 
-WALKS = pytest.mark.parametrize(
-    "walk_all", [walk_sparse_all, walk_sparse_arrays], ids=["compiled", "arrays"]
-)
+def gathered_nodes(
+    layout: SparseLayout, data: np.ndarray, b: int
+) -> tuple[list[SparseNode], list[float], list[float]]:
+    """Row `b`'s `verify.SparseNode`s as `gather_sparse`'s copy `data` holds them, and its
+    uniforms (u, w): what the reference walk reads of a GPU step's copy."""
+    rows, k = data[b], data.shape[-1] - 4
+    nodes = []
+    for node in range(layout.n):
+        support, row = layout.support(b, node), rows[node]
+        nodes.append(
+            SparseNode(support, row[: len(support)].tolist(), float(row[k]), int(row[k + 1]))
+        )
+    return nodes, rows[:, k + 2].tolist(), rows[:, k + 3].tolist()
 
 
-@WALKS
 @pytest.mark.parametrize("seed", range(6))
-def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed, walk_all):
-    """Rules (b)-(d) for every row at once (`walk_sparse_all`: compiled, or in array operations
-    without numba) commit exactly what `verify.walk_sparse` commits row by row from the same p
-    and uniforms, from the dense p (the CPU path) or from the gathered copy (`GatheredNodes`, a
-    GPU step with few rows)."""
+def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed):
+    """Rules (b)-(d) for every row at once (`walk_sparse_all`, compiled) commit exactly what the
+    reference `verify.walk_sparse` commits row by row from the same p and uniforms, from the
+    dense p (the CPU path) and from the gathered copy (`gathered_nodes`, what the compiled walk
+    reads)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     drawn_accepted = 0
     for _ in range(30):
@@ -273,10 +286,10 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed, walk_all):
         uvw = [torch.rand(rows, n, generator=gen, dtype=torch.float64) for _ in range(3)]
         layout = SparseLayout.of(trees, n)
         data = gather_sparse(p, layout, *uvw)
-        got = walk_all(layout, data.numpy())
+        got = walk_sparse_all(layout, data.numpy())
         for b, tree in enumerate(trees):
-            nodes = GatheredNodes(layout, data.numpy(), b)  # the few-rows path: row by row
-            assert walk_sparse(tree, nodes, nodes.u, nodes.w) == got[b]
+            nodes, u_copy, w_copy = gathered_nodes(layout, data.numpy(), b)
+            assert walk_sparse(tree, nodes, u_copy, w_copy) == got[b]
             supports = [node_support(tree, i) for i in range(tree.size)]
             assert [layout.support(b, i) for i in range(tree.size)] == supports
             u, v, w = (x[b].tolist() for x in uvw)
@@ -286,9 +299,8 @@ def test_sparse_walks_of_all_rows_equal_the_per_row_walk(seed, walk_all):
     assert drawn_accepted > 20  # drawn children were accepted, not only root bonuses drawn
 
 
-@WALKS
 @pytest.mark.parametrize("seed", range(4))
-def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed, walk_all):
+def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed):
     """A captured step's rule (c) (`step_verdict_walked`): the walked rows' supports at a power-
     of-two width (`SparseLayout.of(bucket=True)`), placed in the bucket (`supports`, every other
     row empty) and gathered for every row (`gather_support`): the walked rows read exactly what
@@ -310,7 +322,7 @@ def test_a_bucket_gathers_every_row_on_the_walked_rows_supports(seed, walk_all):
         at = torch.tensor(walked)
         alone = gather_sparse(p[at], layout, *(x[at] for x in uvw)).numpy()
         assert np.array_equal(data, alone)
-        got = walk_all(layout, data)
+        got = walk_sparse_all(layout, data)
         for i, (b, tree) in enumerate(zip(walked, trees, strict=True)):
             supports = [node_support(tree, j) for j in range(tree.size)]
             u, v, w = (x[b].tolist() for x in uvw)
