@@ -124,12 +124,12 @@ def row_noise(noise, used, r: int):
 
 
 @njit(cache=True)
-def gumbel_order(c_p, nc: int, noise, pos: int, moved: bool, keys, rank):
+def gumbel_order(c_p, nc: int, cur, rem: int, nxt, pos: int, moved: bool, keys, rank):
     """Gumbel-top-k over `c_p[:nc]` as `stand.gumbel_top_k` draws it: `GumbelNoise.take(nc)`
-    from a row's `noise` (`row_noise`; `pos` read so far, `moved` to the next buffer: the
-    tail is discarded, as `take` does), keys log p + g in `keys`, and in `rank` the order, a
-    stable sort by key, largest first. Returns the new (pos, moved)."""
-    cur, rem, nxt, _ = noise
+    from a row's noise (`row_noise`: `cur` its window, `rem` the values left in its buffer,
+    `nxt` the next buffer's first; `pos` read so far, `moved` to the next buffer: the tail is
+    discarded, as `take` does), keys log p + g in `keys`, and in `rank` the order, a stable
+    sort by key, largest first. Returns the new (pos, moved)."""
     if not moved and pos + nc > rem:
         moved, pos = True, 0
     for i in range(nc):
@@ -146,11 +146,9 @@ def gumbel_order(c_p, nc: int, noise, pos: int, moved: bool, keys, rank):
 
 
 @njit(cache=True)
-def _stored(store, slot: int, cand) -> int:
-    """The entry at `slot`'s ids with a positive probability, in stored order, into `cand`'s
-    (ids, probabilities, places in the entry); returns how many."""
-    ids, probs, nids = store[2], store[3], store[4]
-    c_ids, c_p, c_at = cand[0], cand[1], cand[2]
+def _stored(ids, probs, nids, slot: int, c_ids, c_p, c_at) -> int:
+    """The entry at `slot`'s ids with a positive probability, in stored order: ids,
+    probabilities, places in the entry; returns how many."""
     nc = 0
     for j in range(nids[slot]):
         if probs[slot, j] > 0:
@@ -160,30 +158,25 @@ def _stored(store, slot: int, cand) -> int:
 
 
 @njit(cache=True)
-def _place(shape, keep, s: int, node: int, k: int, stochastic: bool, cand, size: int, out) -> int:
-    """Hang `node`'s first `k` kept shape children (shape node `s`'s) with the candidates in
-    `cand`'s rank order; returns the tree's new size."""
-    kid_at, kid_list, placed = shape
-    token, parent, sampled, shape_of, slot_of, qn, _, _, ctx, clen = out
-    c_ids, _, c_at, _, rank = cand
-    order, tl = ctx.shape[1], clen[node]
-    done = 0
+def _kept_kids(kid_at, kid_list, keep, s: int, k: int, kids) -> int:
+    """Shape node `s`'s first `k` kept children, in order, into `kids`; returns how many."""
+    m = 0
     for j in range(kid_at[s], kid_at[s + 1]):
-        kid = kid_list[j]
-        if done == k:
+        if m == k:
             break
-        if not keep[kid]:
-            continue
-        child = size
-        token[child], slot_of[child] = c_ids[rank[done]], c_at[rank[done]]
-        parent[child], sampled[child], shape_of[child], qn[child] = node, stochastic, kid, -1
-        ctx[child, : order - 1] = ctx[node, 1:]
-        ctx[child, order - 1] = token[child]
-        clen[child] = min(order, tl + 1)
-        placed[kid] = child
-        done += 1
-        size += 1
-    return size
+        if keep[kid_list[j]]:
+            kids[m] = kid_list[j]
+            m += 1
+    return m
+
+
+@njit(cache=True)
+def _child_context(ctx, clen, node: int, child: int, token: int) -> None:
+    """`child`'s context: its parent's shifted by its token (right-aligned, `order` long)."""
+    order = ctx.shape[1]
+    ctx[child, : order - 1] = ctx[node, 1:]
+    ctx[child, order - 1] = token
+    clen[child] = min(order, clen[node] + 1)
 
 
 @njit(cache=True)
@@ -191,42 +184,45 @@ def stand_tree(store, shape, keep, stochastic: bool, noise, out) -> int:
     """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`):
     `store` the index's arrays (`StoreIndex.arrays()` and its max order), `shape` the shape's
     children as CSR (`shape_arrays`), `noise` as `row_noise` hands it, `out` the row's slices
-    of `StandOut`, node 0's context set; returns the size."""
+    of `StandOut`, node 0's context set; returns the size. The groups are unpacked once here:
+    the per-node work takes arrays (a tuple unpacked per node counts a reference to each of
+    its arrays)."""
     tab, keytok, ids, probs, nids, _, meta, max_order = store
     kid_at, kid_list = shape
+    cur, rem, nxt, used = noise
     token, parent, sampled, shape_of, slot_of, qn, qids, qp, ctx, clen = out
     order, width = ctx.shape[1], ids.shape[1]
     placed = np.full(len(kid_at) - 1, -1, np.int64)  # shape node -> tree node
     placed[0] = 0
-    cand = (
-        np.empty(width, np.int64), np.empty(width, np.float64), np.empty(width, np.int64),
-        np.empty(width, np.float64), np.empty(width, np.int64),
-    )  # fmt: skip  # ids, probabilities, places in the entry, Gumbel keys, rank
+    c_ids, c_p, c_at = np.empty(width, np.int64), np.empty(width), np.empty(width, np.int64)
+    keys, rank, kids = np.empty(width), np.empty(width, np.int64), np.empty(width + 1, np.int64)
     token[0], parent[0], sampled[0], shape_of[0], slot_of[0] = ctx[0, order - 1], -1, False, 0, -1
     qn[0] = -1
     size, pos, moved = 1, 0, False
     for s in range(len(kid_at) - 1):
         node = placed[s]
-        kids = 0
-        for j in range(kid_at[s], kid_at[s + 1]):
-            kids += keep[kid_list[j]]
-        if node < 0 or kids == 0:
+        if node < 0 or _kept_kids(kid_at, kid_list, keep, s, 1, kids) == 0:
             continue
         tl = clen[node]
         slot, _ = lookup_slot(tab, keytok, meta, ctx[node, order - tl :], tl, max_order)
         if slot < 0:
             continue
-        nc = _stored(store, slot, cand)
+        nc = _stored(ids, probs, nids, slot, c_ids, c_p, c_at)
         for i in range(nc):
-            cand[4][i] = i
+            rank[i] = i
         if stochastic:  # Gumbel-top-k
-            pos, moved = gumbel_order(cand[1], nc, noise, pos, moved, cand[3], cand[4])
-            qn[node] = nids[slot]
-            for j in range(nids[slot]):
-                qids[node, j], qp[node, j] = ids[slot, j], probs[slot, j]
-        size = _place((kid_at, kid_list, placed), keep, s, node, min(kids, nc), stochastic,
-                      cand, size, out)  # fmt: skip
-    used = noise[3]
+            pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, pos, moved, keys, rank)
+            n = nids[slot]
+            qn[node] = n
+            qids[node, :n], qp[node, :n] = ids[slot, :n], probs[slot, :n]
+        m = _kept_kids(kid_at, kid_list, keep, s, nc, kids)
+        for i in range(m):
+            child, kid = size + i, kids[i]
+            token[child], slot_of[child] = c_ids[rank[i]], c_at[rank[i]]
+            parent[child], sampled[child], shape_of[child], qn[child] = node, stochastic, kid, -1
+            _child_context(ctx, clen, node, child, token[child])
+            placed[kid] = child
+        size += m
     used[0], used[1] = moved, pos
     return size
 

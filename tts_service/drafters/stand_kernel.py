@@ -314,7 +314,8 @@ def _draw_children(src, slot: int, o: int, node: int, draw, found, noise, at, ou
             c_p[nc] = probs[slot, j]
             nc += 1
     qn[node] = nc
-    pos, moved = gumbel_order(c_p, nc, noise, at[0], at[1], keys, by_key)
+    cur, rem, nxt, _ = noise
+    pos, moved = gumbel_order(c_p, nc, cur, rem, nxt, at[0], at[1], keys, by_key)
     base = _kind(DRAWN, o, count[slot])
     nf = _drawn_plan(qids[node], c_p, nc, by_key, base, la, lb, found, sorted_q)
     draws[node] = True

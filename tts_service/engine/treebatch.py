@@ -37,9 +37,7 @@ import torch
 from tts_service.engine.sampling import SamplingParams, store_probs
 from tts_service.engine.tree import DraftTree, DrawnBatch
 from tts_service.engine.treepack import TreeBatch
-from tts_service.engine.verify import Acceptance
-
-_TINY = 1e-300
+from tts_service.engine.verify import TINY, Acceptance
 
 
 def greedy_choice(batch: TreeBatch, best: torch.Tensor) -> torch.Tensor:
@@ -63,7 +61,7 @@ def match_choice(
     px = torch.where(firsts, flat[at, batch.tokens], 0.0)
     later = before.transpose(1, 2)  # (i, j): j is a later sibling of i
     left = px + (later * px[:, None, :]).sum(-1) + batch.at_parent(residual_mass(batch, p, px))
-    threshold = torch.where(left > _TINY, px / left, 0.0)
+    threshold = torch.where(left > TINY, px / left, 0.0)
     passed = firsts & (u < threshold)
     chosen = passed & ~(before & passed[:, None, :]).any(-1)
     return chosen, px

@@ -36,7 +36,8 @@ from tts_service.engine.tree import DraftTree, SparseDist
 if TYPE_CHECKING:  # torch where tensors are made: the CLI's parser imports this module
     import torch
 
-_TINY = 1e-300
+TINY = 1e-300
+"""A residual mass at or below this is none (every rule (c) walk reads it from here)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def sample_and_match_step(r: torch.Tensor, x: int) -> tuple[float, torch.Tensor]
     rest = r.clone()
     rest[x] = 0.0
     total = rest.sum()
-    return accept, (rest / total if total > _TINY else rest)
+    return accept, (rest / total if total > TINY else rest)
 
 
 def rrs_step(r: torch.Tensor, q_i: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
@@ -114,7 +115,7 @@ def rrs_step(r: torch.Tensor, q_i: torch.Tensor, x: int) -> tuple[float, torch.T
     accept = min(1.0, float(r[x] / q_i[x])) if q_i[x] > 0 else 0.0
     rest = torch.clamp(r - q_i, min=0.0)
     total = rest.sum()
-    if total <= _TINY:  # r == q_i: every draft is accepted, the residual is never used
+    if total <= TINY:  # r == q_i: every draft is accepted, the residual is never used
         return 1.0, r
     return accept, rest / total
 
@@ -215,7 +216,7 @@ def accept_match(tree: DraftTree, drawn: Sequence[float]) -> Acceptance:
         child = None
         for c, rest in zip(firsts, reversed(after), strict=True):
             px = drawn[c - 1]
-            if px + rest > _TINY and drawn[n - 1 + c - 1] < px / (px + rest):
+            if px + rest > TINY and drawn[n - 1 + c - 1] < px / (px + rest):
                 child = c
                 break
         if child is None:
@@ -263,7 +264,7 @@ to 1."""
 def _normalised(r: Residual, mass_out: float) -> Residual:
     values, c = r
     total = ordered_sum(values.values()) + c * mass_out
-    if total <= _TINY:
+    if total <= TINY:
         return r
     return {s: v / total for s, v in values.items()}, c / total
 
@@ -282,7 +283,7 @@ def sparse_rrs_step(
     values, c = _normalised(r, mass_out)
     accept = min(1.0, values[x] / qi[x]) if qi.get(x, 0.0) > 0 else 0.0
     rest = {s: max(0.0, v - qi.get(s, 0.0)) for s, v in values.items()}
-    if ordered_sum(rest.values()) + c * mass_out <= _TINY:  # r == q_i: every draft is accepted
+    if ordered_sum(rest.values()) + c * mass_out <= TINY:  # r == q_i: every draft is accepted
         return 1.0, (values, c)
     return accept, (rest, c)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_TINY = 1e-300  # verify._TINY
+from tts_service.engine.verify import TINY
 
 
 @njit(cache=True)
@@ -42,7 +42,7 @@ def _drawn_child(values, rest, tried, kid_q, m: int, size: int, x: int, outside:
         qs = kid_q[m, s] / qt if qt > 0 and not tried[s] else 0.0
         rest[s] = max(0.0, values[s] - qs)
         left += rest[s]
-    same = left + outside <= _TINY  # r == q_i: every draft accepted
+    same = left + outside <= TINY  # r == q_i: every draft accepted
     if same:
         accept = 1.0
     if u < accept:
@@ -107,7 +107,7 @@ def walk_rows(data, lens, ids, m_of, kids, out):
                     for s in range(size):
                         total += values[s]
                     total += c * mass_out
-                    if total > _TINY:
+                    if total > TINY:
                         for s in range(size):
                             values[s] = values[s] / total
                         c = c / total
