@@ -47,7 +47,9 @@ def test_settle_collects_what_start_up_left_over_and_freezes_the_rest(collector)
         assert not gc.isenabled()
         Node()
         startup.settle()
-    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    # nothing frozen again (a frozen object freed meanwhile, by another thread of a long test
+    # process, lowers the count: seen once in a whole unit suite)
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen
 
 
 def test_a_block_that_fails_while_held_turns_the_collector_back_on(collector):
