@@ -248,8 +248,12 @@ class StoreIndex:
             setattr(self, name, arr)
 
     def arrays(self) -> tuple:
-        """What a kernel reads: (tab, keytok, ids, probs, nids, count, meta)."""
-        return self.tab, self.keytok, self.ids, self.probs, self.nids, self.count, self.meta
+        """What a drafting kernel reads (a plain tuple): (tab, keytok, ids, probs, nids, count,
+        meta, max_order)."""
+        return (
+            self.tab, self.keytok, self.ids, self.probs, self.nids, self.count, self.meta,
+            self.max_order,
+        )  # fmt: skip
 
     def _written(self) -> tuple:
         """The index's arrays as it is now, as the plain tuple a kernel takes, in `StoreArrays`'

@@ -182,7 +182,7 @@ def _child_context(ctx, clen, node: int, child: int, token: int) -> None:
 @njit(cache=True)
 def stand_tree(store, shape, keep, stochastic: bool, noise, out) -> int:
     """One row's tree (`StandDrafter.grow` from the root over the shape nodes in `keep`):
-    `store` the index's arrays (`StoreIndex.arrays()` and its max order), `shape` the shape's
+    `store` the index's arrays (`StoreIndex.arrays()`), `shape` the shape's
     children as CSR (`shape_arrays`), `noise` as `row_noise` hands it, `out` the row's slices
     of `StandOut`, node 0's context set; returns the size. The groups are unpacked once here:
     the per-node work takes arrays (a tuple unpacked per node counts a reference to each of
@@ -304,8 +304,7 @@ class StandGroup:
             out.clen[r, 0] = min(order, len(c.tokens))
         used, sizes = np.zeros((rows, 2), np.int64), np.zeros(rows, np.int64)
         shape = (self.kid_at, self.kid_list)
-        store = (*index.arrays(), order)
-        stand_rows(store, shape, keep, stochastic, tuple(noise), used, tuple(out), sizes)
+        stand_rows(index.arrays(), shape, keep, stochastic, tuple(noise), used, tuple(out), sizes)
         return self._trees(members, stochastic, used, out, sizes)
 
     @staticmethod

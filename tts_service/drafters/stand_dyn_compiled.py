@@ -177,7 +177,7 @@ class StandDynGroup:
         )
         used, sizes = np.zeros((rows, 2), np.int64), np.zeros(rows, np.int64)
         out = DynOut.empty(inputs.drawn, int(inputs.limits.max()) + 1, idx.topk)
-        src = ((*idx.arrays(), idx.max_order), self.suffix.arrays(), ModelArrays.of(succ, cal))
+        src = (idx.arrays(), self.suffix.arrays(), ModelArrays.of(succ, cal))
         draft_rows(src, tuple(inputs), tuple(noise), used, tuple(out), sizes)
         return self._trees(members, inputs.drawn, used, out, sizes)
 

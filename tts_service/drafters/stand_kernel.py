@@ -3,7 +3,7 @@ call, `draft_tree` one row's tree, statement for statement as `StandDynDrafter.d
 (`stand_dyn_compiled` holds the arrays they read and the drafter that calls them).
 
 Arrays arrive grouped in tuples laid out as the named tuples beside their owners
-(`store.index.StoreIndex.arrays()` and its max order, `suffix_index.SuffixArrays`,
+(`store.index.StoreIndex.arrays()`, `suffix_index.SuffixArrays`,
 `stand_dyn_compiled.ModelArrays`, `RowInputs`, `stand_compiled.NoiseWindows`, `DynOut`), passed
 plain: numba types a named tuple's fields one by one in Python at every call, a plain one by its
 C fingerprint. A kernel unpacks them into names at its top.
@@ -65,9 +65,9 @@ class DynOut(NamedTuple):
 
     @staticmethod
     def empty(drawn: np.ndarray, nodes: int, width: int) -> DynOut:
-        """Buffers for one tree a row of at most `nodes` nodes; the drawn ones `[R, 1]` where no
-        row draws (none is written), else K the store's top-k or a deterministic node's most
-        children, whichever is more."""
+        """Buffers for one tree a row, each of at most `nodes` nodes; the drawn ones `[R, 1]`
+        where no row draws (none is written), else K the store's top-k or a deterministic
+        node's most children, whichever is more."""
         rows = len(drawn)
         m, k = (nodes, max(width, nodes - 1)) if drawn.any() else (1, 1)
         return DynOut(
