@@ -155,7 +155,7 @@ class StandInDecoder(BatchDecoder):
         self.join_s = 0.0
         self.leaves = 0  # moves of rows up as rows left: a step's finished ones, or a drop
 
-    def join(self, rows: list[Row]) -> None:
+    def admit(self, rows: list[Row]) -> None:
         t0 = time.perf_counter()
         with torch.profiler.record_function("join"):
             for row in rows:
@@ -163,8 +163,15 @@ class StandInDecoder(BatchDecoder):
                 problem = self.problems[int(req.problem_id)]
                 logits = response_logits(problem, req.index, self.vocab)
                 self.logits[id(row)] = logits.to(self.device)
-            super().join(rows)
+            super().admit(rows)
         self.join_s += time.perf_counter() - t0
+
+    def prefill(self, tokens: int | None = None) -> list[Row]:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("join"):
+            joined = super().prefill(tokens)
+        self.join_s += time.perf_counter() - t0
+        return joined
 
     def _pack(self, tb, shape):
         self._depths = tb.depths

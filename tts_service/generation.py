@@ -44,8 +44,10 @@ class Generator:
         cost_model: str = "learned",
         cost_cache: Path | None = None,
         surface: CostSurface | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.loaded = loaded
+        self.prefill_chunk = prefill_chunk  # tokens a prefill forward runs; None: the device's
         self.max_model_len = max_model_len  # below the model's context, if set
         self.cost_model = cost_model
         self.cost_cache = cost_cache
@@ -74,6 +76,7 @@ class Generator:
             max_model_len=cfg.max_model_len,
             cost_model=cfg.cost_model,
             cost_cache=cfg.cost_cache_dir,
+            prefill_chunk=cfg.prefill_chunk,
         )
 
     def surface(self, max_rows: int = 1) -> CostSurface:
@@ -102,7 +105,9 @@ class Generator:
             loaded.eos_token_ids,
             self.decode,
             options=DecoderOptions(
-                cuda_graphs=loaded.cuda_graphs, graph_acceptance=loaded.graph_acceptance
+                cuda_graphs=loaded.cuda_graphs,
+                graph_acceptance=loaded.graph_acceptance,
+                prefill_chunk=self.prefill_chunk,
             ),
         )
 

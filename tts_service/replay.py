@@ -282,12 +282,15 @@ class LoggedDecoder:
     def __init__(self, problems: Sequence[LoggedProblem]) -> None:
         self.problems = problems
         self.active: list[Row] = []
+        self.joining: list[Row] = []  # rows join at once: no prompt to prefill
         self.forwards = ForwardStats()
         self.oracles: dict[int, LoggedOracle] = {}  # id(row) -> its response's oracle
         self.deferred = DeferredObservations()  # run after the next drafts
 
     graph_tokens = None  # no forwards, no graphs
     last_step_steady = True
+    prefill_limit = 1
+    prefill_s_per_token = None
 
     @property
     def context_len(self) -> int:
@@ -302,6 +305,12 @@ class LoggedDecoder:
             self.oracles[id(row)] = LoggedOracle(self.problems[int(req.problem_id)], req.index)
             row.drafter.start(row.tokens)
         self.active.extend(rows)
+
+    def admit(self, rows: list[Row]) -> None:
+        self.join(rows)
+
+    def prefill(self, tokens: int | None = None) -> list[Row]:
+        return []
 
     def drop(self, rows: list[Row]) -> None:
         if rows:
@@ -350,11 +359,11 @@ class LoggedBatchDecoder(BatchDecoder):
         self.problems = problems
         self.oracles: dict[int, LoggedOracle] = {}
 
-    def join(self, rows: list[Row]) -> None:
+    def admit(self, rows: list[Row]) -> None:
         for row in rows:
             req = cast(TrajectoryRow, row).request
             self.oracles[id(row)] = LoggedOracle(self.problems[int(req.problem_id)], req.index)
-        super().join(rows)
+        super().admit(rows)
 
     def drop(self, rows: list[Row]) -> None:
         super().drop(rows)

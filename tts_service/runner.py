@@ -36,6 +36,7 @@ from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner
 from tts_service.engine.batch import Row, StepObserver
 from tts_service.engine.decode import GenerationOutput, GenerationResult, OnCommit, StopRule
 from tts_service.engine.metrics import ForwardStats
+from tts_service.engine.prefill import chunk_tokens
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Deferred, DraftContext, Drafter, DraftGroup, NodeTopK
 from tts_service.engine.surface import CostSurface
@@ -80,6 +81,9 @@ class StepDecoder(Protocol):
     or replay's decoder (acceptance from a log)."""
 
     active: list[Row]
+    joining: list[Row]  # admitted, their prompts still prefilling (`engine.prefill`)
+    prefill_limit: int  # the most prompt tokens one prefill forward runs
+    prefill_s_per_token: float | None  # the last prefill chunk's rate (None: none ran yet)
     forwards: ForwardStats
     graph_tokens: int | None  # the largest step replayed as a CUDA graph (None: no graphs)
     last_step_steady: bool  # the last step ran as its shape keeps running (its time teaches)
@@ -89,7 +93,12 @@ class StepDecoder(Protocol):
 
     def stop_rule(self, cfg: SamplingParams, on_commit: OnCommit | None = None) -> StopRule: ...
 
-    def join(self, rows: list[Row]) -> None: ...
+    def admit(self, rows: list[Row]) -> None:
+        """Queue rows to join once their prompts are prefilled (`prefill`)."""
+
+    def prefill(self, tokens: int | None = None) -> list[Row]:
+        """Run about `tokens` tokens of the waiting prompts' prefill; returns the rows that
+        joined the batch."""
 
     def drop(self, rows: list[Row]) -> None: ...
 
@@ -242,12 +251,12 @@ class TrajectoryRunner:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.decoder.active
+        return not self.queue and not self.decoder.active and not self.decoder.joining
 
     def fail(self, error: BaseException) -> None:
         """Everything running or waiting ends with `error` (the engine failed)."""
         subs = {id(s): s for s, _ in self.queue}
-        subs |= {id(r.submission): r.submission for r in self._rows()}
+        subs |= {id(r.submission): r.submission for r in self._rows() + self._joining()}
         self.queue.clear()
         self.decoder.reset()
         for sub in subs.values():
@@ -255,33 +264,15 @@ class TrajectoryRunner:
 
     # -- one step -----------------------------------------------------------------------
     def tick(self) -> None:
-        """Drop skipped rows, fill free rows from the queue, run one step."""
+        """Drop skipped rows, admit waiting requests into free rows, run a chunk of the
+        admitted prompts' prefill, then one step of the rows decoding."""
         decoder = self.decoder
-        dropped = [r for r in self._rows() if self._gone(r)]
+        dropped = [r for r in self._rows() + self._joining() if self._gone(r)]
         decoder.drop(list(dropped))
         for row in dropped:
             self._leave(row, None)
-        joining: list[TrajectoryRow] = []
-        while (i := self._next(joining)) is not None:
-            sub, req = self.queue[i]
-            del self.queue[i]
-            if sub.skipped(req) or sub.error is not None:
-                sub.settle(None)
-                continue
-            try:
-                joining.append(self._row(sub, req))
-            except Exception as e:  # this request cannot run (too long): its submission fails
-                sub.finish(e)
-        if joining:
-            t0 = time.perf_counter()
-            try:
-                decoder.join(list(joining))
-            except BaseException as e:  # their submissions are in neither the queue nor the batch
-                for sub in {id(r.submission): r.submission for r in joining}.values():
-                    sub.finish(e)
-                raise
-            for sub in {id(r.submission): r.submission for r in joining}.values():
-                sub.report.forwards.prefill_s += time.perf_counter() - t0
+        self._admit()
+        self._prefill()
         if not decoder.active:
             return
         nodes = self._nodes()
@@ -295,6 +286,47 @@ class TrajectoryRunner:
             self._leave(row, None if row.error is not None else self._result(row))
         if self.planner is not None and self.planner.surface is not None:
             self.planner.surface.save(every_s=0.0 if self.idle else 30.0)
+
+    def _admit(self) -> None:
+        """Fill free rows from the queue (`admission`): their rows start joining."""
+        joining: list[TrajectoryRow] = []
+        while (i := self._next(joining)) is not None:
+            sub, req = self.queue[i]
+            del self.queue[i]
+            if sub.skipped(req) or sub.error is not None:
+                sub.settle(None)
+                continue
+            try:
+                joining.append(self._row(sub, req))
+            except Exception as e:  # this request cannot run (too long): its submission fails
+                sub.finish(e)
+        if joining:
+            try:
+                self.decoder.admit(list(joining))
+            except BaseException as e:  # their submissions are in neither the queue nor the batch
+                for sub in {id(r.submission): r.submission for r in joining}.values():
+                    sub.finish(e)
+                raise
+
+    def _prefill(self) -> None:
+        """Run the next chunk of the admitted prompts' prefill: all the decoder's chunk while
+        no row decodes, else what costs about one of their steps (`engine.prefill`), so the
+        rows decoding wait at most about a step more for a long prompt."""
+        decoder, waiting = self.decoder, self._joining()
+        if not waiting:
+            return
+        step_s = decoder.forwards.last_forward_s if decoder.active else None
+        tokens = chunk_tokens(step_s, decoder.prefill_s_per_token, decoder.prefill_limit)
+        subs = {id(r.submission): r.submission for r in waiting}
+        t0 = time.perf_counter()
+        try:
+            decoder.prefill(tokens)
+        except BaseException as e:  # the prompts' own failure (out of memory): theirs alone
+            for sub in subs.values():
+                sub.finish(e)
+            raise
+        for sub in subs.values():
+            sub.report.forwards.prefill_s += time.perf_counter() - t0
 
     @staticmethod
     def _gone(row: TrajectoryRow) -> bool:
@@ -315,11 +347,15 @@ class TrajectoryRunner:
         """The batch's rows (the runner joins only its own)."""
         return cast(list[TrajectoryRow], list(self.decoder.active))
 
+    def _joining(self) -> list[TrajectoryRow]:
+        """The rows admitted whose prompts are still prefilling."""
+        return cast(list[TrajectoryRow], list(self.decoder.joining))
+
     def _next(self, joining: list[TrajectoryRow]) -> int | None:
         """The queue index of the request that joins next, or None."""
         if not self.queue:
             return None
-        rows = (*self._rows(), *joining)
+        rows = (*self._rows(), *self._joining(), *joining)
         return self.admission(self.queue, rows, len(rows) >= self.max_rows)
 
     def _account(

@@ -398,12 +398,12 @@ def test_a_rows_first_tree_step_does_not_price_drafting(tiny_model):
 def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatch):
     """Best-of-N: rows of one prompt that join at different steps (2 rows, 5 trajectories
     each of two problems) take its KV from the prompt cache; every row still equals plain."""
-    from tts_service.engine.batch import BatchDecoder
+    from tts_service.engine.prefill import PrefillJob
 
-    prefilled: list[list[int]] = []
-    prefill = BatchDecoder._prefill
+    prefilled: list[tuple[int, ...]] = []
+    job = PrefillJob.of
     monkeypatch.setattr(
-        BatchDecoder, "_prefill", lambda self, ps: prefilled.extend(ps) or prefill(self, ps)
+        PrefillJob, "of", classmethod(lambda cls, ps, model: prefilled.extend(ps) or job(ps, model))
     )
     gen = make_generator(tiny_model)
     prompts = _prompts()[:2]
@@ -420,7 +420,7 @@ def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatc
         for i in range(5)
     ]
     report = TrajectoryRunner(gen, 2).run(requests)
-    assert sorted(prefilled) == sorted(p[:-1] for p in prompts)
+    assert sorted(prefilled) == sorted(tuple(p[:-1]) for p in prompts)
     for res in report.results:
         ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
         assert res.output.token_ids == ref.token_ids
@@ -448,16 +448,18 @@ def test_more_new_prompts_in_one_join_than_the_prompt_cache_keeps(tiny_model):
         assert res.output.token_ids == ref.token_ids
 
 
-def test_a_join_that_fails_answers_its_own_requests(tiny_model, monkeypatch):
-    """Requests whose rows were joining when the engine failed are in neither the queue nor
-    the batch: they must hear of the failure, not wait forever."""
+@pytest.mark.parametrize("phase", ["admit", "prefill"])
+def test_a_join_that_fails_answers_its_own_requests(tiny_model, monkeypatch, phase):
+    """Requests whose rows were joining when the engine failed (admitting them, or running a
+    chunk of their prefill) are in neither the queue nor the batch: they must hear of the
+    failure, not wait forever."""
     from tts_service.engine.batch import BatchDecoder
     from tts_service.runner import RunnerLoop
 
-    def broken(self, rows):
+    def broken(self, *args):
         raise RuntimeError("prefill failed")
 
-    monkeypatch.setattr(BatchDecoder, "join", broken)
+    monkeypatch.setattr(BatchDecoder, phase, broken)
     loop = RunnerLoop(TrajectoryRunner(make_generator(tiny_model), 4))
     request = TrajectoryRequest(
         "p",
@@ -526,3 +528,34 @@ def test_requests_with_equal_seeds_never_share_a_salted_stream():
     assert again[0] == again[1] and len(set(again[0])) == 2
     greedy = sampling.model_copy(update={"temperature": 0.0})
     assert {r.params().salt for r in trajectory_requests("q", [1], [0], greedy, cfg, store)} == {""}
+
+
+def test_short_requests_finish_while_a_long_prompt_prefills(tiny_model):
+    """A 300-token prompt submitted first, 16 tokens a chunk, then three short requests: they
+    join and finish while its prefill runs a chunk between their steps; every trajectory still
+    equals plain."""
+    gen = make_generator(tiny_model)
+    gen.prefill_chunk = 16
+    runner = TrajectoryRunner(gen, 4)
+
+    def request(i: int, prompt: list[int], n: int) -> TrajectoryRequest:
+        sampling = SamplingConfig(temperature=0, max_new_tokens=n, seed=i)
+        return TrajectoryRequest(
+            "p", i, prompt, sampling, DRAFTER_CONFIGS["pld"], InMemoryNgramStore()
+        )
+
+    long_prompt = torch.randint(3, VOCAB, (300,), generator=torch.Generator().manual_seed(9))
+    long = runner.submit([request(0, long_prompt.tolist(), 4)])
+    prompts = _prompts()[:3]
+    finished_while_prefilling = []
+    short = runner.submit(
+        [request(1 + i, p, 6) for i, p in enumerate(prompts)],
+        lambda res: finished_while_prefilling.append(bool(runner.decoder.joining)),
+    )
+    while not (long.done.is_set() and short.done.is_set()):
+        runner.tick()
+    assert finished_while_prefilling == [True, True, True]
+    assert runner.decoder.forwards.prefill_s > 0
+    for res in long.wait().results + short.wait().results:
+        ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
+        assert res.output.token_ids == ref.token_ids

@@ -87,6 +87,13 @@ class ModelConfig(StrictConfig):
         description="Longest prompt plus new tokens a request may have; none: the model's "
         "context (vLLM's --max-model-len).",
     )
+    prefill_chunk: int | None = Field(
+        None,
+        ge=16,
+        description="Most prompt tokens one prefill forward runs: a longer prompt is prefilled "
+        "a chunk at a time between the batch's steps (vLLM's max_num_batched_tokens); none: "
+        "512 on a CPU, 2048 on a GPU.",
+    )
     max_memory: dict[str, str] | None = Field(
         None,
         description="Shard over the visible GPUs (device_map='auto') within these per-device "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tts_service.engine.acceptance import StepAcceptance, Verified, verify_streams
 from tts_service.engine.attention import use_grouped_attention
@@ -41,16 +41,10 @@ from tts_service.engine.graphs import (
     bucket_shape,
     forward_at,
 )
-from tts_service.engine.kv import (
-    LayerKV,
-    PrefilledRows,
-    PromptCache,
-    StaticKV,
-    fill_holes,
-    padded_rows,
-)
+from tts_service.engine.kv import PromptCache, StaticKV, fill_holes, padded_rows
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases, StepTimer
 from tts_service.engine.options import DEFAULTS, DecoderOptions
+from tts_service.engine.prefill import PendingJoin, PrefillJob, join_groups
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import (
     OBSERVE_TAIL,
@@ -149,6 +143,10 @@ class BatchDecoder:
         # attend: 0, blocked: `min` (an additive mask in the model's dtype), one op a step
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.active: list[Row] = []
+        self.joining: list[Row] = []  # admitted, their prompts still prefilling
+        self.pending: list[PendingJoin[Row]] = []  # their prefill jobs
+        self.prefill_s_per_token: float | None = None  # the last chunk's, measured
+        self.prefill_limit: int = opts.prefill_chunk or 1
         self.cache = cache if cache is not None else StaticKV(model)
         self.graphs = GraphedForward(model, self.cache) if opts.cuda_graphs else None
         self.cache.full_view = opts.full_view
@@ -214,41 +212,101 @@ class BatchDecoder:
     ) -> Row:
         return Row(list(prompt_ids), drafter, cfg, self.stop_rule(cfg, on_commit))
 
-    @torch.inference_mode()
     def join(self, rows: list[Row]) -> None:
-        """Add rows: their prompts (all but the root) prefilled in one forward, each distinct
-        prompt once, or taken from the prompt cache."""
+        """Add rows now: `admit` them and `prefill` every prompt waiting to the end."""
+        self.admit(rows)
+        self.prefill()
+
+    def admit(self, rows: list[Row]) -> None:
+        """Queue rows to join: each distinct prompt of theirs (all but the root) is taken from
+        the prompt cache or prefilled by `prefill`, a bounded chunk at a time, and the rows join
+        the batch when theirs are done (`engine.prefill`). Until then they are `joining`."""
         t0 = time.perf_counter()
         prompts = [tuple(r.tokens[:-1]) for r in rows]
-        unique = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-        shared = len(unique) < len(rows)  # best-of-N: one prefill per distinct prompt
-        source = torch.tensor([unique[p] for p in prompts], dtype=torch.long) if shared else None
-        if self.prompts is None:
-            cache, valid = self._prefill([list(p) for p in unique])
-            self.cache.append_rows(cache, valid, source)
-        else:
-            prefilled = self._cached_prefill(list(unique))
-            self.cache.append_rows(prefilled, prefilled.valid, source)
+        for group in join_groups(prompts, self.prefill_limit):
+            unique = list(dict.fromkeys(prompts[i] for i in group))
+            cached = {} if self.prompts is None else {p: self.prompts.get(p) for p in unique}
+            entries = {p: e for p, e in cached.items() if e is not None}
+            missing = [p for p in unique if p not in entries]
+            job = PrefillJob.of(missing, self.model) if any(missing) else None
+            if job is None:  # nothing to run: empty prompts have no keys
+                entries |= {p: [] for p in missing}
+            self.pending.append(PendingJoin([rows[i] for i in group], unique, entries, job))
         for row in rows:
-            row.drafter.start(row.tokens)
             row.joined_at = t0
-        self.active.extend(rows)
+        self.joining.extend(rows)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: int | None = None) -> list[Row]:
+        """Run at most about `tokens` tokens of the waiting prompts' prefill (None: all of
+        it), the job with the fewest left first; rows whose prompts are done join the batch.
+        Returns the rows that joined."""
+        t0, joined, limit = time.perf_counter(), [], self.prefill_limit
+        while self.pending:
+            group = min(self.pending, key=lambda g: g.remaining)
+            job = group.job
+            if job is not None and not job.finished:
+                if tokens is not None and tokens <= 0:
+                    break
+                c0 = time.perf_counter()
+                ran = job.advance(self.model, limit if tokens is None else tokens)
+                sync_device(self.device)
+                self.prefill_s_per_token = (time.perf_counter() - c0) / ran
+                tokens = None if tokens is None else tokens - ran
+                continue
+            self.pending.remove(group)
+            self._complete(group)
+            joined += group.rows
         self.forwards.prefill_s += time.perf_counter() - t0
+        return joined
+
+    def _complete(self, group: PendingJoin[Row]) -> None:
+        """The group's prompts are all prefilled: its rows join the batch below the others."""
+        entries, job = dict(group.entries), group.job
+        index = {p: i for i, p in enumerate(group.prompts)}
+        source = [index[tuple(r.tokens[:-1])] for r in group.rows]
+        rows = None if source == list(range(len(group.prompts))) else torch.tensor(source)
+        if job is not None and self.prompts is None:  # every prompt prefilled here, kept nowhere
+            self.cache.append_rows(job.cache, job.valid, rows)
+        else:
+            for i, p in enumerate(job.prompts if job is not None else []):
+                entries[p] = job.entry(i)
+                if self.prompts is not None:
+                    self.prompts.put(p, entries[p])
+            prefilled = padded_rows(group.prompts, [entries[p] for p in group.prompts])
+            self.cache.append_rows(prefilled, prefilled.valid, rows)
+        gone = {id(r) for r in group.rows}
+        self.joining = [r for r in self.joining if id(r) not in gone]
+        for row in group.rows:
+            row.drafter.start(row.tokens)
+        self.active.extend(group.rows)
 
     @torch.inference_mode()
     def drop(self, rows: list[Row]) -> None:
         """Take active rows out of the batch (cancelled from outside: early stop, disconnect)."""
         if not rows:
             return
-        self.flush_observations()
         gone = {id(r) for r in rows}
+        self._forget_joining(gone)
+        self.flush_observations()
         keep = [b for b, r in enumerate(self.active) if id(r) not in gone]
         if len(keep) < len(self.active):
             self._keep_rows(keep)
 
+    def _forget_joining(self, gone: set[int]) -> None:
+        """Rows `gone` (ids) no longer wait to join; a job no row waits for is dropped."""
+        self.joining = [r for r in self.joining if id(r) not in gone]
+        for group in list(self.pending):
+            group.rows = [r for r in group.rows if id(r) not in gone]
+            if not group.rows:
+                self.pending.remove(group)
+                if group.job is not None:
+                    self.cache.discard_prefill(group.job.cache)
+
     def reset(self) -> None:
-        """Drop every row, and the KV rows a failed join had appended with no row to drop."""
-        self.drop(list(self.active))
+        """Drop every row, those joining included, and the KV rows a failed join had appended
+        with no row to drop."""
+        self.drop(list(self.active) + list(self.joining))
         self.cache.clear()
 
     def _keep_rows(self, keep: list[int]) -> None:
@@ -259,61 +317,6 @@ class BatchDecoder:
         order = fill_holes(keep)
         self.cache.select_rows(order)
         self.active = [self.active[b] for b in order]
-
-    def _cached_prefill(self, prompts: list[tuple[int, ...]]) -> PrefilledRows:
-        """The prompts' prefilled KV: those the prompt cache lacks are prefilled together
-        first, and kept (more new prompts than the cache keeps are still all used here)."""
-        cache = self.prompts
-        assert cache is not None
-        entries = {p: e for p in prompts if (e := cache.get(p)) is not None}
-        missing = [p for p in prompts if p not in entries]
-        if missing:
-            new, _ = self._prefill([list(p) for p in missing])
-            for i, p in enumerate(missing):
-                n = len(p)
-                entries[p] = (
-                    [
-                        LayerKV(
-                            layer.keys[i : i + 1, :, layer.keys.shape[2] - n :].clone(),
-                            layer.values[i : i + 1, :, layer.values.shape[2] - n :].clone(),
-                        )
-                        for layer in new.layers
-                    ]
-                    if n
-                    else []
-                )
-                cache.put(p, entries[p])
-        return padded_rows(prompts, [entries[p] for p in prompts])
-
-    def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
-        """Left-padded prefill of `prompts` (each a row's tokens but its root), into a cache
-        of their own."""
-        device = self.model.device
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        cache = DynamicCache(config=self.model.config)
-        valid = torch.zeros(len(prompts), width, dtype=torch.bool, device=device)
-        if width == 0:
-            return cache, valid
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        pos = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        for b, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-            if n:
-                ids[b, width - n :] = torch.tensor(prompt, device=device)
-                pos[b, width - n :] = torch.arange(n, device=device)
-                valid[b, width - n :] = True
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
-        allowed = (causal[None] & valid[:, None, :]) | torch.eye(
-            width, dtype=torch.bool, device=device
-        )[None]
-        self.model(
-            ids,
-            attention_mask=self.zero.where(allowed, self.min)[:, None],
-            position_ids=pos,
-            past_key_values=cache,
-            logits_to_keep=1,
-        )
-        return cache, valid
 
     def _pack(self, tb: TreeBatch, shape: tuple[int, int]):
         """Batched inputs padded to `shape` = (rows, tokens): `[R, N]` ids and positions and the

@@ -283,6 +283,10 @@ class StaticKV(Cache):
         self.valid[:rows, :length] = True
         self.rows, self.length = rows, length
 
+    def discard_prefill(self, prefill: DynamicCache) -> None:
+        """A prefill's cache that no row will join from (its rows left while it ran): nothing
+        to do here; a tensor-parallel follower frees its own (`engine.tp`)."""
+
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (a timed forward's writes)."""
         self.length = length

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from tts_service.engine.prefill import max_chunk
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,7 +27,9 @@ class DecoderOptions:
     `grouped_attention`: run an SDPA model's tree steps over each KV head once
     (`engine.attention`; None: on a CUDA device). `graph_acceptance`: capture the step's
     acceptance too (None: wherever the forward is captured; on a CPU, true runs the captured
-    path eagerly, as the tests and the host benchmark check it)."""
+    path eagerly, as the tests and the host benchmark check it). `prefill_chunk`: the most
+    prompt tokens one prefill forward runs (`engine.prefill`; None: the device's,
+    `prefill.max_chunk`)."""
 
     compact_slack: int = 64
     cuda_graphs: bool = True
@@ -34,6 +38,7 @@ class DecoderOptions:
     defer_observation: bool = True
     grouped_attention: bool | None = None
     graph_acceptance: bool | None = None
+    prefill_chunk: int | None = None
 
     def resolved(self, device: torch.device) -> DecoderOptions:
         """Every choice made for `device`: no None left, graphs only on CUDA."""
@@ -45,6 +50,7 @@ class DecoderOptions:
             full_view=self.full_view or graphs,
             grouped_attention=cuda if self.grouped_attention is None else self.grouped_attention,
             graph_acceptance=graphs if self.graph_acceptance is None else self.graph_acceptance,
+            prefill_chunk=self.prefill_chunk or max_chunk(device),
         )
 
 

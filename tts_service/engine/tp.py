@@ -39,7 +39,7 @@ from tts_service.engine.kv import StaticKV
 from tts_service.engine.options import DecoderOptions
 
 _TENSOR = "__tensor__"  # an argument that travels as the i-th broadcast tensor
-_PREFILL = "__prefill__"  # the cache the last prefill filled (each rank has its own)
+_PREFILL = "__prefill__"  # a prefill's cache, by the leader's key (each rank has its own)
 _STOP = "stop"
 
 
@@ -65,6 +65,18 @@ def load_sharded(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTra
     ).eval()
 
 
+class _Prefills(dict[int, DynamicCache]):
+    """A follower's prefill caches by the leader's key; a new key starts an empty one."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def __missing__(self, key: int) -> DynamicCache:
+        self[key] = cache = DynamicCache(config=self.config)
+        return cache
+
+
 class Link:
     """Rank 0's broadcasts to the other ranks: a header (the call, its scalars, the shapes and
     dtypes of its tensors) as an object, then each tensor on the model's device."""
@@ -80,7 +92,7 @@ class Link:
                 encoded.append((_TENSOR, len(tensors)))
                 tensors.append(a)
             elif isinstance(a, DynamicCache):
-                encoded.append((_PREFILL,))
+                encoded.append((_PREFILL, id(a)))
             else:
                 encoded.append(a)
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -89,7 +101,9 @@ class Link:
             wire = t.to(self.device, torch.uint8 if t.dtype == torch.bool else t.dtype)
             dist.broadcast(wire.contiguous(), src=0)
 
-    def recv(self, prefill: DynamicCache | None) -> tuple[str, list[Any]]:
+    def recv(self, prefills: dict[int, DynamicCache]) -> tuple[str, list[Any]]:
+        """The next call and its arguments; a prefill's cache is this rank's one under the
+        leader's key (`prefills`, where a new key's first chunk starts one)."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
         op, encoded, specs = box[0]
@@ -105,7 +119,7 @@ class Link:
             if isinstance(a, tuple) and a and a[0] == _TENSOR:
                 args.append(tensors[a[1]])
             elif isinstance(a, tuple) and a and a[0] == _PREFILL:
-                args.append(prefill)
+                args.append(prefills[a[1]])
             else:
                 args.append(a)
         return op, args
@@ -135,7 +149,10 @@ class LeaderModel:
                 "verify", (input_ids, attention_mask, position_ids, kv.full_view, kv.write_slots)
             )
         else:
-            self.link.send("prefill", (input_ids, attention_mask, position_ids, logits_to_keep))
+            self.link.send(
+                "prefill",
+                (input_ids, attention_mask, position_ids, logits_to_keep, past_key_values),
+            )
         return self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -154,6 +171,7 @@ _REWRITES = (
     "select_rows",
     "clear",
     "append_rows",
+    "discard_prefill",
 )
 
 
@@ -195,6 +213,9 @@ class LeaderKV(StaticKV):
     def append_rows(self, *args):
         return self._mirror("append_rows", args)
 
+    def discard_prefill(self, *args):
+        return self._mirror("discard_prefill", args)
+
 
 def leader_decoder(
     model: PreTrainedModel,
@@ -231,14 +252,13 @@ def follow(model: PreTrainedModel) -> None:
     if model.device.type == "cuda":  # as the leader's decoder does (`BatchDecoder`)
         use_grouped_attention(model)
     link, cache = Link(model.device), StaticKV(model, shards=dist.get_world_size())
-    prefill: DynamicCache | None = None
+    prefills = _Prefills(model.config)  # the prefills in progress, by the leader's key
     while True:
-        op, args = link.recv(prefill)
+        op, args = link.recv(prefills)
         if op == _STOP:
             return
-        if op == "prefill":
-            ids, mask, pos, keep = args
-            prefill = DynamicCache(config=model.config)
+        if op == "prefill":  # a chunk, into its prefill's cache
+            ids, mask, pos, keep, prefill = args
             model(
                 ids,
                 attention_mask=mask,
@@ -254,5 +274,9 @@ def follow(model: PreTrainedModel) -> None:
                 cache.write_slots = None
         elif op in _REWRITES:
             getattr(cache, op)(*args)
+            if op in ("append_rows", "discard_prefill"):  # that prefill's cache is done with
+                done = [k for k, v in prefills.items() if v is args[0]]
+                for k in done:
+                    del prefills[k]
         else:
             raise ValueError(f"unknown tensor-parallel op {op!r}")

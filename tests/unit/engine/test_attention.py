@@ -131,8 +131,8 @@ def test_tree_attention_equals_the_reference_in_float64(context, parents):
     mask = _tree_batch(gen, rows, context, parents, pad)
     out = tree_attention(q, key, value, mask, 0.25)
     torch.testing.assert_close(out, _reference(q, key, value, mask, 0.25), rtol=1e-12, atol=1e-12)
-    if siblings:
-        torch.testing.assert_close(out[:, :, 2], out[:, :, 1], rtol=0, atol=0)
+    if siblings:  # equal to rounding: the kernel may sum the two keys' lanes in other orders
+        torch.testing.assert_close(out[:, :, 2], out[:, :, 1], rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("groups", [1, 3])
