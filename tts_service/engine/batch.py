@@ -41,7 +41,14 @@ from tts_service.engine.graphs import (
     bucket_shape,
     forward_at,
 )
-from tts_service.engine.kv import PromptCache, StaticKV, fill_holes, padded_rows
+from tts_service.engine.kv import (
+    PromptCache,
+    StaticKV,
+    fill_holes,
+    padded_rows,
+    prompt_cache_bytes,
+    trim_host_memory,
+)
 from tts_service.engine.metrics import ForwardStats, GenerationStats, StepPhases, StepTimer
 from tts_service.engine.options import DEFAULTS, DecoderOptions
 from tts_service.engine.prefill import PendingJoin, PrefillJob, join_groups
@@ -136,7 +143,9 @@ class BatchDecoder:
             use_grouped_attention(model)
         # the prompts' prefilled KV, kept for rows that join later (none where the cache is
         # mirrored: a tensor-parallel follower prefills beside its leader)
-        self.prompts = PromptCache() if opts.prompt_cache else None
+        self.prompts = (
+            PromptCache(max_bytes=prompt_cache_bytes(model.device)) if opts.prompt_cache else None
+        )
         self.eos_ids = list(eos_ids)
         self.decode = decode
         self.min = torch.finfo(model.dtype).min
@@ -280,6 +289,8 @@ class BatchDecoder:
         for row in group.rows:
             row.drafter.start(row.tokens)
         self.active.extend(group.rows)
+        if job is not None and job.width > self.prefill_limit:  # its chunks' work is free now
+            trim_host_memory(self.device)
 
     @torch.inference_mode()
     def drop(self, rows: list[Row]) -> None:
@@ -302,6 +313,7 @@ class BatchDecoder:
                 self.pending.remove(group)
                 if group.job is not None:
                     self.cache.discard_prefill(group.job.cache)
+                    trim_host_memory(self.device)
 
     def reset(self) -> None:
         """Drop every row, those joining included, and the KV rows a failed join had appended
@@ -313,10 +325,17 @@ class BatchDecoder:
         if not keep:  # an empty batch starts over at slot 0
             self.active = []
             self.cache.clear()
-            return
-        order = fill_holes(keep)
-        self.cache.select_rows(order)
-        self.active = [self.active[b] for b in order]
+        else:
+            order = fill_holes(keep)
+            self.cache.select_rows(order)
+            self.active = [self.active[b] for b in order]
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Shrink the cache to what the rows use and return the memory to the system, where it
+        holds far more (a long row left, `StaticKV.shrink`)."""
+        if self.cache.shrink():
+            trim_host_memory(self.device)
 
     def _pack(self, tb: TreeBatch, shape: tuple[int, int]):
         """Batched inputs padded to `shape` = (rows, tokens): `[R, N]` ids and positions and the
@@ -568,3 +587,4 @@ class BatchDecoder:
         width = int(valid.sum(1).max())
         order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices
         self.cache.gather_slots(order[:, -width:].contiguous(), valid.gather(1, order[:, -width:]))
+        self._give_back()

@@ -11,14 +11,18 @@ stay valid after the rewrite.
 
 Attention sees either the slots in use (`[0, length + n)`, the default: least work) or, with
 `full_view`, the whole buffer (`[0, capacity)`, static shapes for CUDA graphs; slots past the
-ones in use are masked). Capacity grows by doubling when a join or a step needs more, which
-invalidates captured graphs (`epoch` counts reallocations). The buffers are inference tensors,
-allocated and rewritten under `torch.inference_mode` whoever calls (a row dropped from outside
-a step included).
+ones in use are masked). Capacity grows by half again when a join or a step needs more, which
+invalidates captured graphs (`epoch` counts reallocations); a cache far larger than its rows
+use shrinks (`shrink`), so a long request's slots are given back when it leaves. The buffers
+are inference tensors, allocated and rewritten under `torch.inference_mode` whoever calls (a
+row dropped from outside a step included).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +32,23 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+SHRINK_FLOOR_BYTES = 256 << 20
+"""A cache at most this large is never shrunk (reallocating it would save little)."""
+
 
 def _grown(current: int, needed: int) -> int:
-    return max(needed, 2 * current)
+    """A dimension's new size: half as large again (so a cache that grows a token a step
+    reallocates a logarithmic number of times), or what is needed if more."""
+    return max(needed, current + current // 2)
+
+
+def trim_host_memory(device: torch.device) -> None:
+    """Return the host allocator's free pages to the system (glibc's `malloc_trim`), so that a
+    process that held a long request's work goes back to its size. Nothing elsewhere."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: it returns memory its way
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -82,14 +100,26 @@ class PrefilledRows:
     valid: torch.Tensor  # [rows, width] bool
 
 
-class PromptCache:
-    """The prefilled keys and values of the last `capacity` distinct prompts, each `[1, kv_heads,
-    len, head_dim]` per layer: a best-of-N problem's prompt is prefilled once, however its
-    trajectories join (vLLM's prefix caching, whole prompts only)."""
+def prompt_cache_bytes(device: torch.device) -> int:
+    """What the prompt cache may hold: 256 MiB on a CPU (SmolLM2's 2,800 tokens in float32),
+    2 GiB on a GPU."""
+    return (2 << 30) if device.type == "cuda" else (256 << 20)
 
-    def __init__(self, capacity: int = 8) -> None:
-        self.capacity = capacity
+
+def _entry_bytes(layers: list[LayerKV]) -> int:
+    return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+
+
+class PromptCache:
+    """The prefilled keys and values of the last `capacity` distinct prompts within `max_bytes`,
+    each `[1, kv_heads, len, head_dim]` per layer: a best-of-N problem's prompt is prefilled
+    once, however its trajectories join (vLLM's prefix caching, whole prompts only). A prompt
+    larger than `max_bytes` is not kept, so a long request's keys leave with it."""
+
+    def __init__(self, capacity: int = 8, max_bytes: int = 256 << 20) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
+        self.nbytes = 0
 
     def get(self, prompt: tuple[int, ...]) -> list[LayerKV] | None:
         """The prompt's entry, now the most recently used; None if not kept."""
@@ -99,10 +129,15 @@ class PromptCache:
         return self._entries[prompt]
 
     def put(self, prompt: tuple[int, ...], layers: list[LayerKV]) -> None:
+        if prompt in self._entries:
+            self.nbytes -= _entry_bytes(self._entries.pop(prompt))
+        size = _entry_bytes(layers)
+        if size > self.max_bytes:
+            return
         self._entries[prompt] = layers
-        self._entries.move_to_end(prompt)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.nbytes += size
+        while len(self._entries) > self.capacity or self.nbytes > self.max_bytes:
+            self.nbytes -= _entry_bytes(self._entries.popitem(last=False)[1])
 
 
 def padded_rows(prompts: list[tuple[int, ...]], entries: list[list[LayerKV]]) -> PrefilledRows:
@@ -192,14 +227,39 @@ class StaticKV(Cache):
         self.valid = valid
         self.epoch += 1
 
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one row's slot over every layer, keys and values."""
+        return self.nbytes // (self.row_capacity * self.capacity)
+
     @torch.inference_mode()
     def reserve(self, rows: int, capacity: int) -> None:
-        """Make room for `rows` rows and `capacity` slots (doubling what is short)."""
-        if rows > self.row_capacity or capacity > self.capacity:
-            self._allocate(
-                _grown(self.row_capacity, rows) if rows > self.row_capacity else self.row_capacity,
-                _grown(self.capacity, capacity) if capacity > self.capacity else self.capacity,
-            )
+        """Make room for `rows` rows and `capacity` slots: slots half as many again as asked
+        for, with exactly the rows asked for (a long row joining a batch makes every row as
+        long, `append_rows`: spare rows would cost as much); rows alone half as many again."""
+        if capacity > self.capacity:
+            self._allocate(max(rows, self.rows, 1), _grown(self.capacity, capacity))
+        elif rows > self.row_capacity:
+            self._allocate(_grown(self.row_capacity, rows), self.capacity)
+
+    @torch.inference_mode()
+    def shrink(self) -> bool:
+        """Give back what the batch no longer uses (rows left, the cache compacted): where the
+        cache holds over four times its rows' slots in use, and more than
+        `SHRINK_FLOOR_BYTES`, reallocate it half as large again as they are. True if it did."""
+        rows, length = max(self.rows, 1), self.length + 1
+        used = rows * length * self.slot_bytes()
+        if self.nbytes <= max(SHRINK_FLOOR_BYTES, 4 * used):
+            return False
+        self.resize(rows, _grown(length, length))
+        return True
+
+    def resize(self, rows: int, capacity: int) -> None:
+        """Reallocate to `rows` rows of `capacity` slots, at least those in use (`shrink`)."""
+        self._allocate(max(rows, self.rows), max(capacity, self.length + 1))
 
     def active_valid(self) -> torch.Tensor:
         """`[rows, length]`: the slots each row attends to."""

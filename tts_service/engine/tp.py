@@ -172,6 +172,7 @@ _REWRITES = (
     "clear",
     "append_rows",
     "discard_prefill",
+    "resize",
 )
 
 
@@ -215,6 +216,9 @@ class LeaderKV(StaticKV):
 
     def discard_prefill(self, *args):
         return self._mirror("discard_prefill", args)
+
+    def resize(self, *args):
+        return self._mirror("resize", args)
 
 
 def leader_decoder(

@@ -168,3 +168,44 @@ def test_select_rows_copies_only_the_rows_that_move():
             torch.testing.assert_close(_entries(kv, new), before[old])
             assert kv.valid[new].tolist() == flags[old].tolist()
         assert not kv.valid[3].any()
+
+
+def test_the_prompt_cache_keeps_no_more_bytes_than_its_budget():
+    """A prompt larger than the budget is not kept; older ones leave to keep within it."""
+    from tts_service.engine.kv import LayerKV, PromptCache
+
+    def entry(n: int) -> list[LayerKV]:
+        kv = torch.zeros(1, 1, n, 1, dtype=torch.float32)  # 4 bytes a slot, keys and values
+        return [LayerKV(kv, kv.clone())]
+
+    cache = PromptCache(capacity=8, max_bytes=80)
+    cache.put((1,), entry(4))  # 32 bytes
+    cache.put((2,), entry(11))  # 88: over the budget, not kept
+    assert cache.get((2,)) is None and cache.get((1,)) and cache.nbytes == 32
+    cache.put((3,), entry(5))  # 40: 72 in all
+    cache.put((4,), entry(2))  # 16: (1,) leaves
+    assert cache.get((1,)) is None and cache.get((3,)) and cache.get((4,)) and cache.nbytes == 56
+
+
+def test_a_cache_grown_for_a_long_row_shrinks_when_it_leaves(monkeypatch):
+    """Growing slots allocates exactly the rows asked for (spare rows would be as long), half
+    as many slots again; once the long row is gone and the cache is over four times what its
+    rows use, it shrinks, keeping every row's entries."""
+    import tts_service.engine.kv as kv_module
+
+    monkeypatch.setattr(kv_module, "SHRINK_FLOOR_BYTES", 0)
+    model = tiny_llama(vocab_size=64, seed=0)
+    kv = StaticKV(model, rows=8, capacity=4)
+    with torch.inference_mode():
+        kv.append_rows(*_prefilled(model, [[1, 2, 3], [4, 5, 6]]))
+        kv.reserve(2, 40)
+        assert (kv.row_capacity, kv.capacity) == (2, 40)
+        kv.reserve(2, 41)
+        assert kv.capacity == 60  # half again
+        kv.reserve(3, 41)
+        assert kv.row_capacity == 3
+        before = kv.kv[:, :, :2, :, :3].clone()
+        assert kv.shrink()  # 3 x 60 slots held, 2 x 4 in use
+        assert (kv.row_capacity, kv.capacity) == (2, 6) and not kv.shrink()
+        assert torch.equal(kv.kv[:, :, :2, :, :3], before)
+        assert kv.valid[:2, :3].all()
