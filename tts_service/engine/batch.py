@@ -275,13 +275,14 @@ class BatchDecoder:
         index = {p: i for i, p in enumerate(group.prompts)}
         source = [index[tuple(r.tokens[:-1])] for r in group.rows]
         rows = None if source == list(range(len(group.prompts))) else torch.tensor(source)
-        if job is not None and self.prompts is None:  # every prompt prefilled here, kept nowhere
+        if job is not None and self.prompts is not None:
+            for i, p in enumerate(job.prompts):
+                self.prompts.put(p, job.entry(i))
+        if job is not None and not entries:  # every prompt prefilled here: its cache, uncopied
             self.cache.append_rows(job.cache, job.valid, rows)
         else:
             for i, p in enumerate(job.prompts if job is not None else []):
                 entries[p] = job.entry(i)
-                if self.prompts is not None:
-                    self.prompts.put(p, entries[p])
             prefilled = padded_rows(group.prompts, [entries[p] for p in group.prompts])
             self.cache.append_rows(prefilled, prefilled.valid, rows)
         gone = {id(r) for r in group.rows}

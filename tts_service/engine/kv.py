@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: StaticKV) -> None:
         super().__init__()
-        self.owner = owner
+        # no cycle: a cache no longer used (a prefill's) is freed at once, not by a GC pass
+        self.owner = weakref.proxy(owner)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("StaticKV allocates its layers up front")
@@ -394,3 +396,17 @@ class StaticKV(Cache):
         self.valid[rows, joint - width : joint] = new_valid.to(self.device)
         self.rows += k
         self.length = joint
+
+
+class PrefillKV(StaticKV):
+    """One prefill job's keys and values (`engine.prefill`): `rows` prompts of `width` slots,
+    allocated once and filled a chunk at a time, so a long prompt's prefill never grows (and
+    copies) its cache; `StaticKV.append_rows` takes it as it takes a `DynamicCache`."""
+
+    def __init__(self, model: PreTrainedModel, rows: int, width: int) -> None:
+        super().__init__(model, rows=rows, capacity=width)
+        self.rows = rows
+
+    def advance(self, n: int) -> None:
+        """The last forward's `n` slots are written: the next writes after them."""
+        self.length += n

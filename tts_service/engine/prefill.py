@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from tts_service.engine.kv import LayerKV
+from tts_service.engine.kv import LayerKV, PrefillKV
 
 MIN_CHUNK = 32
 """The fewest positions a chunk runs (every step makes progress)."""
@@ -48,13 +48,13 @@ def chunk_tokens(step_s: float | None, s_per_token: float | None, limit: int) ->
 @dataclass(eq=False)
 class PrefillJob:
     """Distinct prompts prefilled together, left padded to one width, `done` positions so far,
-    into `cache` (`[rows, kv_heads, done, head_dim]` per layer)."""
+    into `cache` (allocated at the full width once)."""
 
     prompts: list[tuple[int, ...]]
     ids: torch.Tensor  # [rows, width] the prompts, left padded with 0
     positions: torch.Tensor  # [rows, width] each prompt's own positions from 0
     valid: torch.Tensor  # [rows, width] bool: a prompt's slot, not padding
-    cache: DynamicCache
+    cache: PrefillKV
     done: int = 0
     seconds: float = 0.0  # the chunks' forwards, so far
 
@@ -72,7 +72,7 @@ class PrefillJob:
                 ids[b, width - n :] = torch.tensor(prompt)
                 pos[b, width - n :] = torch.arange(n)
                 valid[b, width - n :] = True
-        cache = DynamicCache(config=model.config)
+        cache = PrefillKV(model, len(prompts), width)
         return cls(prompts, ids.to(device), pos.to(device), valid.to(device), cache)
 
     @property
@@ -128,6 +128,7 @@ class PrefillJob:
             past_key_values=self.cache,
             logits_to_keep=1,
         )
+        self.cache.advance(columns)
         self.done = end
         self.seconds += time.perf_counter() - t0
         return columns * len(self.prompts)

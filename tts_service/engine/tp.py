@@ -35,7 +35,7 @@ from transformers import (
 
 from tts_service.engine.attention import use_grouped_attention
 from tts_service.engine.batch import BatchDecoder
-from tts_service.engine.kv import StaticKV
+from tts_service.engine.kv import PrefillKV, StaticKV
 from tts_service.engine.options import DecoderOptions
 
 _TENSOR = "__tensor__"  # an argument that travels as the i-th broadcast tensor
@@ -91,7 +91,7 @@ class Link:
             if isinstance(a, torch.Tensor):
                 encoded.append((_TENSOR, len(tensors)))
                 tensors.append(a)
-            elif isinstance(a, DynamicCache):
+            elif isinstance(a, DynamicCache | PrefillKV):
                 encoded.append((_PREFILL, id(a)))
             else:
                 encoded.append(a)
@@ -140,10 +140,10 @@ class LeaderModel:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        past_key_values: StaticKV | DynamicCache,
+        past_key_values: StaticKV,
         logits_to_keep: int = 0,
     ):
-        if isinstance(past_key_values, StaticKV):
+        if not isinstance(past_key_values, PrefillKV):
             kv = past_key_values
             self.link.send(
                 "verify", (input_ids, attention_mask, position_ids, kv.full_view, kv.write_slots)
