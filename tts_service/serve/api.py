@@ -17,9 +17,10 @@ import json
 import logging
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -73,20 +74,40 @@ class _Request(BaseModel):
         return stops
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (JSON's escapes can carry a lone surrogate, which the
+    tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode(text: str) -> str:
+    if not _is_unicode(text):
+        raise ValueError("not valid Unicode (a lone surrogate)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string the tokenizer can take: a lone surrogate is a 400 naming the field."""
+
+
 class TextPart(BaseModel):
     """One part of a message's content; only text (images and audio are 400s naming `type`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -153,16 +174,6 @@ def _is_id(x: object) -> bool:
     return type(x) is int and 0 <= x < 2**31
 
 
-def _is_unicode(text: str) -> bool:
-    """Whether `text` encodes as UTF-8 (JSON's escapes can carry a lone surrogate, which the
-    tokenizer cannot take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 class CompletionRequest(_Request):
     """`prompt`: a string, a list of strings, a list of token ids or a list of such lists;
     every prompt gets `n` choices (choice index = prompt's position × n + its own index).
@@ -209,7 +220,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -233,7 +244,7 @@ class DetokenizeRequest(BaseModel):
 class SolveHttpRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    question: str = Field(min_length=1)
+    question: Text = Field(min_length=1)
     task: Literal["math", "choice", "code"] = "math"
     n: int = Field(16, ge=1, le=64)
     temperature: float = Field(0.6, ge=0.0, le=2.0)
@@ -338,7 +349,9 @@ def parse(model_cls: type[BaseModel], raw: bytes, strict: bool = True) -> BaseMo
         req = model_cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or "body"
+        # the field's path, without pydantic's names of union members and validators
+        path = [str(x) for x in first["loc"] if not (isinstance(x, str) and "[" in x)]
+        param = ".".join(path) or "body"
         msg = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{param}: {msg}", param) from e
     if isinstance(req, _Request) and req.stream_options is not None and not req.stream:

@@ -12,6 +12,7 @@ from tts_service.serve.api import (
     ChatCompletionRequest,
     CompletionRequest,
     SolveHttpRequest,
+    TokenizeRequest,
     parse,
 )
 
@@ -141,3 +142,34 @@ def test_unknown_fields_are_dropped_with_a_warning_unless_strict(caplog):
     nested = json.dumps({**CHAT, "stream_options": {"x": 1}}).encode()
     with pytest.raises(ApiError):  # only top-level fields are another server's extensions
         parse(ChatCompletionRequest, nested, strict=False)
+
+
+@pytest.mark.parametrize(
+    "cls,body,param",
+    [
+        (TokenizeRequest, {"prompt": "\ud800"}, "prompt"),
+        (
+            TokenizeRequest,
+            {"messages": [{"role": "user", "content": "a\udfff"}]},
+            "messages.0.content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "messages.0.content",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content",
+        ),
+        (CompletionRequest, {"prompt": "x\ud800"}, "prompt"),
+        (SolveHttpRequest, {"question": "\ud800"}, "question"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(cls, body, param):
+    """JSON's escapes carry a lone surrogate that the tokenizer cannot take (`/tokenize` was a
+    500): refused at the boundary, naming the field."""
+    with pytest.raises(ApiError) as e:
+        parse(cls, json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == param
