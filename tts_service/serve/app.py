@@ -19,16 +19,18 @@ cancels its work at the next decoding step.
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tts_service.schemas import ServeConfig
@@ -162,6 +164,7 @@ class TTSServer:
         # one thread per admitted request: each waits on the shared runner, none queues here
         self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")
         self.inflight = 0
+        self.replica, self.reports = uuid.uuid4().hex, itertools.count(1)  # depth reports
         self.hub = hub  # the app's metrics, shared by every replica
         self.counting: set[asyncio.Task] = set()  # 499s being counted (references kept)
 
@@ -207,11 +210,15 @@ class TTSServer:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
         self.inflight += 1
-        self.hub.queue.remote(1)
+        self._report_depth()
 
     def _release(self) -> None:
         self.inflight -= 1
-        self.hub.queue.remote(-1)
+        self._report_depth()
+
+    def _report_depth(self) -> DeploymentResponse:
+        """This replica's requests now, to the hub (absolute: `Metrics.report_depth`)."""
+        return self.hub.queue.remote(self.replica, next(self.reports), self.inflight)
 
     async def _run(self, fn, job, cancel: threading.Event, *extra):
         """Run blocking engine work (admitted by `_admit`) in its own thread.
@@ -263,6 +270,7 @@ class TTSServer:
     async def metrics(self) -> Response:
         """The app's metrics (the hub's), and the rows decoding now in the replica that
         answers (vLLM's num_requests_running, per replica)."""
+        await self._report_depth()  # so the depth read is at least this replica's now
         rows = (
             "# HELP tts_rows_running Rows in the answering replica's decoding batch now.\n"
             "# TYPE tts_rows_running gauge\n"

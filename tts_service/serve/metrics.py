@@ -43,6 +43,17 @@ class Metrics:
         self.queue = Gauge(
             "tts_queue_depth", "Requests running or waiting, over all replicas", registry=r
         )
+        self.depths: dict[str, tuple[int, int]] = {}  # replica -> (report number, its depth)
+
+    def report_depth(self, replica: str, seq: int, depth: int) -> None:
+        """A replica's own count of its requests now, its `seq`-th report: absolute, so a
+        report lost or late (a replica's calls may arrive out of order, or not at all when its
+        clients leave) never leaves the sum drifting; an older report than one held is
+        ignored. A replica that dies holding requests leaves them in."""
+        held = self.depths.get(replica)
+        if held is None or seq > held[0]:
+            self.depths[replica] = (seq, max(0, depth))
+        self.queue.set(sum(d for _, d in self.depths.values()))
 
     def record(
         self,
@@ -75,10 +86,9 @@ class MetricsHub:
     def record(self, *args, **kwargs) -> None:
         self.metrics.record(*args, **kwargs)
 
-    def queue(self, delta: int) -> None:
-        """Admissions (+1) and releases (-1) from every replica: their sum is the depth, in
-        whatever order they arrive (a replica that dies holding requests leaves them in)."""
-        self.metrics.queue.inc(delta)
+    def queue(self, replica: str, seq: int, depth: int) -> None:
+        """A replica's requests now (`Metrics.report_depth`)."""
+        self.metrics.report_depth(replica, seq, depth)
 
     def text(self) -> bytes:
         return self.metrics.text()
