@@ -14,7 +14,9 @@ RAY_ADDRESS of 127.0.0.1:port reaches a loopback-bound cluster where it listens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +84,16 @@ def start_local(num_cpus: int | None = None, **options: Any) -> None:
     if node_ip != LOOPBACK:
         ray.shutdown()
         raise RuntimeError(f"Ray {ray.__version__} put the local node on {node_ip}, not loopback")
+    _reaped()
+
+
+@functools.cache
+def _reaped() -> subprocess.Popen | None:
+    """Once per process: the private Ray's processes end with this one, however it ends
+    (`actors.reaper`)."""
+    from actors import reaper
+
+    return reaper.start()
 
 
 def connect(num_cpus: int | None = None, **options: Any) -> str:

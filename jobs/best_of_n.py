@@ -35,6 +35,7 @@ from jobs.common import (
     output_dir,
     run_missing,
     run_settings,
+    stopped,
 )
 from tts_service.drafters.registry import METHOD_NAMES, method_name
 from tts_service.engine.metrics import acceptance_length
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     except (JobInputError, PlacementError) as e:
         print(f"jobs.best_of_n: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # SIGTERM (JobStopped) or Ctrl-C
+        return stopped("jobs.best_of_n", e)
     return 0
 
 

@@ -13,7 +13,9 @@ import dataclasses
 import hashlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -196,6 +198,41 @@ def init_ray(cfg: JobConfig) -> None:
             object_store_memory=500 * 1024**2,
         )
     print(f"[job] Ray: {using}", flush=True)
+    stop_on_sigterm()
+
+
+class JobStopped(KeyboardInterrupt):
+    """SIGTERM arrived: the job stops as on Ctrl-C, keeping what finished."""
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM raises `JobStopped` in the main thread, as Ctrl-C raises KeyboardInterrupt
+    (after Ray's init, whose own handler exits the interpreter mid-work: the job then died
+    of SIGABRT, status -6, in Ray's teardown)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise JobStopped
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
+def stopped(prog: str, e: KeyboardInterrupt) -> int:
+    """A job stopped by SIGTERM or Ctrl-C: Ray shut down here (not in the interpreter's exit),
+    the resume hint printed; the status a supervisor reads as stopped by that signal (143 for
+    SIGTERM, 130 for SIGINT)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    sig = "SIGTERM" if isinstance(e, JobStopped) else "SIGINT"
+    print(
+        f"{prog}: stopped by {sig}; every finished trajectory is kept in --out: run the same "
+        "command to resume",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + (signal.SIGTERM if isinstance(e, JobStopped) else signal.SIGINT)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from jobs.common import (
     load_config,
     output_dir,
     run_missing,
+    stopped,
 )
 from jobs.endpoint import Endpoint, EndpointError
 from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
@@ -533,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     except (JobInputError, PlacementError) as e:
         print(f"jobs.evaluate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # SIGTERM (JobStopped) or Ctrl-C
+        return stopped("jobs.evaluate", e)
     except EndpointError as e:
         print(f"jobs.evaluate: endpoint failed: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
-"""A best-of-N job stopped by SIGTERM or Ctrl-C while it decodes exits within 10 s, leaving no
-process of its own (its private Ray included), and keeps every finished trajectory: a real
-process, a private Ray on loopback."""
+"""A best-of-N job stopped by SIGTERM or Ctrl-C while it decodes exits within 10 s with the
+status a supervisor reads as stopped by that signal, leaving no process of its own (its private
+Ray included), and keeps every finished trajectory; killed with SIGKILL, its private Ray goes
+within seconds too: a real process, a private Ray on loopback."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_a_signal_while_decoding_stops_the_job_within_10_s_leaving_nothing(tmp_path, sig):
     out, log = tmp_path / "out", tmp_path / "job.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own private Ray
@@ -37,7 +38,10 @@ def test_a_signal_while_decoding_stops_the_job_within_10_s_leaving_nothing(tmp_p
         own = psutil.Process(proc.pid).children(recursive=True)
         assert own, "a private Ray and the generator actor run beneath it"
         proc.send_signal(sig)
-        proc.wait(timeout=10)
+        status = proc.wait(timeout=10)
+        if sig != signal.SIGKILL:  # 143, 130: stopped by that signal (was -6, SIGABRT)
+            assert status == 128 + sig, log.read_text()[-3000:]
+            assert "run the same command to resume" in log.read_text()
         _, alive = psutil.wait_procs(own, timeout=10)
         assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
     finally:

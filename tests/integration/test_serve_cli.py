@@ -79,3 +79,45 @@ def test_tts_serve_takes_vllm_flags_checks_the_key_and_stops_on_sigterm(tiny_mod
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_whole_process_group_stops_serve_within_10_s(tiny_model_dir, tmp_path, sig):
+    """What `timeout`, `kill -TERM -PGID` and systemd send: Ray's own processes get the signal
+    too, and Serve's shutdown waited 30 s for its dead controller (31-41 s in all). Exit within
+    10 s, nothing of it left."""
+    import psutil
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    argv = [
+        sys.executable,
+        "-m",
+        "tts_service",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while "tts: serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        own = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 <= 10, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(own, timeout=10)
+        assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+        assert not _port_open(port)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -168,13 +168,43 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("tts: stopping", file=sys.stderr, flush=True)
         if private:  # the Serve instance and the Ray are this command's own
-            import ray
-
-            serve.shutdown()
-            ray.shutdown()
+            _stop_private()
         else:  # a shared cluster: only this application
             serve.delete(name)
     return 0
+
+
+SERVE_SHUTDOWN_S = 3.0
+"""How long the private Serve may take to stop its replicas before its Ray is shut down."""
+STOP_S = 7.0
+"""How long stopping may take in all; then the command exits and its reaper stops what is left
+(`actors.reaper`)."""
+
+
+def _stop_private() -> None:
+    """Stop Serve (its replicas flush their stores), then the private Ray, within `STOP_S`. A
+    signal sent to the whole process group (`timeout`, `kill -TERM -PGID`, systemd) has also
+    reached Ray's own processes: Serve's shutdown then waited 30 s for its controller and
+    Ray's for its raylet, 31-41 s in all; here each wait is bounded."""
+    import ray
+    from ray import serve
+
+    def stop() -> None:
+        quiet = threading.Thread(target=serve.shutdown, name="tts-serve-shutdown", daemon=True)
+        quiet.start()
+        quiet.join(SERVE_SHUTDOWN_S)
+        ray.shutdown()
+        done.set()
+
+    done = threading.Event()
+    threading.Thread(target=stop, name="tts-stop", daemon=True).start()
+    if not done.wait(STOP_S):
+        print(
+            f"tts: Ray did not stop within {STOP_S:g} s; its processes end with this one",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(0)
 
 
 class Stopped(Exception):
