@@ -7,6 +7,7 @@ here, so it carries over between every run on the same `Generator`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from store.base import NgramStore
@@ -17,6 +18,7 @@ from tts_service.engine.allocate import SlotStats, StepCost, measure_batch_cost
 from tts_service.engine.batch import BatchDecoder
 from tts_service.engine.cost import VerifyCostSource
 from tts_service.engine.decode import GenerationOutput, GenerationResult
+from tts_service.engine.kv import default_kv_budget, slot_bytes
 from tts_service.engine.options import DecoderOptions
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Drafter
@@ -45,8 +47,15 @@ class Generator:
         cost_cache: Path | None = None,
         surface: CostSurface | None = None,
         prefill_chunk: int | None = None,
+        kv_cache_memory: float | None = None,
     ) -> None:
         self.loaded = loaded
+        self.slot_bytes = slot_bytes(loaded.model)  # a row's token in the KV cache
+        self.kv_budget = (
+            int(kv_cache_memory * 2**30)
+            if kv_cache_memory is not None
+            else default_kv_budget(loaded.device)
+        )
         self.prefill_chunk = prefill_chunk  # tokens a prefill forward runs; None: the device's
         self.max_model_len = max_model_len  # below the model's context, if set
         self.cost_model = cost_model
@@ -77,6 +86,7 @@ class Generator:
             cost_model=cfg.cost_model,
             cost_cache=cfg.cost_cache_dir,
             prefill_chunk=cfg.prefill_chunk,
+            kv_cache_memory=cfg.kv_cache_memory,
         )
 
     def surface(self, max_rows: int = 1) -> CostSurface:
@@ -145,12 +155,23 @@ class Generator:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is not in the vocabulary (0 to {vocab - 1})")
-        limit = self.context_limit
-        if limit and len(prompt_ids) + sampling.max_new_tokens > limit:
+        limit, tokens = self.context_limit, len(prompt_ids) + sampling.max_new_tokens
+        if limit and tokens > limit:
             raise InputTooLongError(
                 f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} new tokens "
                 f"exceed the context of {limit} (max_model_len, else the model's)"
             )
+        if not self.kv_room([tokens]):
+            raise InputTooLongError(
+                f"{len(prompt_ids)} prompt tokens + {sampling.max_new_tokens} new tokens need "
+                f"{tokens * self.slot_bytes / 2**30:.2f} GiB of KV cache; it may hold "
+                f"{self.kv_budget / 2**30:.2f} GiB (model.kv_cache_memory)"
+            )
+
+    def kv_room(self, lengths: Sequence[int]) -> bool:
+        """Whether rows of these lengths fit the KV cache together: the cache is dense, every
+        row as long as the longest."""
+        return len(lengths) * max(lengths, default=0) * self.slot_bytes <= self.kv_budget
 
     def output(self, res: GenerationResult) -> GenerationOutput:
         text = self.decode(list(res.token_ids))

@@ -432,6 +432,9 @@ class LoggedTarget:
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
         pass  # a logged trajectory fitted when it was decoded
 
+    def kv_room(self, lengths: Sequence[int]) -> bool:
+        return True  # no cache
+
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, params: SamplingParams) -> Drafter:
         return self.drafters.build(cfg, store, params)
 

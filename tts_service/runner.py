@@ -61,7 +61,11 @@ class RunnerModel(Protocol):
         """The batch decoder the runner steps when none is given."""
 
     def check_fits(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
-        """Raise ValueError when the request cannot run (too long for the context)."""
+        """Raise ValueError when the request cannot run (too long for the context, or for the
+        KV cache alone)."""
+
+    def kv_room(self, lengths: Sequence[int]) -> bool:
+        """Whether rows of these lengths (prompt + new tokens) fit the KV cache together."""
 
     def row_drafter(self, cfg: DrafterConfig, store: NgramStore, params: SamplingParams) -> Drafter:
         """A fresh drafter for one row, sharing what its model and problem share."""
@@ -292,6 +296,8 @@ class TrajectoryRunner:
         joining: list[TrajectoryRow] = []
         while (i := self._next(joining)) is not None:
             sub, req = self.queue[i]
+            if not self._kv_room(req, joining):  # it waits for rows to leave
+                break
             del self.queue[i]
             if sub.skipped(req) or sub.error is not None:
                 sub.settle(None)
@@ -346,6 +352,16 @@ class TrajectoryRunner:
     def _rows(self) -> list[TrajectoryRow]:
         """The batch's rows (the runner joins only its own)."""
         return cast(list[TrajectoryRow], list(self.decoder.active))
+
+    def _kv_room(self, req: TrajectoryRequest, joining: list[TrajectoryRow]) -> bool:
+        """Whether `req` fits the KV cache beside the rows running, prefilling and joining now,
+        each at its longest (the cache is dense: every row as long as the longest). A request
+        alone always may (`check_fits` refused one too big alone)."""
+        rows = (*self._rows(), *self._joining(), *joining)
+        if not rows:
+            return True
+        lengths = [len(r.prompt_ids) + r.cfg.max_new_tokens for r in rows]
+        return self.generator.kv_room([*lengths, len(req.prompt_ids) + req.sampling.max_new_tokens])
 
     def _joining(self) -> list[TrajectoryRow]:
         """The rows admitted whose prompts are still prefilling."""

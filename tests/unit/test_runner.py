@@ -559,3 +559,34 @@ def test_short_requests_finish_while_a_long_prompt_prefills(tiny_model):
     for res in long.wait().results + short.wait().results:
         ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
         assert res.output.token_ids == ref.token_ids
+
+
+def test_a_request_waits_for_kv_room_and_one_too_big_alone_is_refused(tiny_model):
+    """A KV budget of 50 tokens a row: two requests of 30 tokens each run one after the other
+    (together the dense cache would hold 2 x 30), and one of 60 alone fails its own
+    submission, saying why; every trajectory still equals plain."""
+    from tts_service.generation import InputTooLongError
+
+    gen = make_generator(tiny_model)
+    gen.kv_budget = 50 * gen.slot_bytes
+    runner = TrajectoryRunner(gen, 4)
+    rows_seen: list[int] = []
+
+    def request(i: int, n: int) -> TrajectoryRequest:
+        sampling = SamplingConfig(temperature=0, max_new_tokens=n, seed=i)
+        prompt = _prompts()[i]
+        return TrajectoryRequest(
+            "p", i, prompt, sampling, DRAFTER_CONFIGS["pld"], InMemoryNgramStore()
+        )
+
+    fits = runner.submit([request(0, 30 - len(_prompts()[0])), request(1, 30 - len(_prompts()[1]))])
+    too_big = runner.submit([request(2, 60)])
+    while not (fits.done.is_set() and too_big.done.is_set()):
+        runner.tick()
+        rows_seen.append(len(runner.decoder.active) + len(runner.decoder.joining))
+    assert max(rows_seen) == 1
+    with pytest.raises(InputTooLongError, match="KV cache"):
+        too_big.wait()
+    for res in fits.wait().results:
+        ref = plain_generate(tiny_model, res.request.prompt_ids, res.request.sampling, eos_ids=[])
+        assert res.output.token_ids == ref.token_ids

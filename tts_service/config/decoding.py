@@ -94,6 +94,14 @@ class ModelConfig(StrictConfig):
         "a chunk at a time between the batch's steps (vLLM's max_num_batched_tokens); none: "
         "512 on a CPU, 2048 on a GPU.",
     )
+    kv_cache_memory: float | None = Field(
+        None,
+        gt=0,
+        description="GiB the batch's KV cache may hold: a request whose prompt plus max_tokens "
+        "needs more alone is refused, one that does beside the running rows waits for rows to "
+        "leave; none: 90% of the GPU's free memory once the model is loaded, half the memory "
+        "available on a CPU.",
+    )
     max_memory: dict[str, str] | None = Field(
         None,
         description="Shard over the visible GPUs (device_map='auto') within these per-device "

@@ -27,6 +27,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -100,6 +101,26 @@ class PrefilledRows:
 
     layers: list[LayerKV]
     valid: torch.Tensor  # [rows, width] bool
+
+
+def slot_bytes(model: PreTrainedModel) -> int:
+    """Bytes one row's token takes in the cache: keys and values of every layer."""
+    cfg = model.config.get_text_config()
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """What the batch's cache may hold where none is set: 90% of the GPU's free memory once
+    the model is loaded, half the memory the system has available on a CPU."""
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.mem_get_info(device)[0])
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        available = next(line for line in lines if line.startswith("MemAvailable:"))
+        return int(available.split()[1]) * 1024 // 2
+    return 8 << 30
 
 
 def prompt_cache_bytes(device: torch.device) -> int:
