@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     except (JobInputError, PlacementError) as e:
         print(f"jobs.best_of_n: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # SIGTERM (JobStopped) or Ctrl-C
-        return stopped("jobs.best_of_n", e)
+    except KeyboardInterrupt:  # SIGTERM (JobStopped) or Ctrl-C
+        return stopped("jobs.best_of_n")
     return 0
 
 

@@ -205,19 +205,24 @@ class JobStopped(KeyboardInterrupt):
     """SIGTERM arrived: the job stops as on Ctrl-C, keeping what finished."""
 
 
+_signals: list[int] = []  # the stopping signals received, in order
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM raises `JobStopped` in the main thread, as Ctrl-C raises KeyboardInterrupt
     (after Ray's init, whose own handler exits the interpreter mid-work: the job then died
-    of SIGABRT, status -6, in Ray's teardown)."""
+    of SIGABRT, status -6, in Ray's teardown). The signal is noted, since Ray's waits may turn
+    the exception into a plain KeyboardInterrupt."""
 
     def stop(signum: int, frame: object) -> None:
+        _signals.append(signum)
         raise JobStopped
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
 
 
-def stopped(prog: str, e: KeyboardInterrupt) -> int:
+def stopped(prog: str) -> int:
     """A job stopped by SIGTERM or Ctrl-C: Ray shut down here (not in the interpreter's exit),
     the resume hint printed; the status a supervisor reads as stopped by that signal (143 for
     SIGTERM, 130 for SIGINT)."""
@@ -225,14 +230,14 @@ def stopped(prog: str, e: KeyboardInterrupt) -> int:
 
     if ray.is_initialized():
         ray.shutdown()
-    sig = "SIGTERM" if isinstance(e, JobStopped) else "SIGINT"
+    sig = signal.Signals(_signals[0] if _signals else signal.SIGINT)
     print(
-        f"{prog}: stopped by {sig}; every finished trajectory is kept in --out: run the same "
-        "command to resume",
+        f"{prog}: stopped by {sig.name}; every finished trajectory is kept in --out: run the "
+        "same command to resume",
         file=sys.stderr,
         flush=True,
     )
-    return 128 + (signal.SIGTERM if isinstance(e, JobStopped) else signal.SIGINT)
+    return 128 + sig
 
 
 @contextlib.contextmanager

@@ -534,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     except (JobInputError, PlacementError) as e:
         print(f"jobs.evaluate: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # SIGTERM (JobStopped) or Ctrl-C
-        return stopped("jobs.evaluate", e)
+    except KeyboardInterrupt:  # SIGTERM (JobStopped) or Ctrl-C
+        return stopped("jobs.evaluate")
     except EndpointError as e:
         print(f"jobs.evaluate: endpoint failed: {e}", file=sys.stderr)
         return 1
