@@ -177,10 +177,12 @@ class RunnerHost:
 
     def score(self, ids: Sequence[int], start: int, top: int) -> TokenLogprobs:
         """The target's logprobs of `ids[start:]` with `top` alternatives at each
-        (`engine.scoring`): one forward, between two of the runner's steps when threaded."""
+        (`engine.scoring`): a chunk of the forward at a time, each between two of the runner's
+        steps when threaded."""
         model = self.generator.loaded.model
-        work = lambda: score_tokens(model, ids, start, top)  # noqa: E731
-        return self.loop.between_steps(work) if self.loop is not None else work()
+        if self.loop is None:
+            return score_tokens(model, ids, start, top)
+        return score_tokens(model, ids, start, top, run=self.loop.between_steps)
 
     def generate(
         self,

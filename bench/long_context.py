@@ -50,7 +50,8 @@ class RssWatch:
     """The replica's resident memory, sampled every 0.2 s in a thread (MiB)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.samples = pid, [(time.monotonic(), self.now())]
+        self.pid = pid
+        self.samples = [(time.monotonic(), self.now())]
         self.done = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -71,10 +72,13 @@ class RssWatch:
 
 
 def replica_pid() -> int:
-    from ray.util.state import list_actors
+    """The replica's process: Ray titles it `ray::ServeReplica:APP:TTSServer`."""
+    import psutil
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return next(a.pid for a in actors if "TTSServer" in (a.class_name or ""))
+    for proc in psutil.Process().children(recursive=True):
+        if "TTSServer" in " ".join(proc.cmdline()):
+            return proc.pid
+    raise RuntimeError("no TTSServer replica among this process's descendants")
 
 
 def short_bodies(n: int, tokens: int) -> list[dict]:

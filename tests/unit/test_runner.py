@@ -403,7 +403,7 @@ def test_a_prompt_is_prefilled_once_however_its_rows_join(tiny_model, monkeypatc
     prefilled: list[tuple[int, ...]] = []
     job = PrefillJob.of
     monkeypatch.setattr(
-        PrefillJob, "of", classmethod(lambda cls, ps, model: prefilled.extend(ps) or job(ps, model))
+        PrefillJob, "of", classmethod(lambda cls, ps, *rest: prefilled.extend(ps) or job(ps, *rest))
     )
     gen = make_generator(tiny_model)
     prompts = _prompts()[:2]

@@ -232,15 +232,20 @@ class BatchDecoder:
         the batch when theirs are done (`engine.prefill`). Until then they are `joining`."""
         t0 = time.perf_counter()
         prompts = [tuple(r.tokens[:-1]) for r in rows]
-        for group in join_groups(prompts, self.prefill_limit):
-            unique = list(dict.fromkeys(prompts[i] for i in group))
+        running = {p: g for g in self.pending for p in g.prompts}  # prompts prefilling now
+        for i in [i for i, p in enumerate(prompts) if p in running]:
+            running[prompts[i]].rows.append(rows[i])  # they join when that prompt is done
+        fresh = [i for i, p in enumerate(prompts) if p not in running]
+        for group in join_groups([prompts[i] for i in fresh], self.prefill_limit):
+            unique = list(dict.fromkeys(prompts[fresh[i]] for i in group))
             cached = {} if self.prompts is None else {p: self.prompts.get(p) for p in unique}
             entries = {p: e for p, e in cached.items() if e is not None}
             missing = [p for p in unique if p not in entries]
-            job = PrefillJob.of(missing, self.model) if any(missing) else None
+            job = PrefillJob.of(missing, self.model, self.cache.shards) if any(missing) else None
             if job is None:  # nothing to run: empty prompts have no keys
                 entries |= {p: [] for p in missing}
-            self.pending.append(PendingJoin([rows[i] for i in group], unique, entries, job))
+            group_rows = [rows[fresh[i]] for i in group]
+            self.pending.append(PendingJoin(group_rows, unique, entries, job))
         for row in rows:
             row.joined_at = t0
         self.joining.extend(rows)
@@ -275,14 +280,15 @@ class BatchDecoder:
         index = {p: i for i, p in enumerate(group.prompts)}
         source = [index[tuple(r.tokens[:-1])] for r in group.rows]
         rows = None if source == list(range(len(group.prompts))) else torch.tensor(source)
-        if job is not None and self.prompts is not None:
-            for i, p in enumerate(job.prompts):
-                self.prompts.put(p, job.entry(i))
+        kept = self.prompts is not None or bool(entries)  # entries needed apart from the job
+        fresh = {p: job.entry(i) for i, p in enumerate(job.prompts)} if job and kept else {}
+        if self.prompts is not None:
+            for p, e in fresh.items():
+                self.prompts.put(p, e)
         if job is not None and not entries:  # every prompt prefilled here: its cache, uncopied
             self.cache.append_rows(job.cache, job.valid, rows)
         else:
-            for i, p in enumerate(job.prompts if job is not None else []):
-                entries[p] = job.entry(i)
+            entries |= fresh
             prefilled = padded_rows(group.prompts, [entries[p] for p in group.prompts])
             self.cache.append_rows(prefilled, prefilled.valid, rows)
         gone = {id(r) for r in group.rows}

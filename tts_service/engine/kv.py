@@ -124,9 +124,9 @@ def default_kv_budget(device: torch.device) -> int:
 
 
 def prompt_cache_bytes(device: torch.device) -> int:
-    """What the prompt cache may hold: 256 MiB on a CPU (SmolLM2's 2,800 tokens in float32),
-    2 GiB on a GPU."""
-    return (2 << 30) if device.type == "cuda" else (256 << 20)
+    """What the prompt cache may hold: 128 MiB on a CPU (SmolLM2's 2,800 tokens in float32: a
+    LiveCodeBench or GPQA prompt), 2 GiB on a GPU."""
+    return (2 << 30) if device.type == "cuda" else (128 << 20)
 
 
 def _entry_bytes(layers: list[LayerKV]) -> int:
@@ -139,7 +139,7 @@ class PromptCache:
     once, however its trajectories join (vLLM's prefix caching, whole prompts only). A prompt
     larger than `max_bytes` is not kept, so a long request's keys leave with it."""
 
-    def __init__(self, capacity: int = 8, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, capacity: int = 8, max_bytes: int = 128 << 20) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self._entries: OrderedDict[tuple[int, ...], list[LayerKV]] = OrderedDict()
         self.nbytes = 0
@@ -208,6 +208,7 @@ class StaticKV(Cache):
         """`shards`: the tensor-parallel ranks the KV heads are split over; each holds its
         share (`engine.tp`)."""
         cfg = model.config.get_text_config()
+        self.shards = shards
         self.kv_heads = (cfg.num_key_value_heads or cfg.num_attention_heads) // shards
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype, self.device = model.dtype, model.device
@@ -424,8 +425,8 @@ class PrefillKV(StaticKV):
     allocated once and filled a chunk at a time, so a long prompt's prefill never grows (and
     copies) its cache; `StaticKV.append_rows` takes it as it takes a `DynamicCache`."""
 
-    def __init__(self, model: PreTrainedModel, rows: int, width: int) -> None:
-        super().__init__(model, rows=rows, capacity=width)
+    def __init__(self, model: PreTrainedModel, rows: int, width: int, shards: int = 1) -> None:
+        super().__init__(model, rows=rows, capacity=width, shards=shards)
         self.rows = rows
 
     def advance(self, n: int) -> None:

@@ -59,7 +59,10 @@ class PrefillJob:
     seconds: float = 0.0  # the chunks' forwards, so far
 
     @classmethod
-    def of(cls, prompts: list[tuple[int, ...]], model: PreTrainedModel) -> PrefillJob:
+    def of(
+        cls, prompts: list[tuple[int, ...]], model: PreTrainedModel, shards: int = 1
+    ) -> PrefillJob:
+        """The job of `prompts` over `model` (a tensor-parallel rank's shard of `shards`)."""
         device = model.device
         width = max(len(p) for p in prompts)
         shape = (len(prompts), width)
@@ -72,7 +75,7 @@ class PrefillJob:
                 ids[b, width - n :] = torch.tensor(prompt)
                 pos[b, width - n :] = torch.arange(n)
                 valid[b, width - n :] = True
-        cache = PrefillKV(model, len(prompts), width)
+        cache = PrefillKV(model, len(prompts), width, shards)
         return cls(prompts, ids.to(device), pos.to(device), valid.to(device), cache)
 
     @property

@@ -37,11 +37,10 @@ def test_join_groups_puts_short_prompts_together_and_each_long_one_alone():
     assert join_groups([(1,) * 40], 16) == [[0]]
 
 
-def test_a_chunk_mask_is_the_chunk_by_its_context():
+def test_a_chunk_mask_is_the_chunk_by_its_context(tiny_model):
     """The mask of positions [done, end) has `end` keys, and is the rows of the whole-prompt
     causal mask (left padding blocked, each padding slot sees itself)."""
-    model = _Model()
-    job = PrefillJob.of([(5, 6, 7, 8, 9), (5, 6)], model)  # widths 5 and 2: 3 padding slots
+    job = PrefillJob.of([(5, 6, 7, 8, 9), (5, 6)], tiny_model)  # widths 5 and 2: 3 padding slots
     job.done = 2
     mask = job.chunk_mask(4, torch.float64)
     assert mask.shape == (2, 1, 2, 4)
@@ -49,11 +48,6 @@ def test_a_chunk_mask_is_the_chunk_by_its_context():
     full = torch.ones(5, 5, dtype=torch.bool).tril()[None] & job.valid[:, None, :]
     full |= torch.eye(5, dtype=torch.bool)[None]
     assert torch.equal(allowed[:, 0], full[:, 2:4, :4])
-
-
-class _Model:
-    device = torch.device("cpu")
-    config = None
 
 
 def test_chunked_prefill_equals_one_forward(tiny_model):
@@ -130,7 +124,7 @@ def test_rows_of_one_long_prompt_prefill_it_once(tiny_model, monkeypatch):
     jobs: list[list[tuple[int, ...]]] = []
     of = PrefillJob.of
     monkeypatch.setattr(
-        PrefillJob, "of", classmethod(lambda cls, ps, model: jobs.append(ps) or of(ps, model))
+        PrefillJob, "of", classmethod(lambda cls, ps, *rest: jobs.append(ps) or of(ps, *rest))
     )
     decoder = _decoder(tiny_model, 16)
     prompt = _prompt(80, 8)
@@ -139,3 +133,29 @@ def test_rows_of_one_long_prompt_prefill_it_once(tiny_model, monkeypatch):
     assert jobs == [[tuple(prompt[:-1])]]
     while decoder.active:
         decoder.step(4)
+
+
+def test_rows_admitted_while_their_prompt_prefills_wait_for_that_job(tiny_model, monkeypatch):
+    """A job's pool admits a problem's rows a few at a time: rows whose prompt is being
+    prefilled join with that job, never prefilling it again."""
+    jobs: list[list[tuple[int, ...]]] = []
+    of = PrefillJob.of
+    monkeypatch.setattr(
+        PrefillJob, "of", classmethod(lambda cls, ps, *rest: jobs.append(ps) or of(ps, *rest))
+    )
+    decoder = _decoder(tiny_model, 16)
+    prompt = _prompt(80, 9)
+    first = [_row(decoder, prompt, 3) for _ in range(2)]
+    decoder.admit(first)
+    decoder.prefill(16)
+    later = [_row(decoder, prompt, 3) for _ in range(2)] + [_row(decoder, _prompt(4, 1), 3)]
+    decoder.admit(later)
+    assert len(jobs) == 2 and jobs[0] == [tuple(prompt[:-1])] and len(jobs[1][0]) == 3
+    while decoder.joining:
+        decoder.prefill(16)
+    assert len(decoder.active) == 5
+    while decoder.active:
+        decoder.step(4)
+    for row in first + later:
+        ref = plain_generate(tiny_model, row.prompt_ids, row.cfg, eos_ids=[])
+        assert row.result().token_ids == ref.token_ids

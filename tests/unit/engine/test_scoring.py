@@ -53,3 +53,18 @@ def test_the_greedy_token_is_the_top_one_and_the_distribution_sums_to_one():
         total = torch.tensor(top_lp, dtype=torch.float64).exp().sum().item()
         assert total == pytest.approx(1.0, abs=1e-9)
         assert sorted(top_ids) == list(range(64))
+
+
+def test_each_chunk_of_the_forward_runs_through_the_caller_s_run():
+    """A runner loop passes `between_steps`: the batch steps between two chunks."""
+    model = tiny_llama(vocab_size=64, seed=1, scale=4.0)
+    calls: list[int] = []
+
+    def run(work):
+        calls.append(1)
+        return work()
+
+    got = score_tokens(model, IDS, start=4, top=0, chunk=3, run=run)
+    assert len(calls) == 4  # 10 positions, 3 at a time
+    whole = score_tokens(model, IDS, start=4, top=0, chunk=256)
+    assert got.logprobs == pytest.approx(whole.logprobs, abs=1e-9)
