@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.serve_load import post
+from bench.serve_load import post, start_app
 
 CHUNK = 512  # the CPU's prefill chunk (`engine.prefill.max_chunk`)
 
@@ -119,17 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from actors.cluster import start_local
-    from store.local_server import free_port
-    from tts_service.schemas import ServeConfig
-    from tts_service.serve.app import build_app
-
-    start_local(num_cpus=2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = ServeConfig(model={"name": "smollm2-135m", "device": "cpu"})
-    serve.run(build_app(cfg), name="tts-long", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    base = start_app("tts-long")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     post(base + "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
     rss = RssWatch(replica_pid())

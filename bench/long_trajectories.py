@@ -73,10 +73,11 @@ class SteppedRuns:
 
 
 def buckets(steps: list[tuple]) -> list[dict]:
-    """Median step per 512-slot context bucket."""
-    out = []
+    """Median step per 512-slot context bucket, over the steps with at least half the rows
+    (the batch full, not its last rows draining)."""
+    out, full = [], max(s[1] for s in steps)
     for lo in range(0, max(s[0] for s in steps) + 1, 512):
-        inside = [s for s in steps if lo <= s[0] < lo + 512 and s[1] >= 8]
+        inside = [s for s in steps if lo <= s[0] < lo + 512 and 2 * s[1] >= full]
         if not inside:
             continue
         forward = statistics.median(s[4] for s in inside)
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "kv_cache_peak_mib": runs.kv_peak >> 20,
         "buckets": [{k: v for k, v in b.items() if k != "flops"} for b in table],
-        "summary": solved.stats(), "load": round(os.getloadavg()[0], 2),
+        "summary": {k: v for k, v in solved.stats().items() if not isinstance(v, list | dict)},
+        "load": round(os.getloadavg()[0], 2),
     }  # fmt: skip
     print(json.dumps(rec, indent=1), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

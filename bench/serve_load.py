@@ -115,6 +115,24 @@ def cell(base: str, route: str, bodies: list[dict], clients: int, poison_s: floa
     }
 
 
+def start_app(name: str) -> str:
+    """A private Ray on 127.0.0.1 and the app `tts serve` builds (SmolLM2 on this CPU, one
+    replica, the default admission limits) on a free port; returns its base URL."""
+    from ray import serve
+
+    from actors.cluster import start_local
+    from store.local_server import free_port
+    from tts_service.schemas import ServeConfig
+    from tts_service.serve.app import build_app
+
+    start_local(num_cpus=2)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ServeConfig(model={"name": "smollm2-135m", "device": "cpu"})
+    serve.run(build_app(cfg), name=name, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -134,18 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray import serve
 
-    from actors.cluster import start_local
-    from store.local_server import free_port
-    from tts_service.schemas import ServeConfig
-    from tts_service.serve.app import build_app
-
     questions = [json.loads(x)["question"] for x in PROMPTS.read_text().splitlines() if x]
-    start_local(num_cpus=2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = ServeConfig(model={"name": "smollm2-135m", "device": "cpu"})
-    serve.run(build_app(cfg), name="tts-load", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    base = start_app("tts-load")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     seeds = itertools.count()
     load = os.getloadavg()[0]

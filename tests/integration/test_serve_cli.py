@@ -39,23 +39,37 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _serving(flags: list[str], log) -> subprocess.Popen:
+    """`tts serve` with `flags` on a private Ray, in a session of its own, once it serves."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tts_service", "serve", *flags],
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 400
+    while "tts: serving" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(1)
+    return proc
+
+
 def test_tts_serve_takes_vllm_flags_checks_the_key_and_stops_on_sigterm(tiny_model_dir, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
-    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    argv = [
-        sys.executable, "-m", "tts_service", "serve", "--model", str(tiny_model_dir),
-        "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "24",
-        "--api-key", KEY,
+    flags = [
+        "--model", str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny",
+        "--max-model-len", "24", "--api-key", KEY,
     ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    proc = _serving(flags, log)
     try:
-        deadline = time.monotonic() + 400
-        while "tts: serving" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
         started = log.read_text()  # each slow startup phase says what it waits for
         assert "tts: starting Ray ..." in started and "tts: Ray ready in " in started
         assert "tts: deploying" in started and "tts: deployed in " in started
@@ -90,25 +104,8 @@ def test_a_signal_to_the_whole_process_group_stops_serve_within_10_s(tiny_model_
 
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
-    env.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    argv = [
-        sys.executable,
-        "-m",
-        "tts_service",
-        "serve",
-        "--model",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-    ]
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    proc = _serving(["--model", str(tiny_model_dir), "--port", str(port)], log)
     try:
-        deadline = time.monotonic() + 400
-        while "tts: serving" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
         own = psutil.Process(proc.pid).children(recursive=True)
         t0 = time.monotonic()
         os.killpg(proc.pid, sig)

@@ -65,6 +65,16 @@ def test_chunked_prefill_equals_one_forward(tiny_model):
     assert chunked.entry(1)[0].keys.shape[2] == 7
 
 
+def _jobs_made(monkeypatch) -> list[list[tuple[int, ...]]]:
+    """The prompts of every `PrefillJob` made from now on."""
+    jobs: list[list[tuple[int, ...]]] = []
+    of = PrefillJob.of
+    monkeypatch.setattr(
+        PrefillJob, "of", classmethod(lambda cls, ps, *rest: jobs.append(ps) or of(ps, *rest))
+    )
+    return jobs
+
+
 def _decoder(model, chunk: int) -> BatchDecoder:
     return BatchDecoder(model, eos_ids=[], options=DecoderOptions(prefill_chunk=chunk))
 
@@ -121,11 +131,7 @@ def test_a_joining_row_dropped_stops_its_prefill(tiny_model):
 
 def test_rows_of_one_long_prompt_prefill_it_once(tiny_model, monkeypatch):
     """Best-of-N over a long prompt: one job for every row of it, kept in the prompt cache."""
-    jobs: list[list[tuple[int, ...]]] = []
-    of = PrefillJob.of
-    monkeypatch.setattr(
-        PrefillJob, "of", classmethod(lambda cls, ps, *rest: jobs.append(ps) or of(ps, *rest))
-    )
+    jobs = _jobs_made(monkeypatch)
     decoder = _decoder(tiny_model, 16)
     prompt = _prompt(80, 8)
     decoder.join([_row(decoder, prompt, 3) for _ in range(3)])
@@ -138,11 +144,7 @@ def test_rows_of_one_long_prompt_prefill_it_once(tiny_model, monkeypatch):
 def test_rows_admitted_while_their_prompt_prefills_wait_for_that_job(tiny_model, monkeypatch):
     """A job's pool admits a problem's rows a few at a time: rows whose prompt is being
     prefilled join with that job, never prefilling it again."""
-    jobs: list[list[tuple[int, ...]]] = []
-    of = PrefillJob.of
-    monkeypatch.setattr(
-        PrefillJob, "of", classmethod(lambda cls, ps, *rest: jobs.append(ps) or of(ps, *rest))
-    )
+    jobs = _jobs_made(monkeypatch)
     decoder = _decoder(tiny_model, 16)
     prompt = _prompt(80, 9)
     first = [_row(decoder, prompt, 3) for _ in range(2)]
