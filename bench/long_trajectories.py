@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +70,13 @@ class SteppedRuns:
                     (f.last_context, rows, width, f.last_draft_s, f.last_forward_s,
                      f.last_observe_s, time.perf_counter() - t0)
                 )  # fmt: skip
+                if len(self.steps) % 200 == 0:  # progress, on stderr
+                    print(
+                        f"[long] step {len(self.steps)}: context {f.last_context}, {rows} rows, "
+                        f"forward {1e3 * f.last_forward_s:.0f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         return sub.wait()
 
 
