@@ -12,7 +12,7 @@ wall time; it reports, per 512-slot context bucket, the median step's forward (d
 first's against the ratio the step's arithmetic predicts (`step_flops`), peak RSS and the KV
 cache's largest size, and the drafting figures (acceptance length, nodes a step). With
 `--store redis` the problems' stores are a private redis-server's. One JSON object goes to
-`--out`.
+`--out`; every step so far to `OUT.steps.jsonl` every 200 steps (a cut run keeps them).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def long_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
 class SteppedRuns:
     """`solve_problems`' runner, stepped here so that every step is timed."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, steps_out: Path) -> None:
         self.runner, self.steps, self.kv_peak = runner, [], 0
+        self.steps_out = steps_out  # every step, written as it goes (a cut run keeps them)
 
     def run(self, requests, on_result=None, skip=None):
         sub = self.runner.submit(requests, on_result, skip)
@@ -70,14 +71,23 @@ class SteppedRuns:
                     (f.last_context, rows, width, f.last_draft_s, f.last_forward_s,
                      f.last_observe_s, time.perf_counter() - t0)
                 )  # fmt: skip
-                if len(self.steps) % 200 == 0:  # progress, on stderr
+                if len(self.steps) % 200 == 0:  # progress, on stderr; the steps so far, on disk
+                    self.flush()
                     print(
                         f"[long] step {len(self.steps)}: context {f.last_context}, {rows} rows, "
                         f"forward {1e3 * f.last_forward_s:.0f} ms",
                         file=sys.stderr,
                         flush=True,
                     )
+        self.flush()
         return sub.wait()
+
+    def flush(self) -> None:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        with self.steps_out.open("w") as f:
+            for step in self.steps:
+                f.write(json.dumps(step) + "\n")
+            f.write(json.dumps({"peak_rss_mib": rss, "kv_cache_peak_mib": self.kv_peak >> 20}))
 
 
 def buckets(steps: list[tuple]) -> list[dict]:
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(
         temperature=0.6, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0
     )
-    runs = SteppedRuns(TrajectoryRunner(gen, 16))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs = SteppedRuns(TrajectoryRunner(gen, 16), args.out.with_suffix(".steps.jsonl"))
     started = time.perf_counter()
     solved = solve_problems(runs, problems, args.n, drafter, sampling)
     decode_s = time.perf_counter() - started
@@ -158,7 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         "load": round(os.getloadavg()[0], 2),
     }  # fmt: skip
     print(json.dumps(rec, indent=1), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write(json.dumps(rec) + "\n")
     if server is not None:
