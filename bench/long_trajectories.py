@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     decode_s = time.perf_counter() - started
     steps = runs.steps
     table = buckets(steps)
-    first, last = table[0], table[-1]
+    settled = [b for b in table if b["steps"] >= 10] or table  # not the prefill's tick alone
+    first, last = settled[0], settled[-1]
     rec = {
         "problems": args.problems, "n": args.n, "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens, "method": args.method, "store": args.store,
