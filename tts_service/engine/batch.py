@@ -152,8 +152,7 @@ class BatchDecoder:
         # attend: 0, blocked: `min` (an additive mask in the model's dtype), one op a step
         self.zero = torch.zeros((), dtype=model.dtype, device=model.device)
         self.active: list[Row] = []
-        self.joining: list[Row] = []  # admitted, their prompts still prefilling
-        self.pending: list[PendingJoin[Row]] = []  # their prefill jobs
+        self.pending: list[PendingJoin[Row]] = []  # rows admitted and their prefill jobs
         self.prefill_s_per_token: float | None = None  # the last chunk's, measured
         self.prefill_limit: int = opts.prefill_chunk or 1
         self.cache = cache if cache is not None else StaticKV(model)
@@ -177,6 +176,11 @@ class BatchDecoder:
     @accept_graphs.setter
     def accept_graphs(self, captured: GraphedAcceptance | None) -> None:
         self.acceptance.captured = captured
+
+    @property
+    def joining(self) -> list[Row]:
+        """Rows admitted whose prompts are still prefilling (`admit`)."""
+        return [row for group in self.pending for row in group.rows]
 
     @property
     def context_len(self) -> int:
@@ -248,7 +252,6 @@ class BatchDecoder:
             self.pending.append(PendingJoin(group_rows, unique, entries, job))
         for row in rows:
             row.joined_at = t0
-        self.joining.extend(rows)
 
     @torch.inference_mode()
     def prefill(self, tokens: int | None = None) -> list[Row]:
@@ -291,8 +294,6 @@ class BatchDecoder:
             entries |= fresh
             prefilled = padded_rows(group.prompts, [entries[p] for p in group.prompts])
             self.cache.append_rows(prefilled, prefilled.valid, rows)
-        gone = {id(r) for r in group.rows}
-        self.joining = [r for r in self.joining if id(r) not in gone]
         for row in group.rows:
             row.drafter.start(row.tokens)
         self.active.extend(group.rows)
@@ -313,7 +314,6 @@ class BatchDecoder:
 
     def _forget_joining(self, gone: set[int]) -> None:
         """Rows `gone` (ids) no longer wait to join; a job no row waits for is dropped."""
-        self.joining = [r for r in self.joining if id(r) not in gone]
         for group in list(self.pending):
             group.rows = [r for r in group.rows if id(r) not in gone]
             if not group.rows:
