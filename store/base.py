@@ -105,6 +105,12 @@ class NgramStore(Protocol):
 
     def claim(self, verify_key: int) -> bool:
         """Record that a row verified with `verify_key` (`streams.stream_seed`) drafts from and
-        writes to this store; False if one already did, in this scope or one it reads (then
-        the row must not run: its drafts would depend on its own verifier's uniforms). Claims
-        outlive `clear` in-process; in Redis they share the scope's keys and TTL."""
+        writes to this store; False if one already did as far as this process knows (then the
+        row must not run: its drafts would depend on its own verifier's uniforms). A shared
+        store checks the key with its server in the background (`confirmed`). Claims outlive
+        `clear` in-process; in Redis they share the scope's keys and TTL."""
+
+    def confirmed(self, verify_key: int) -> bool | None:
+        """Whether a claimed key is fresh wherever the scope is read: True, False (another
+        process claimed it first), or None while that is not known (a server that has not
+        answered yet, or is down). A row drafts only once True (`drafters.registry`)."""

@@ -29,7 +29,12 @@ class StoreConfig(BaseModel):
         False, description="If Redis is unreachable at start, go on with a local store."
     )
     ttl_s: int = Field(24 * 3600, ge=1, description="Redis TTL of a scope's entries.")
-    max_staleness_s: float = Field(2.0, ge=0.0, description="Local read cache staleness bound.")
+    log_entries: int = Field(
+        100_000,
+        ge=100,
+        description="Redis: entries a scope's replication log keeps (one per writer's round "
+        "trip; older ones are trimmed, and a process that opens the scope later replays the rest).",
+    )
     close_timeout_s: float = Field(
         5.0,
         ge=0.0,

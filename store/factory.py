@@ -30,10 +30,9 @@ def _redis(cfg: StoreConfig, url: str | None, scope: str, scope_id: str) -> Ngra
     return RedisLogitNgramStore.connect(
         url,
         fallback=cfg.fallback,
-        scope=RedisScope(scope, scope_id, cfg.ttl_s, cfg.max_entries),
+        scope=RedisScope(scope, scope_id, cfg.ttl_s, cfg.max_entries, cfg.log_entries),
         max_order=cfg.max_order,
         topk=cfg.topk,
-        max_staleness_s=cfg.max_staleness_s,
         close_timeout_s=cfg.close_timeout_s,
     )
 

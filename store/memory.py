@@ -46,6 +46,10 @@ class InMemoryNgramStore:
         self._claims.add(verify_key)
         return fresh
 
+    def confirmed(self, verify_key: int) -> bool | None:
+        """Claims are checked here, at once."""
+        return True if verify_key in self._claims else None
+
     def compiled(self) -> StoreIndex | None:
         """This store as arrays (`store.index`), for compiled drafting; None with merge="sum".
         From the first call on the entries live there alone: `add` merges there (a kernel),
@@ -161,6 +165,11 @@ class TieredStore:
         teaches."""
         fresh = self.problem.claim(verify_key)
         return self.global_.claim(verify_key) and fresh
+
+    def confirmed(self, verify_key: int) -> bool | None:
+        """False if either scope found the key taken, None while either has not answered."""
+        answers = (self.problem.confirmed(verify_key), self.global_.confirmed(verify_key))
+        return False if False in answers else None if None in answers else True
 
     def close(self) -> None:
         """Close the problem scope only: the global one is shared by the next problems (and

@@ -6,7 +6,6 @@ the key layout it writes, are `store.redis_store`'s.
 
 from __future__ import annotations
 
-import re
 from urllib.parse import urlsplit
 
 import redis
@@ -80,28 +79,21 @@ def delete_scope(client: Client, prefix: str) -> int:
     return deleted
 
 
-_ENTRY_KEY = re.compile(r":(\d+):\d+(?:,\d+)*$")  # ...:{n}:{t1,...,tn}
-
-
 def scope_stats(client: Client, prefix: str) -> dict:
-    """Entries per n-gram order, and updates applied, under `prefix`, which may span scopes
-    ("tts:" is all of them). A SCAN: for operators and tests, not the hot path."""
-    by_order: dict[str, int] = {}
-    counters: list[bytes] = []
+    """The replication logs under `prefix`, which may span scopes ("tts:" is all of them):
+    scopes, log entries and bytes (each scope's log: `store.redis_store`), claimed verify keys.
+    A SCAN: for operators and tests, not the hot path."""
+    logs, claims = [], []
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         name = key.decode()
-        entry = _ENTRY_KEY.search(name)
-        if entry is not None:
-            by_order[entry[1]] = by_order.get(entry[1], 0) + 1
-        elif name.endswith(":_applied"):
-            counters.append(key)
-    mget = client.mget_nonatomic if isinstance(client, RedisCluster) else client.mget
-    applied = sum(
-        int(v or 0) for i in range(0, len(counters), 1000) for v in mget(counters[i : i + 1000])
-    )
+        if name.endswith(":log"):
+            logs.append(key)
+        elif name.endswith(":_claims"):
+            claims.append(key)
     return {
         "prefix": prefix,
-        "entries": sum(by_order.values()),
-        "entries_by_order": dict(sorted(by_order.items())),
-        "applied_updates": applied,
+        "scopes": len(logs),
+        "log_entries": sum(int(client.xlen(k)) for k in logs),
+        "log_bytes": sum(int(client.memory_usage(k) or 0) for k in logs),
+        "claims": sum(int(client.scard(k)) for k in claims),
     }

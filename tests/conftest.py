@@ -186,3 +186,17 @@ def ngram_steps(seed: int, n: int, rows: int = 3) -> list[list[NgramRow]]:
         ]
         for _ in range(n)
     ]
+
+
+def logged_rows(url: str, scope_id: str, scope: str = "problem") -> tuple[int, int]:
+    """What a scope's log holds, as a process that opens it now applies it (a late joiner's
+    replay): (rows applied, the sum of its 1-gram counts). Each row adds 1 to exactly one
+    1-gram's count, so the two agree when no row was applied twice."""
+    from store.redis_store import RedisLogitNgramStore, RedisScope
+
+    reader = RedisLogitNgramStore.connect(url, scope=RedisScope(scope, scope_id))
+    try:
+        counts = reader.index.count[reader.index.keytok[:, 0] == 1]
+        return reader.stats()["remote_updates"], int(counts.sum())
+    finally:
+        reader.close()

@@ -19,7 +19,7 @@ from store.local_server import LocalRedisCluster
 from store.memory import InMemoryNgramStore
 from store.redis_client import StoreUnavailableError, client_from_url, scope_stats
 from store.redis_store import RedisLogitNgramStore, RedisScope
-from tests.conftest import ngram_steps
+from tests.conftest import logged_rows, ngram_steps
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-cli") is None or shutil.which("redis-server") is None,
@@ -33,10 +33,12 @@ def cluster():
         yield c
 
 
-def _stored(client: RedisCluster, prefix: str) -> int:
-    """Rows stored in a scope, read from the data: each row adds 1 to one 1-gram's `_n`."""
-    keys = list(client.scan_iter(match=f"{prefix}1:*", count=1000))
-    return sum(int(client.hget(k, "_n")) for k in keys)
+def _stored(url: str, scope_id: str) -> int:
+    """Rows in a scope's log, as a process that opens it now applies them (each once: the
+    sum of the 1-gram counts agrees)."""
+    applied, counted = logged_rows(url, scope_id)
+    assert applied == counted
+    return applied
 
 
 def _drain_and_close(store: RedisLogitNgramStore) -> dict:
@@ -56,17 +58,19 @@ def test_a_scope_lives_in_one_slot_and_its_counts_are_exact(cluster):
     steps = ngram_steps(0, 20)
     for step in steps:
         store.add(step)
-    store.close()
     client = client_from_url(cluster.url)
     prefix = store.scope.prefix
+    store.claim(3)
+    store.flush()
     keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    assert len(keys) > 60  # entries of 4 orders plus the scope's counters
+    assert len(keys) == 2  # the log and the claims
     slots = {client.keyslot(k) for k in keys}
     assert len(slots) == 1  # every key of the problem in one slot
     stats = store.stats()
     sent = sum(len(s) for s in steps)
     assert stats["flushed_updates"] == sent and stats["lost_updates"] == 0
-    assert _stored(client, prefix) == sent == scope_stats(client, prefix)["applied_updates"]
+    assert _stored(cluster.url, "one-slot") == sent
+    assert scope_stats(client, prefix)["log_entries"] >= 1
     other = RedisScope("problem", "another").prefix
     assert len({client.keyslot(f"{other}x"), next(iter(slots))}) == 2  # scopes spread out
 
@@ -75,7 +79,7 @@ def test_lookups_see_what_another_store_wrote(cluster):
     writer = open_store(StoreConfig(), cluster.url, "problem", "shared")
     writer.add([NgramRow((1, 2, 3, 4), (7, 8), (0.75, 0.25))])
     writer.close()
-    reader = open_store(StoreConfig(), cluster.url, "problem", "shared")  # warm() reads it
+    reader = open_store(StoreConfig(), cluster.url, "problem", "shared")  # replays the log
     entry = reader.lookup((9, 2, 3, 4))
     assert entry is not None and entry.ids == (7, 8) and entry.order == 3
     reader.clear()
@@ -113,7 +117,7 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
     store = RedisLogitNgramStore(client, scope, retry_s=0.0)
     store._replicas = store._count_replicas()
     assert store._replicas == 1
-    victim = cluster.master_of(scope.meta_keys[0])
+    victim = cluster.master_of(scope.log_key)
     steps = ngram_steps(1, 60)
     for i, step in enumerate(steps):
         if i == 20:
@@ -123,12 +127,10 @@ def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluste
     stats = _drain_and_close(store)
     sent = sum(len(s) for s in steps)
     assert stats["errors"] >= 1 and stats["reconnects"] >= 1  # it failed over, and came back
-    assert cluster.master_of(scope.meta_keys[0]).port != victim.port  # the replica took over
-    fresh = client_from_url(cluster.url)
-    stored = _stored(fresh, scope.prefix)
+    assert cluster.master_of(scope.log_key).port != victim.port  # the replica took over
+    stored = _stored(cluster.url, "failover")
     lost = stats["lost_updates"]
-    assert stored + lost == sent  # each row stored exactly once, or counted lost
-    assert stored == scope_stats(fresh, scope.prefix)["applied_updates"]
+    assert stored + lost == sent  # each row applied exactly once, or counted lost
     assert lost == 0  # here the queue held everything until the replica took over
 
 
@@ -153,7 +155,7 @@ def test_the_problem_s_slot_resharded_mid_run_is_followed(cluster):
     steps = ngram_steps(5, 40)
     for step in steps[:10]:
         store.add(step)
-    key = scope.meta_keys[0]
+    key = scope.log_key
     source = cluster.master_of(key)
     masters = {cluster.master_of(f"{{k{i}}}").port for i in range(64)} - {source.port}
     target = next(n for n in cluster.live() if n.port == min(masters))
@@ -176,8 +178,7 @@ def test_the_problem_s_slot_resharded_mid_run_is_followed(cluster):
     assert cluster.master_of(key).port == target.port
     assert stats["errors"] >= 1  # it was redirected, and followed
     sent = sum(len(s) for s in steps)
-    fresh = client_from_url(cluster.url)
-    assert _stored(fresh, scope.prefix) == sent == stats["flushed_updates"]
+    assert _stored(cluster.url, "reshard") == sent == stats["flushed_updates"]
     assert stats["lost_updates"] == 0
 
 
@@ -194,10 +195,9 @@ def test_a_cluster_down_at_start_is_a_local_store_until_it_answers():
         store.retry_s = 0.0
         for step in steps[1:]:
             store.add(step)
-        stats = store.stats()
-        store.close()
+        stats = _drain_and_close(store)
         assert not stats["degraded"] and stats["reconnects"] == 1
         sent = sum(len(s) for s in steps)
-        assert _stored(client_from_url(later.url), store.scope.prefix) == sent
+        assert _stored(later.url, "late") == sent
     with pytest.raises(StoreUnavailableError):  # without fallback: a clear error at once
         open_store(StoreConfig(), later.url, "problem", "late")

@@ -56,7 +56,10 @@ def store_server(cfg: StoreConfig) -> Iterator[str | None]:
 def add_arguments(sto: argparse.ArgumentParser) -> None:
     actions = sto.add_subparsers(dest="action", required=True, parser_class=type(sto))
     for name, text in (
-        ("stats", "entries, memory and eviction policy of a scope (all: every scope)"),
+        (
+            "stats",
+            "log entries and bytes, claims, memory, eviction policy (all: every scope)",
+        ),
         ("clear", "delete a scope's entries (all: every tts: key)"),
     ):
         act = actions.add_parser(name, help=text, description=text)

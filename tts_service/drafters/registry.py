@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
+from tts_service.drafters.awaiting_claim import AwaitingClaim
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Drafter
@@ -234,12 +235,17 @@ class RowDrafters:
             VerifyKeyReusedError: a drafting row's verify key (seed and salt) was claimed
                 before, here or in the store.
         """
+        key = None
         if params.salt:  # a row that drafts and samples (`TrajectoryRequest.salted`)
-            self._claim(stream_seed(params.seed, Stream.VERIFY, params.salt), store, params)
+            key = stream_seed(params.seed, Stream.VERIFY, params.salt)
+            self._claim(key, store, params)
         problem = self.per_store.setdefault(store, {})
         seed = drafter_seed(params.seed, params.salt)
         env = DraftEnv(self.vocab_size, store, seed, self.cost, self.per_model, problem)
-        return build_drafter(cfg, env)
+        drafter = build_drafter(cfg, env)
+        if key is not None and store.confirmed(key) is not True:  # a shared store: not yet
+            return AwaitingClaim(drafter, store, key)
+        return drafter
 
     def _claim(self, key: int, store: NgramStore, params: SamplingParams) -> None:
         where = "this model's drafters" if key in self.verify_keys else None

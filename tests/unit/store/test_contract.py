@@ -172,12 +172,20 @@ def test_contract_tiered_store_prefers_the_problem_scope_and_writes_both(backend
 
 
 def test_contract_a_verify_key_is_claimed_once_wherever_the_scope_is_read(backend):
-    """`claim`: the first claim of a key is fresh, every later one is not, through any store
-    over the same scope (another connection, the next problem over a shared global tier)."""
+    """`claim` / `confirmed`: a key is fresh once through any store over the same scope
+    (another connection, the next problem over a shared global tier). A process refuses its own
+    second claim at once; another process's is answered by the server in the background."""
     store = backend.open()
     assert store.claim(11) and store.claim(12)
     assert not store.claim(11)
+    store.flush()
+    assert store.confirmed(11) is True and store.confirmed(12) is True
+    assert store.confirmed(99) is None  # never claimed
     reader = backend.reader(store)
-    assert not reader.claim(12)
-    assert reader.claim(13)
-    assert not store.claim(13)
+    fresh_12, fresh_13 = reader.claim(12), reader.claim(13)
+    reader.flush()
+    assert not fresh_12 or reader.confirmed(12) is False  # refused at once, or by the server
+    assert fresh_13 and reader.confirmed(13) is True
+    fresh_13 = store.claim(13)
+    store.flush()
+    assert not fresh_13 or store.confirmed(13) is False

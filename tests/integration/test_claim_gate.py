@@ -1,0 +1,74 @@
+"""The verify-key ledger never fails open (issue 67): a sampling row whose key its shared store
+has not confirmed yet (a server that has not answered, here one stopped with SIGSTOP) decodes
+plain steps, and drafts once the server answers. Nothing waits for the answer."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+from pydantic import TypeAdapter
+
+from store.base import NgramRow
+from store.local_server import LocalRedisServer
+from store.redis_store import RedisLogitNgramStore, RedisScope
+from tests.conftest import FLAT_COST, save_tiny_model
+from tests.unit.engine.test_allocate import FLAT
+from tts_service.config import ModelConfig, SamplingConfig
+from tts_service.drafters.registry import DrafterConfig, method_drafter
+from tts_service.engine.cost import CostModel
+from tts_service.generation import Generator
+from tts_service.models import load_model
+from tts_service.runner import TrajectoryRunner
+from tts_service.solve import ProblemInput, solve_problems
+
+VOCAB = 8
+QUESTION = "w3 w5 w1 w3 w5"
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Generator:
+    path = tmp_path_factory.mktemp("tiny-claim-gate")
+    save_tiny_model(path, VOCAB, seed=5, scale=4.0)
+    loaded = load_model(ModelConfig(name=str(path), device="cpu", dtype="float32"))
+    return Generator(loaded, cost=CostModel.fixed(FLAT_COST), batch_cost=FLAT)
+
+
+def test_a_row_decodes_plain_until_its_claim_is_confirmed_then_drafts(generator, redis_server):
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=0.3)
+    store = RedisLogitNgramStore(client, RedisScope("problem", "gate"), retry_s=0.05)
+    prompt = generator.encode(QUESTION, chat=False)
+    store.add([NgramRow(tuple(prompt[-4:]), (1, 2), (0.5, 0.5))] * 50)  # something to draft
+    store.flush()
+    seen: list[bool | None] = []
+
+    def on_commit(tokens) -> bool:
+        keys = list(store._claims)
+        seen.append(store.confirmed(keys[0]) if keys else None)
+        if len(seen) == 6:  # six steps plain, then the server answers
+            redis_server.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while store.confirmed(keys[0]) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return True
+
+    redis_server.send_signal(signal.SIGSTOP)
+    try:
+        sampling = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=60)
+        run = solve_problems(
+            TrajectoryRunner(generator, 1),
+            [ProblemInput("a", prompt, store)],
+            1,
+            TypeAdapter(DrafterConfig).validate_python(method_drafter("stand-dyn", {}, "cpu")),
+            sampling,
+            on_commit=on_commit,
+        )
+    finally:
+        redis_server.send_signal(signal.SIGCONT)
+    stats = run.problems[0].trajectories[0].output.stats
+    assert seen[:6] == [None] * 6  # unanswered while the server was stopped: plain steps
+    assert stats.plain_steps >= 6 and stats.tree_nodes > 0  # then it drafted
+    assert store.confirmed(next(iter(store._claims))) is True
+    store.close()
