@@ -3,6 +3,11 @@ stand-in target whose forward costs nothing.
 
     python -m bench.host --json bench/results/host.json          # the whole matrix
     python -m bench.host --rows 16 --nodes 8 --method stand-dyn  # one cell
+    python -m bench.host --rows 16 --nodes 8 --method stand-dyn --store local-redis
+                                                                 # the problems' stores in a
+                                                                 # private redis-server
+    python -m bench.host --rows 16 --nodes 8 --device-ms 10      # a device forward of 10 ms
+                                                                 # (a 7B step on an H100)
     python -m bench.host --method stand-dyn --set drawn=true     # a drafter field changed
     python -m bench.host --rows 16 --nodes 8 --layers 28         # a 7B's depth of KV cache
     python -m bench.host --device cuda --json runs/host-gpu.json # on a GPU: CUDA launches and
@@ -47,11 +52,13 @@ forward's shadow, counted in `overlap_ms_per_step`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +70,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.methods import with_fields
 from bench.predict import BYTES, GPUS, SHAPES, fit_efficiency
-from store.memory import InMemoryNgramStore
+from store.config import StoreConfig
+from store.factory import open_store
+from store.local_server import LocalRedisServer
 from tts_service.drafters import stand, stand_dyn
 from tts_service.drafters.kernels import preload
 from tts_service.drafters.registry import DrafterConfig, method_drafter
@@ -135,6 +144,7 @@ class StandInDecoder(BatchDecoder):
         vocab: int,
         defer: bool,
         graph_acceptance: bool = False,
+        device_s: float = 0.0,
     ) -> None:
         super().__init__(
             model,
@@ -150,6 +160,7 @@ class StandInDecoder(BatchDecoder):
             # copied into the captured ones each step
             self.accept_graphs = GraphedAcceptance(self.device)
         self.problems, self.vocab = problems, vocab
+        self.device_s = device_s  # the device's forward, waited for without the GIL
         self.logits: dict[int, torch.Tensor] = {}  # id(row) -> its response's stand-in logits
         self._depths = torch.zeros(0, 0, dtype=torch.long)
         self.join_s = 0.0
@@ -186,6 +197,15 @@ class StandInDecoder(BatchDecoder):
                 out[b, : at.shape[0]] = table[at]
         return out
 
+    def _in_forwards_shadow(self) -> None:
+        """The deferred observation, then the rest of the device's forward waited for (a
+        GPU's step: the host syncs, the GIL free), as `device_s` says; counted as overlap."""
+        launched = time.perf_counter()
+        super()._in_forwards_shadow()
+        left = self.device_s - (time.perf_counter() - launched)
+        if left > 0:
+            time.sleep(left)
+
     def flush_observations(self) -> None:
         with torch.profiler.record_function("overlap"):
             super().flush_observations()
@@ -212,10 +232,11 @@ class StandInTarget(LoggedTarget):
         device: str = "cpu",
         layers: int = 1,
         graph_acceptance: bool = False,
+        device_s: float = 0.0,
     ) -> None:
         super().__init__(problems, vocab)
         self.defer = defer
-        self.graph_acceptance = graph_acceptance
+        self.graph_acceptance, self.device_s = graph_acceptance, device_s
         cfg = LlamaConfig(
             vocab_size=vocab,
             hidden_size=16,
@@ -231,7 +252,12 @@ class StandInTarget(LoggedTarget):
 
     def new_decoder(self) -> StandInDecoder:
         return StandInDecoder(
-            self.model, self.problems, self.vocab, self.defer, self.graph_acceptance
+            self.model,
+            self.problems,
+            self.vocab,
+            self.defer,
+            self.graph_acceptance,
+            self.device_s,
         )
 
 
@@ -241,16 +267,19 @@ def requests(
     nodes: int,
     temperature: float,
     overrides: Sequence[str] = (),
+    store_url: str | None = None,
 ) -> list[TrajectoryRequest]:
-    """Every logged response as a request, problem by problem (each problem its own store);
-    `overrides`: FIELD=VALUE drafter fields (`bench.methods.with_fields`)."""
+    """Every logged response as a request, problem by problem (each problem its own store:
+    in-process, or with `store_url` a fresh scope of that Redis); `overrides`: FIELD=VALUE
+    drafter fields (`bench.methods.with_fields`)."""
     # the drafter as a GPU runs it (compiled where it is there): the host a GPU waits for
     fields = sized_fields(method_drafter(method, {}, "cuda"), max(nodes, 1))
     fields = with_fields(fields, list(overrides))
     cfg = TypeAdapter(DrafterConfig).validate_python(fields)
     out = []
+    run = uuid.uuid4().hex[:8]
     for i, problem in enumerate(problems):
-        store = InMemoryNgramStore()
+        store = open_store(StoreConfig(), store_url, "problem", f"bench-host-{run}-{i}")
         for r, response in enumerate(problem.responses):
             if len(response) < 8:
                 continue
@@ -309,6 +338,8 @@ def measure(
     layers: int = 1,
     speculation: Speculation = "fixed",
     graph_acceptance: bool = False,
+    store_url: str | None = None,
+    device_ms: float = 0.0,
 ) -> dict:
     """One cell: `steps` measured steps after a warm-up, then `steps // 4` under the profiler.
 
@@ -322,7 +353,9 @@ def measure(
     `graph_acceptance`: the acceptance captured per bucket (`graphs.GraphedAcceptance`). On a
     CPU its replays run eagerly (`EagerReplayedAcceptance`) and count as the device's work, as
     the stand-in forward does: out of the host time (`graph_ms`, their own) and the op count."""
-    target = StandInTarget(problems, vocab, defer, device, layers, graph_acceptance)
+    target = StandInTarget(
+        problems, vocab, defer, device, layers, graph_acceptance, device_ms / 1e3
+    )
     runner = TrajectoryRunner(target, rows, speculation, token_budget=(nodes + 1) * rows)
     if speculation == "cost":
         # as the runner builds it (k = 0..MAX_NODES priced every decision), with the step's
@@ -333,7 +366,8 @@ def measure(
         runner.planner = SpeculationPlanner(
             surface=gpu_surface(), max_nodes=MAX_NODES, max_step_tokens=cap, z=0.0
         )
-    runner.submit(requests(problems, method, nodes, temperature, overrides))
+    submitted = requests(problems, method, nodes, temperature, overrides, store_url)
+    runner.submit(submitted)
     dec = cast(StandInDecoder, runner.decoder)
     for _ in range(8):  # warm-up: rows joined, stores and tables not empty
         runner.tick()
@@ -367,10 +401,14 @@ def measure(
     ops = top_level_ops(prof, device_work) / profiled
     leave_ops = ops - top_level_ops(prof, (*device_work, "leave")) / profiled
     f = dec.forwards
+    for store in {id(r.store): r.store for r in submitted}.values():
+        store.close()
     return {
         "rows": rows,
         "nodes": nodes,
         "method": method,
+        "store": "in-process" if store_url is None else "redis",
+        "device_ms": device_ms,
         "speculation": speculation,
         "set": list(overrides),
         "temperature": temperature,
@@ -442,6 +480,18 @@ def main(argv: list[str] | None = None) -> int:
         "work)",
     )
     ap.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="the stand-in forward's device time, waited for as a sync waits (the GIL free: "
+        "the store's replication threads run then, as beside a GPU's forward); not counted",
+    )
+    ap.add_argument(
+        "--store",
+        help="the problems' stores: a Redis URL (redis://..., redis+cluster://...), or "
+        "'local-redis' (a private redis-server); default in-process",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -463,6 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     collector.widen()  # as a runner host does once it is up (`actors.host.RunnerHost`)
+    with contextlib.ExitStack() as stack:
+        url = args.store
+        if url == "local-redis":
+            url = stack.enter_context(LocalRedisServer()).url
+        return run_cells(args, problems, url)
+
+
+def run_cells(args: argparse.Namespace, problems: list[LoggedProblem], url: str | None) -> int:
+    """Every (method, rows, nodes) cell, printed and written as it goes."""
     records = []
     load = os.getloadavg()[0]
     for method in args.method:
@@ -482,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.layers,
                     args.speculation,
                     args.graph_acceptance,
+                    url,
+                    args.device_ms,
                 )
                 rec["load"] = round(load, 2)
                 records.append(rec)

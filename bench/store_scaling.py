@@ -12,12 +12,15 @@ token (its context and the logged top-10), which is the store's one round trip o
 object on the problem's one scope (as actors do; the in-process backend is one shared store).
 Servers are started here on loopback ports and stopped by PID.
 
-Reported per (backend, concurrency): round trips and bytes on the wire per committed token
-(the servers' own `total_net_input_bytes` + `total_net_output_bytes`, clients' traffic; the
-replication traffic apart), p50/p99 of a step's `add` (its round trip) and of a lookup, and
-the problem's memory in Redis (`MEMORY USAGE` of its keys on their master), and the servers'
-CPU time per committed token (`used_cpu_user` + `used_cpu_sys`, every node: where a master
-saturates).
+Reported per (backend, concurrency): round trips and bytes on the wire per committed token,
+all and per writer (the servers' own `total_net_input_bytes` + `total_net_output_bytes`:
+clients' appends and reads of the log; the replication traffic apart), p50/p99 of a step's
+`add` (what the step waits for: the local merge; the append runs in the store's writer thread)
+and of a lookup, the problem's memory in Redis (`MEMORY USAGE` of its keys on their master; per
+committed token), the replication lag p99 (a row learned in one store -> merged in another),
+and the servers' CPU time per committed token (`used_cpu_user` + `used_cpu_sys`, every node:
+where a master saturates). Before the figures are read, every store has appended what it
+learned and read what the others did.
 """
 
 from __future__ import annotations
@@ -147,6 +150,11 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    if shared is None:  # every reader has what every writer appended (its traffic counted)
+        for s in stores:
+            s.flush()
+        for s in stores:
+            s.catch_up()
     stats = [s.stats() for s in stores] if shared is None else [shared.stats()]
     for s in {id(s): s for s in stores}.values():
         s.close()
@@ -161,6 +169,7 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
         "committed_tokens": tokens,
         "round_trips_per_token": trips / tokens,
         "bytes_per_token": (after[0] - before[0]) / tokens,
+        "bytes_per_token_per_writer": (after[0] - before[0]) / tokens / concurrency,
         "replication_bytes_per_token": (after[1] - before[1]) / tokens,
         "server_cpu_us_per_token": cpu / tokens * 1e6,
         "add_ms_p50": percentile(add_s, 0.5) * 1e3,
@@ -169,6 +178,8 @@ def cell(backend: str, url: str | None, clients, concurrency: int, args, traject
         "lookup_us_p99": percentile(lookup_s, 0.99) * 1e6,
         "lookup_us_mean": statistics.fmean(lookup_s) * 1e6 if lookup_s else 0.0,
         "problem_memory_kb": None if memory is None else memory / 1024,
+        "memory_bytes_per_token": None if memory is None else memory / tokens,
+        "lag_ms_p99": max((s.get("lag_ms_p99") or 0.0 for s in stats), default=0.0),
         "lost_updates": sum(s.get("lost_updates", 0) for s in stats),
         "replication_waits": sum(s.get("replication_waits", 0) for s in stats),
         "wall_s": wall,
@@ -201,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{backend:14s} x{concurrency:<3d} "
                     f"trips/token {rec['round_trips_per_token']:.2f}"
                     f"  bytes/token {rec['bytes_per_token']:5.0f} "
+                    f"({rec['bytes_per_token_per_writer']:.0f} a writer) "
                     f"(+{rec['replication_bytes_per_token']:.0f} repl)  add p50/p99 "
                     f"{rec['add_ms_p50']:.2f}/{rec['add_ms_p99']:.2f} ms  lookup p50/p99 "
                     f"{rec['lookup_us_p50']:.1f}/{rec['lookup_us_p99']:.1f} us  problem "
-                    f"{rec['problem_memory_kb'] or 0:.0f} KiB  server cpu "
+                    f"{rec['problem_memory_kb'] or 0:.0f} KiB "
+                    f"({rec['memory_bytes_per_token'] or 0:.0f} B/token)  lag p99 "
+                    f"{rec['lag_ms_p99']:.1f} ms  server cpu "
                     f"{rec['server_cpu_us_per_token']:.1f} us/token  lost {rec['lost_updates']}  "
                     f"waits {rec['replication_waits']}",
                     flush=True,

@@ -293,7 +293,8 @@ class StoreIndex:
         self.add_arrays(ctx, clen, row_ids, row_p, row_n)
 
     def add_arrays(self, ctx, clen, row_ids, row_p, row_n) -> None:
-        """`add` of rows already as arrays: contexts right-aligned in `[R, max_order]`."""
+        """`add` of rows already as arrays: contexts right-aligned in `[R, max_order]`; built
+        for this call (a replica keeps them for its log: `store.redis_store.ReplicaIndex`)."""
         self._room(len(ctx) * self.max_order)
         rows = (ctx, clen, row_ids, row_p, row_n)  # `MergedRows`' order
         add_rows(self._written(), rows, self.max_order, self.max_entries)

@@ -33,13 +33,19 @@ class LogRows(NamedTuple):
 def concat_rows(parts: list[LogRows]) -> LogRows:
     """One block of rows from several steps' (their id widths padded to the widest)."""
     width = max(p.ids.shape[1] for p in parts)
-    ids = [np.pad(p.ids, ((0, 0), (0, width - p.ids.shape[1]))) for p in parts]
-    probs = [np.pad(p.probs, ((0, 0), (0, width - p.probs.shape[1]))) for p in parts]
+    ids = np.zeros((sum(len(p.ids) for p in parts), width), np.int64)
+    probs = np.zeros(ids.shape, np.float64)
+    at = 0
+    for p in parts:
+        rows, cols = p.ids.shape
+        ids[at : at + rows, :cols] = p.ids
+        probs[at : at + rows, :cols] = p.probs
+        at += rows
     return LogRows(
         np.concatenate([p.ctx for p in parts]),
         np.concatenate([p.clen for p in parts]),
-        np.concatenate(ids),
-        np.concatenate(probs),
+        ids,
+        probs,
         np.concatenate([p.n for p in parts]),
     )
 

@@ -54,6 +54,7 @@ FLUSH_ROWS = 4096  # rows per appended entry: a long outage's queue drains in bo
 WAIT_MS = 50  # how long a cluster append waits for a replica to hold it (Redis WAIT)
 READ_COUNT = 256  # entries per read
 BLOCK_MS = 1000  # how long the reader's XREAD waits for a new entry
+LINGER_S = 0.002  # how long the writer, woken by a row, waits for the step's other rows
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,11 @@ class ReplicaIndex(StoreIndex):
         self.owner = owner
 
     def add_arrays(self, ctx, clen, row_ids, row_p, row_n) -> None:
+        """Merge, and queue for the log: the arrays are handed over (every caller builds them
+        for this call: `StoreIndex.add`, `drafters.store_feed.feed_index`)."""
         self.owner.merge_remote()
         super().add_arrays(ctx, clen, row_ids, row_p, row_n)
-        self.owner.queue(
-            LogRows(ctx.copy(), clen.copy(), row_ids.copy(), row_p.copy(), row_n.copy())
-        )
+        self.owner.queue(LogRows(ctx, clen, row_ids, row_p, row_n))
 
     def merge(self, rows: LogRows) -> None:
         """Rows another process learned: merged here, never logged again."""
@@ -374,7 +375,8 @@ class RedisLogitNgramStore:
                 if not self._counts["lost_updates"]:
                     log.warning("Redis store queue full: dropping the oldest updates")
                 self._counts["lost_updates"] += len(dropped.ctx)
-        self._wake.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def merge_remote(self) -> None:
         """Merge what the reader brought (the decode thread's: the replica is its alone)."""
@@ -391,6 +393,7 @@ class RedisLogitNgramStore:
         `retry_s`. Ends at `close` (which has waited for the queue, a bounded time)."""
         while not stop.is_set():
             self._wake.wait(timeout=self.retry_s)
+            stop.wait(LINGER_S)  # the rest of the step's rows: one append a step, not a row
             self._wake.clear()
             if not stop.is_set() and self._send() is False:
                 stop.wait(self.retry_s)
@@ -439,13 +442,12 @@ class RedisLogitNgramStore:
 
     def _batch(self) -> Batch:
         """The queued rows (up to about `FLUSH_ROWS`) as the next numbered batch (lock held)."""
-        parts, learned = [], time.time()
-        while self._queued and sum(len(p.ctx) for p in parts) < FLUSH_ROWS:
+        parts, learned, count = [], time.time(), 0
+        while self._queued and count < FLUSH_ROWS:
             rows, at = self._queued.popleft()
             parts.append(rows)
-            learned = min(learned, at)
+            learned, count = min(learned, at), count + len(rows.ctx)
         data = encode_rows(concat_rows(parts))
-        count = sum(len(p.ctx) for p in parts)
         self._queued_rows -= count
         self._seq += 1
         return Batch(self._seq, count, learned, data)
