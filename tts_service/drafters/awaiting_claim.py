@@ -49,4 +49,4 @@ class AwaitingClaim(Drafter):
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
         self.drafted = False
-        return self.inner.observe_root(tokens, topk) if self.open else None
+        return self.inner.observe_root(tokens, topk) if self._opened() else None
