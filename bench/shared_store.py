@@ -38,6 +38,7 @@ def questions(count: int) -> list[str]:
 def actor(args: dict, start, out) -> None:
     """One process: load the model, wait for `start`, solve `n` trajectories (seeds from
     `seed`) of every question over its stores (`url` None: in-process), report."""
+    import torch
     from pydantic import TypeAdapter
 
     from store.config import StoreConfig
@@ -47,8 +48,6 @@ def actor(args: dict, start, out) -> None:
     from tts_service.generation import Generator
     from tts_service.runner import TrajectoryRunner
     from tts_service.solve import ProblemInput, solve_problems
-
-    import torch
 
     torch.set_num_threads(args["threads"])  # the device's cores shared out: none oversubscribed
     gen = Generator.load(ModelConfig(name="smollm2-135m", device="cpu"))

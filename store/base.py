@@ -110,6 +110,10 @@ class NgramStore(Protocol):
         store checks the key with its server in the background (`confirmed`). Claims outlive
         `clear` in-process; in Redis they share the scope's keys and TTL."""
 
+    def preclaim(self, verify_keys: Sequence[int]) -> None:
+        """Announce keys rows will `claim` soon (the runner, as requests arrive), so that a
+        shared store's answer is in by their first draft; claims nothing (in-process: no-op)."""
+
     def confirmed(self, verify_key: int) -> bool | None:
         """Whether a claimed key is fresh wherever the scope is read: True, False (another
         process claimed it first), or None while that is not known (a server that has not

@@ -46,6 +46,9 @@ class InMemoryNgramStore:
         self._claims.add(verify_key)
         return fresh
 
+    def preclaim(self, verify_keys: Sequence[int]) -> None:
+        """Claims are answered here, at once: nothing to announce."""
+
     def confirmed(self, verify_key: int) -> bool | None:
         """Claims are checked here, at once."""
         return True if verify_key in self._claims else None
@@ -165,6 +168,10 @@ class TieredStore:
         teaches."""
         fresh = self.problem.claim(verify_key)
         return self.global_.claim(verify_key) and fresh
+
+    def preclaim(self, verify_keys: Sequence[int]) -> None:
+        self.problem.preclaim(verify_keys)
+        self.global_.preclaim(verify_keys)
 
     def confirmed(self, verify_key: int) -> bool | None:
         """False if either scope found the key taken, None while either has not answered."""

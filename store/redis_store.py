@@ -142,6 +142,8 @@ class RedisLogitNgramStore:
         self._seen: dict[bytes, int] = {}  # writer id -> last batch number applied
         self._last_id = b"0-0"  # the last log entry read
         self._claims: dict[int, bool | None] = {}  # verify key -> the server's answer
+        self._claimed: set[int] = set()  # keys a row of this process claimed
+        self._urgent = False  # claims wait for no linger
         self._unsent_claims: list[int] = []
         self._replicas = 0  # a cluster node's replicas: appends wait until one holds them
         self._refused: Exception | None = None  # the last round trip's first refusal
@@ -343,18 +345,28 @@ class RedisLogitNgramStore:
 
     def claim(self, verify_key: int) -> bool:
         """Record the key here and, in the background, in the scope's set (every process and
-        run that shares the scope sees it); False if this process claimed it before or the
-        server already said another did. `confirmed` says what the server answered."""
+        run that shares the scope sees it); False if a row of this process claimed it before.
+        `confirmed` says what the server answered."""
+        with self._lock:
+            if verify_key in self._claimed:
+                return False
+            self._claimed.add(verify_key)
+        self.preclaim([verify_key])
+        return True
+
+    def preclaim(self, verify_keys: Sequence[int]) -> None:
+        """Send the keys' claims now (the writer wakes at once, without its linger)."""
         if not self._threads:
             self.start()
         with self._lock:
-            if verify_key in self._claims:
-                return False
-            self._claims[verify_key] = None
-            self._unsent_claims.append(verify_key)
-            self._counts["unchecked_claims"] += 1
-        self._wake.set()
-        return True
+            fresh = [k for k in verify_keys if k not in self._claims]
+            for key in fresh:
+                self._claims[key] = None
+            self._unsent_claims += fresh
+            self._counts["unchecked_claims"] += len(fresh)
+        if fresh:
+            self._urgent = True
+            self._wake.set()
 
     def confirmed(self, verify_key: int) -> bool | None:
         """True once the server has the key as fresh, False if it found it taken, None while
@@ -393,7 +405,9 @@ class RedisLogitNgramStore:
         `retry_s`. Ends at `close` (which has waited for the queue, a bounded time)."""
         while not stop.is_set():
             self._wake.wait(timeout=self.retry_s)
-            stop.wait(LINGER_S)  # the rest of the step's rows: one append a step, not a row
+            if not self._urgent:  # the rest of the step's rows: one append a step, not a row
+                stop.wait(LINGER_S)
+            self._urgent = False
             self._wake.clear()
             if not stop.is_set() and self._send() is False:
                 stop.wait(self.retry_s)

@@ -39,6 +39,7 @@ from tts_service.engine.metrics import ForwardStats
 from tts_service.engine.prefill import chunk_tokens
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Deferred, DraftContext, Drafter, DraftGroup, NodeTopK
+from tts_service.engine.streams import verify_key
 from tts_service.engine.surface import CostSurface
 from tts_service.engine.tree import DraftTree
 from tts_service.engine.verify import Acceptance
@@ -248,7 +249,17 @@ class TrajectoryRunner:
         on_result: Callable[[TrajectoryResult], None] | None = None,
         skip: Callable[[TrajectoryRequest], bool] | None = None,
     ) -> Submission:
-        """Queue requests behind those already waiting; `tick` decodes them."""
+        """Queue requests behind those already waiting; `tick` decodes them. Their verify keys
+        are announced to their stores now (`NgramStore.preclaim`), in the caller's thread, so
+        that a shared store's answer is in by their first draft."""
+        keys: dict[int, tuple[NgramStore, list[int]]] = {}
+        for r in requests:
+            params = r.params()
+            key = verify_key(params.seed, params.salt)
+            if key is not None:
+                keys.setdefault(id(r.store), (r.store, []))[1].append(key)
+        for store, claims in keys.values():
+            store.preclaim(claims)
         sub = Submission(requests, on_result, skip)
         self.queue.extend((sub, r) for r in requests)
         return sub

@@ -37,6 +37,7 @@ from tts_service.drafters.registry import (
 )
 from tts_service.engine.cost import CostModel
 from tts_service.engine.sampling import SamplingParams, target_probs
+from tts_service.engine.streams import row_salt, verify_key
 from tts_service.generation import Generator
 from tts_service.models import load_model
 from tts_service.runner import TrajectoryRunner
@@ -178,6 +179,46 @@ def test_a_rerun_over_a_persistent_store_samples_exactly(loaded, prompt_and_p, r
                 TrajectoryRunner(gen, 1), problems, 1, drafter("stand-dyn"), sampling(seed, None)
             )
         tokens.append(first_token(run))
+    assert pvalue(tokens, p) > 1e-3
+
+
+@pytest.mark.parametrize("method", ("stand", *METHODS))
+def test_two_actors_sharing_a_redis_scope_sample_exactly(
+    loaded, prompt_and_p, redis_server, method
+):
+    """Two actors (each its own model state and its own replica of one Redis scope): A solves
+    with a seed, then B, whose replica replayed what A taught the scope, solves with the same
+    seed (its own nonce). B's first token against p; B's claim is confirmed before its first
+    draft, so that the first token is a drafted one."""
+    prompt, p = prompt_and_p
+    rows, tokens, drafted = half_and_half(prompt, p), [], 0
+    for seed in range(RUNS):
+        scope = RedisScope("problem", f"two-actors-{method}-{seed}")
+        store_a = filled(rows, RedisLogitNgramStore.connect(redis_server.url, scope=scope))
+        run_a = [ProblemInput("a", prompt, store_a)]
+        solve_problems(
+            TrajectoryRunner(fresh_generator(loaded), 1),
+            run_a,
+            1,
+            drafter(method),
+            sampling(seed, 1),
+        )
+        store_a.close()
+        store_b = RedisLogitNgramStore.connect(redis_server.url, scope=scope)
+        store_b.preclaim([verify_key(seed, row_salt(2, "a", 0))])
+        store_b.flush()
+        run_b = solve_problems(
+            TrajectoryRunner(fresh_generator(loaded), 1),
+            [ProblemInput("a", prompt, store_b)],
+            1,
+            drafter(method),
+            sampling(seed, 2),
+        )
+        assert store_b.stats()["remote_updates"] > 0
+        store_b.close()
+        tokens.append(first_token(run_b))
+        drafted += run_b.problems[0].trajectories[0].output.stats.tree_nodes > 0
+    assert drafted > RUNS // 2  # the harness tests drafted tokens, not plain ones
     assert pvalue(tokens, p) > 1e-3
 
 

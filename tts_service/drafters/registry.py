@@ -25,7 +25,7 @@ from tts_service.drafters.awaiting_claim import AwaitingClaim
 from tts_service.drafters.spec import DraftEnv, DrafterSpec, Method, Shared
 from tts_service.engine.sampling import SamplingParams
 from tts_service.engine.seam import Drafter
-from tts_service.engine.streams import Stream, drafter_seed, stream_seed
+from tts_service.engine.streams import drafter_seed, verify_key
 
 if TYPE_CHECKING:
     from store.base import NgramStore
@@ -235,9 +235,8 @@ class RowDrafters:
             VerifyKeyReusedError: a drafting row's verify key (seed and salt) was claimed
                 before, here or in the store.
         """
-        key = None
-        if params.salt:  # a row that drafts and samples (`TrajectoryRequest.salted`)
-            key = stream_seed(params.seed, Stream.VERIFY, params.salt)
+        key = verify_key(params.seed, params.salt)  # a row that drafts and samples
+        if key is not None:
             self._claim(key, store, params)
         problem = self.per_store.setdefault(store, {})
         seed = drafter_seed(params.seed, params.salt)

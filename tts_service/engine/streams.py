@@ -49,6 +49,12 @@ def stream_seed(seed: int, stream: Stream, salt: str = "") -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def verify_key(seed: int, salt: str) -> int | None:
+    """The key a salted row's verification is claimed under (`NgramStore.claim`): its verify
+    stream's seed; None for an unsalted row (it reads no shared state)."""
+    return stream_seed(seed, Stream.VERIFY, salt) if salt else None
+
+
 def drafter_seed(seed: int, salt: str) -> int:
     """The seed a row's drafter derives its draft stream from (`DraftEnv.seed`): the
     trajectory's own where unsalted, else a hash of both. Rows that share drafter state must not
