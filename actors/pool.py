@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +130,32 @@ def calls_per_actor(cfg: JobConfig) -> int:
     """Calls kept in flight per actor: enough chunks of `batch` trajectories to keep its
     `max_rows` rows full, plus one waiting (an actor runs that many calls concurrently)."""
     return -(-(cfg.max_rows or default_max_rows("cpu")) // cfg.batch) + 1
+
+
+def pick_actor(
+    chunk: Chunk,
+    in_flight: Iterable[tuple[Chunk, int]],
+    actors: int,
+    room: int,
+    shared: bool,
+    turn: int,
+) -> int:
+    """The actor for `chunk`, given the calls in flight ((chunk, actor) each) and `room` calls
+    an actor may hold. With a store every actor reads (`store.url`), or for a retried chunk,
+    the round robin (a retry goes to another actor than the one that failed it). Otherwise a
+    problem's chunks stay on the actor that runs its others (they learn from each other through
+    its in-process store) while every actor has work; an idle actor, or no room there, spreads
+    them to the least loaded one."""
+    if shared or chunk.attempts:
+        return (turn + chunk.attempts) % actors
+    load, mine = [0] * actors, [0] * actors
+    for other, index in in_flight:
+        load[index] += 1
+        mine[index] += other.problem.id == chunk.problem.id
+    home = max(range(actors), key=lambda i: (mine[i], -load[i]))
+    if min(load) > 0 and mine[home] and load[home] < room:
+        return home
+    return min(range(actors), key=lambda i: (load[i], (i - turn) % actors))
 
 
 def start_actors(
@@ -289,14 +315,14 @@ class TrajectoryPool:
     ) -> int:
         """Send queued chunks until every actor has `calls_per_actor` calls in flight (a chunk
         of a problem that stopped early is dropped, and the problem reported if done); returns
-        the next `turn` of the round robin."""
-        while queue and len(in_flight) < calls_per_actor(self.cfg) * len(self.actors):
+        the next `turn` of the round robin (`pick_actor` chooses the actor)."""
+        room, shared = calls_per_actor(self.cfg), self.cfg.store.url is not None
+        while queue and len(in_flight) < room * len(self.actors):
             chunk = queue.popleft()
             if states[chunk.problem.id].stopped_early:
                 report_if_done(states[chunk.problem.id])
                 continue
-            # a retried chunk goes to another actor than the one that failed it
-            index = (turn + chunk.attempts) % len(self.actors)
+            index = pick_actor(chunk, in_flight.values(), len(self.actors), room, shared, turn)
             turn += 1
             ref = _leader(self.actors[index]).run.remote(
                 self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices, chunk.attempts

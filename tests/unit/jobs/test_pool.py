@@ -1,0 +1,36 @@
+"""Where the pool sends a problem's chunks (`actors.pool.pick_actor`): together on one actor
+while every actor has work (they learn from each other through its in-process store), spread
+when an actor would idle, and round robin over a shared store."""
+
+from __future__ import annotations
+
+from actors.pool import Chunk, pick_actor
+from tts_service.schemas import Problem
+
+
+def _chunks(problem: str, count: int) -> list[Chunk]:
+    p = Problem(id=problem, question="q")
+    return [Chunk(p, [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]) for k in range(count)]
+
+
+def _place(chunks: list[Chunk], actors: int, room: int, shared: bool) -> list[int]:
+    in_flight: list[tuple[Chunk, int]] = []
+    for turn, chunk in enumerate(chunks):
+        in_flight.append((chunk, pick_actor(chunk, in_flight, actors, room, shared, turn)))
+    return [index for _, index in in_flight]
+
+
+def test_a_problem_s_chunks_stay_together_once_every_actor_has_work():
+    placed = _place(_chunks("a", 4) + _chunks("b", 4), actors=2, room=5, shared=False)
+    assert placed[:2] == [0, 1]  # an idle actor gets work first
+    assert placed[2:4] == [0, 0]  # then with the actor that runs most of them
+    assert placed[4:] == [1, 1, 1, 1]  # b on the other actor, together
+    # an actor without room spreads the rest to the least loaded one
+    assert _place(_chunks("a", 5), actors=2, room=2, shared=False) == [0, 1, 0, 1, 0]
+
+
+def test_over_a_shared_store_and_for_a_retry_the_round_robin_spreads_them():
+    assert _place(_chunks("a", 4), actors=2, room=5, shared=True) == [0, 1, 0, 1]
+    retry = _chunks("a", 1)[0]
+    retry.attempts = 1
+    assert pick_actor(retry, [], 3, 5, False, 0) == 1  # another actor than the one that failed
