@@ -101,7 +101,7 @@ class ReplicaIndex(StoreIndex):
     def add_arrays(self, ctx, clen, row_ids, row_p, row_n) -> None:
         """Merge, and queue for the log: the arrays are handed over (every caller builds them
         for this call: `StoreIndex.add`, `drafters.store_feed.feed_index`)."""
-        self.owner.merge_remote()
+        self.owner.merge_remote(drafting=True)
         super().add_arrays(ctx, clen, row_ids, row_p, row_n)
         self.owner.queue(LogRows(ctx, clen, row_ids, row_p, row_n))
 
@@ -390,14 +390,18 @@ class RedisLogitNgramStore:
         if not self._wake.is_set():
             self._wake.set()
 
-    def merge_remote(self) -> None:
-        """Merge what the reader brought (the decode thread's: the replica is its alone)."""
+    def merge_remote(self, drafting: bool = False) -> None:
+        """Merge what the reader brought (the decode thread's: the replica is its alone).
+        `drafting`: a step's merge, before rows draft again; its lag (learned elsewhere ->
+        merged here) is what `lag_ms_*` report (a merge at `flush` or `close`, after this
+        process's rows are done, is no draft's)."""
         inbox = self._inbox
         while inbox:
             rows, learned_at = inbox.popleft()
             self.index.merge(rows)
             self._counts["remote_updates"] += len(rows.ctx)
-            self._lags.append(1000.0 * (time.time() - learned_at))
+            if drafting:
+                self._lags.append(1000.0 * (time.time() - learned_at))
 
     # -- the writer thread -----------------------------------------------------------------
     def _write_loop(self, stop: threading.Event) -> None:

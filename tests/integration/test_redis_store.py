@@ -80,7 +80,8 @@ def test_a_writer_s_replica_and_a_late_reader_s_equal_the_in_process_store(redis
 
 def test_a_running_reader_merges_what_another_process_learns(redis_server):
     """Two stores open at once: what one learns reaches the other's replica through its reader
-    thread (no call on the other's side but its next merge), with the lag measured."""
+    thread (no call on the other's side but its next merge), with the lag measured at a
+    step's merge."""
     a, b = _store(redis_server.url, "live"), _store(redis_server.url, "live")
     reference = InMemoryNgramStore()
     for step in _rows(1, 20):
@@ -89,10 +90,16 @@ def test_a_running_reader_merges_what_another_process_learns(redis_server):
     a.flush()
     assert b.catch_up()
     _assert_same(b, reference, _all_contexts())
+    assert b.stats()["remote_updates"] == 60 and b.stats()["lag_ms_p99"] is None  # no step yet
+    a.add([NgramRow((2, 2), (9,), (1.0,))])
+    a.flush()
+    deadline = time.monotonic() + 5
+    while not b._inbox and time.monotonic() < deadline:
+        time.sleep(0.005)
+    b.add([NgramRow((3, 3), (7,), (1.0,))])  # a step's merge: the other's rows first
     s = b.stats()
-    assert s["remote_updates"] == 60 and s["lag_ms_p99"] is not None and s["lag_ms_p99"] < 5000
-    b.add([NgramRow((3, 3), (7,), (1.0,))])  # and back the other way
-    b.flush()
+    assert s["remote_updates"] == 61 and s["lag_ms_p99"] is not None and s["lag_ms_p99"] < 5000
+    b.flush()  # and back the other way
     assert a.catch_up() and a.lookup([3, 3]).count == reference.lookup([3, 3]).count + 1
 
 
