@@ -50,6 +50,19 @@ def _ray_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
+SHARED_COUNTS = ("remote_updates", "flushed_updates", "lost_updates", "missed_batches")
+
+
+def add_store(totals: dict[str, float], stats: dict) -> None:
+    """A closed store's replication counters into `totals` (summed; the lag: the worst p99);
+    an in-process store adds nothing."""
+    for key in SHARED_COUNTS:
+        if key in stats:
+            totals[key] = totals.get(key, 0) + stats[key]
+    if stats.get("lag_ms_p99") is not None:
+        totals["lag_ms_p99"] = max(totals.get("lag_ms_p99", 0.0), stats["lag_ms_p99"])
+
+
 class GeneratorActor:
     """`generator` and `decoder` given: a tensor-parallel replica's rank 0 (`actors.tp`), whose
     loaded shard and mirrored decoder are used as they are (the host shares a fixed token
@@ -75,19 +88,26 @@ class GeneratorActor:
         self.node = _ray_node()
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
+        self.store_totals: dict[str, float] = {}  # the closed stores' counters (`add_store`)
 
     def ready(self) -> str:
         return self.name
 
-    def close(self) -> None:
+    def close(self) -> dict[str, float]:
         """The actor's last call (the job's end): every store pushes what it queued, waiting
-        a bounded time, and reports what it could not (the actor's stderr)."""
+        a bounded time, and reports what it could not (the actor's stderr). Returns what its
+        stores counted (`add_store`: the job says whether its store was shared)."""
         with self._stores_lock:
             stores = list(self._stores.values())
             self._stores.clear()
         for store in stores:
-            store.close()
+            self._closed(store)
         self.host.close()
+        return self.store_totals
+
+    def _closed(self, store: NgramStore) -> None:
+        store.close()
+        add_store(self.store_totals, store.stats())
 
     def _store(self, job_id: str, problem_id: str) -> NgramStore:
         """The problem's store, kept for the few problems in flight (the least recently used
@@ -103,7 +123,7 @@ class GeneratorActor:
                 self._stores[scope_id] = self.host.problem_store(scope_id)
             store = self._stores[scope_id]
         if dropped is not None:
-            dropped.close()  # outside the lock: it may wait for Redis
+            self._closed(dropped)  # outside the lock: it may wait for Redis
         return store
 
     def run(

@@ -24,7 +24,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
 
-from actors.generator import GeneratorActor
+from actors.generator import GeneratorActor, add_store
 from actors.tp import TensorParallelReplica
 from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
 from tts_service.config import default_max_rows
@@ -204,15 +204,16 @@ def start_replicas(
     ]
 
 
-def close_actors(actors: list) -> None:
+def close_actors(actors: list) -> dict[str, float]:
     """Close every actor's stores (their final flush, a bounded wait), before the actors go
     with the job; a tensor-parallel replica closes its ranks and group too. An actor that died
     took its queued writes with it: logged, not raised, as every trajectory is already
-    written."""
+    written. Returns the actors' store counters, summed (`actors.generator.add_store`)."""
     refs = [a.close.remote() for a in actors if not isinstance(a, TensorParallelReplica)]
+    totals: dict[str, float] = {}
     for ref in refs:
         try:
-            ray.get(ref)
+            add_store(totals, ray.get(ref) or {})
         except RayError as e:
             log.warning("an actor could not close its stores: %s", e)
     for replica in actors:
@@ -221,6 +222,7 @@ def close_actors(actors: list) -> None:
                 replica.close()
             except RayError as e:
                 log.warning("a tensor-parallel replica could not close: %s", e)
+    return totals
 
 
 def kill_replicas(actors: list) -> None:

@@ -447,7 +447,7 @@ def read_problems(path: Path) -> list[LoggedProblem]:
         return [parse_line(line) for line in f if line.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--nodes", type=int, nargs="*", default=list(NODES))
@@ -498,7 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="a drafter field (a JSON value) for every method whose drafter has it: drawn=true",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     problems = fold(read_problems(args.log), args.vocab)
     # the compiled kernels loaded before any cell, as a GPU runner host has them before its

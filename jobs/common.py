@@ -362,7 +362,9 @@ def run_pool(
                 on_ready()
             pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
             states = pool.run(problems, on_trajectory, on_problem)
-            close_actors(actors)  # while a local-redis server still runs
+            shared = close_actors(actors)  # while a local-redis server still runs
+            if url is not None and shared:
+                print(store_line(shared, len(actors)), flush=True)
         except BaseException:
             kill_replicas(actors)
             raise
@@ -370,6 +372,17 @@ def run_pool(
             for strategy in strategies:
                 remove_placement_group(strategy.placement_group)
     return states, pool.retries
+
+
+def store_line(totals: dict[str, float], actors: int) -> str:
+    """What the job's shared store did: rows each actor took from the others, the replication
+    lag, and what was lost (never silent)."""
+    return (
+        f"[job] store shared by {actors} actor(s): {int(totals.get('flushed_updates', 0)):,} "
+        f"rows appended, {int(totals.get('remote_updates', 0)):,} merged from other actors, "
+        f"lag p99 {totals.get('lag_ms_p99', 0.0):.0f} ms, lost "
+        f"{int(totals.get('lost_updates', 0))}, missed {int(totals.get('missed_batches', 0))}"
+    )
 
 
 def run_missing(

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class IndexedStore(Protocol):
-    """A store that can keep its entries as arrays for compiled drafting (`InMemoryNgramStore`;
-    a Redis store cannot: other writers change it behind any local copy)."""
+    """A store that keeps its entries as arrays for compiled drafting: `InMemoryNgramStore`, and
+    a Redis store's local replica (`store.redis_store`: other processes' rows merge into it at
+    the decode thread's next merge, so a kernel never reads arrays another thread changes)."""
 
     topk: int  # ids kept per entry: the most candidates one lookup gives
 

@@ -34,3 +34,23 @@ def test_over_a_shared_store_and_for_a_retry_the_round_robin_spreads_them():
     retry = _chunks("a", 1)[0]
     retry.attempts = 1
     assert pick_actor(retry, [], 3, 5, False, 0) == 1  # another actor than the one that failed
+
+
+def test_a_job_sums_its_actors_store_counters():
+    """`add_store`: replication counters summed over closed stores and actors, the lag's worst
+    p99 kept; an in-process store's stats add nothing; the job's line says it."""
+    from actors.generator import add_store
+    from jobs.common import store_line
+
+    totals: dict[str, float] = {}
+    add_store(totals, {"remote_updates": 10, "flushed_updates": 12, "lag_ms_p99": 30.0})
+    add_store(totals, {"entries": 5, "misses": 2})  # in-process
+    add_store(totals, {"remote_updates": 5, "lost_updates": 1, "lag_ms_p99": 12.5})
+    assert totals == {
+        "remote_updates": 15,
+        "flushed_updates": 12,
+        "lost_updates": 1,
+        "lag_ms_p99": 30.0,
+    }
+    line = store_line(totals, 2)
+    assert "2 actor(s)" in line and "15 merged" in line and "lag p99 30 ms" in line
