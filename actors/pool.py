@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from tts_service.config import default_max_rows
 from tts_service.schemas import JobConfig, Problem
 
 log = logging.getLogger(__name__)
+AVOID_S = 30.0  # how long an actor whose call failed gets no new chunk (`pick_actor`)
 RESTART_WAITS = 240  # x 0.5 s: how long a restarting actor (a model load) is waited for
 MAX_RESTARTS = 3  # of one replica (Ray's for an actor, the pool's for a tensor-parallel one)
 
@@ -139,23 +140,26 @@ def pick_actor(
     room: int,
     shared: bool,
     turn: int,
+    avoid: Container[int] = (),
 ) -> int:
     """The actor for `chunk`, given the calls in flight ((chunk, actor) each) and `room` calls
-    an actor may hold. With a store every actor reads (`store.url`), or for a retried chunk,
-    the round robin (a retry goes to another actor than the one that failed it). Otherwise a
-    problem's chunks stay on the actor that runs its others (they learn from each other through
-    its in-process store) while every actor has work; an idle actor, or no room there, spreads
-    them to the least loaded one."""
-    if shared or chunk.attempts:
+    an actor may hold. With a store every actor reads (`store.url`), or for a retried or
+    waiting chunk, the round robin (a retry goes to another actor than the one that failed it).
+    Otherwise a problem's chunks stay on the actor that runs its others (they learn from each
+    other through its in-process store) while every actor has work; an idle actor, or no room
+    there, spreads them to the least loaded one. Actors in `avoid` (a call failed there
+    lately: a dead actor looks idle) get none while another can."""
+    if shared or chunk.attempts or chunk.waits:
         return (turn + chunk.attempts) % actors
+    usable = [i for i in range(actors) if i not in avoid] or list(range(actors))
     load, mine = [0] * actors, [0] * actors
     for other, index in in_flight:
         load[index] += 1
         mine[index] += other.problem.id == chunk.problem.id
-    home = max(range(actors), key=lambda i: (mine[i], -load[i]))
-    if min(load) > 0 and mine[home] and load[home] < room:
+    home = max(usable, key=lambda i: (mine[i], -load[i]))
+    if min(load[i] for i in usable) > 0 and mine[home] and load[home] < room:
         return home
-    return min(range(actors), key=lambda i: (load[i], (i - turn) % actors))
+    return min(usable, key=lambda i: (load[i], (i - turn) % actors))
 
 
 def start_actors(
@@ -256,6 +260,7 @@ class TrajectoryPool:
         self.job_id = job_id
         self.results = results
         self.retries = 0
+        self.failed_at: dict[int, float] = {}  # actor index -> when a call of it last failed
 
     def run(
         self,
@@ -319,12 +324,15 @@ class TrajectoryPool:
         of a problem that stopped early is dropped, and the problem reported if done); returns
         the next `turn` of the round robin (`pick_actor` chooses the actor)."""
         room, shared = calls_per_actor(self.cfg), self.cfg.store.url is not None
+        now = time.monotonic()
+        avoid = {i for i, at in self.failed_at.items() if now - at < AVOID_S}
         while queue and len(in_flight) < room * len(self.actors):
             chunk = queue.popleft()
             if states[chunk.problem.id].stopped_early:
                 report_if_done(states[chunk.problem.id])
                 continue
-            index = pick_actor(chunk, in_flight.values(), len(self.actors), room, shared, turn)
+            n = len(self.actors)
+            index = pick_actor(chunk, in_flight.values(), n, room, shared, turn, avoid)
             turn += 1
             ref = _leader(self.actors[index]).run.remote(
                 self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices, chunk.attempts
@@ -340,6 +348,7 @@ class TrajectoryPool:
         try:
             return ray.get(ref)
         except RayError as e:  # actor died, worker crashed, object lost, OOM-killed
+            self.failed_at[index] = time.monotonic()
             if isinstance(self.actors[index], TensorParallelReplica) and _rank_failed(e):
                 self._restart(index, [chunk], in_flight, watch, queue, e)
             else:

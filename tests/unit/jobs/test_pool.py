@@ -54,3 +54,15 @@ def test_a_job_sums_its_actors_store_counters():
     }
     line = store_line(totals, 2)
     assert "2 actor(s)" in line and "15 merged" in line and "lag p99 30 ms" in line
+
+
+def test_an_actor_whose_call_failed_lately_gets_no_new_chunk():
+    """A dead actor's calls have all failed, so it looks idle: it must not draw every new
+    chunk (each would wait out its restart) while another actor can take them."""
+    chunks = _chunks("a", 3)
+    in_flight: list[tuple[Chunk, int]] = []
+    for turn, chunk in enumerate(chunks):
+        index = pick_actor(chunk, in_flight, 2, 5, False, turn, avoid={0})
+        in_flight.append((chunk, index))
+    assert [i for _, i in in_flight] == [1, 1, 1]
+    assert pick_actor(chunks[0], [], 2, 5, False, 0, avoid={0, 1}) == 0  # none usable: any
