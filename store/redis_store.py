@@ -264,11 +264,7 @@ class RedisLogitNgramStore:
             return
         self._wake.set()
         deadline = time.monotonic() + self.retry_s
-        while (
-            (self._pending() or self._unsent_claims)
-            and self._degraded_since is None
-            and time.monotonic() < deadline
-        ):
+        while self._owed() and self._degraded_since is None and time.monotonic() < deadline:
             time.sleep(0.002)
         self.merge_remote()
 
@@ -294,7 +290,7 @@ class RedisLogitNgramStore:
         acknowledged then is lost: counted in `lost_updates` and reported on stderr. The
         threads stop; the store stays usable (`start` again, as `add` does)."""
         deadline = time.monotonic() + self.close_timeout_s
-        while (self._pending() or self._unsent_claims) and time.monotonic() < deadline:
+        while self._owed() and time.monotonic() < deadline:
             self._wake.set()
             time.sleep(0.005)
         self._stop.set()
@@ -303,12 +299,7 @@ class RedisLogitNgramStore:
         if writer is not None and writer is not threading.current_thread():
             writer.join(timeout=5.0)  # a round trip in flight: at most a socket timeout
         self._threads = []  # the reader stops at its next wake (its stop event is set)
-        with self._lock:
-            lost = self._pending()
-            self._queued.clear()
-            self._queued_rows = 0
-            self._unacked.clear()
-        self._counts["lost_updates"] += lost
+        self._counts["lost_updates"] += self._drop_queued()
         self._report_lost()
         if self.client is not None:
             self.client.close()
@@ -335,10 +326,7 @@ class RedisLogitNgramStore:
 
     def clear(self) -> None:
         """Delete this scope's log and claims in Redis and forget the replica and queues."""
-        with self._lock:
-            self._queued.clear()
-            self._queued_rows = 0
-            self._unacked.clear()
+        self._drop_queued()
         self._inbox.clear()
         self.index.clear()
         delete_scope(self.node(), self.scope.prefix)
@@ -570,6 +558,19 @@ class RedisLogitNgramStore:
 
     def _pending(self) -> int:
         return self._queued_rows + sum(b.rows for b in self._unacked)
+
+    def _owed(self) -> bool:
+        """Whether the writer has rows or claims still to send."""
+        return bool(self._pending() or self._unsent_claims)
+
+    def _drop_queued(self) -> int:
+        """Forget every row not yet acknowledged; returns how many."""
+        with self._lock:
+            dropped = self._pending()
+            self._queued.clear()
+            self._queued_rows = 0
+            self._unacked.clear()
+        return dropped
 
     def _report_lost(self) -> None:
         """Say on stderr, never silently, how many updates will not reach Redis."""
