@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_ROWS = 4096  # rows per appended entry: a long outage's queue drains in bounded entries
 WAIT_MS = 50  # how long a cluster append waits for a replica to hold it (Redis WAIT)
+RECOUNT_S = 1.0  # how often the writer asks a cluster node how many replicas it has
 READ_COUNT = 256  # entries per read
 BLOCK_MS = 1000  # how long the reader's XREAD waits for a new entry
 LINGER_S = 0.002  # how long the writer, woken by a row, waits for the step's other rows
@@ -146,6 +147,7 @@ class RedisLogitNgramStore:
         self._urgent = False  # claims wait for no linger
         self._unsent_claims: list[int] = []
         self._replicas = 0  # a cluster node's replicas: appends wait until one holds them
+        self._recount_at = 0.0  # when the writer counts them again (monotonic)
         self._refused: Exception | None = None  # the last round trip's first refusal
         self._lock = threading.Lock()  # the writer's state: queue, batches, claims
         self._wake = threading.Event()
@@ -190,7 +192,7 @@ class RedisLogitNgramStore:
         store = cls(client, **kw)
         try:
             store.node().ping()
-            store._replicas = store._count_replicas()
+            store._count_replicas()
             while store._read(block_ms=None) == READ_COUNT:
                 pass
             store.merge_remote()  # nobody drafts from it yet: the history is there at once
@@ -219,7 +221,7 @@ class RedisLogitNgramStore:
         the node that owns the scope's slot now (as the client last learned the slots)."""
         if self.client is None:  # a cluster unreachable at start: connect now, or raise
             self.client = self._connect()  # type: ignore[misc]
-            self._replicas = self._count_replicas()
+            self._count_replicas()
         if not isinstance(self.client, RedisCluster):
             return self.client
         owner = self.client.get_node_from_key(self.scope.log_key)
@@ -231,16 +233,17 @@ class RedisLogitNgramStore:
         if isinstance(self.client, RedisCluster):
             try:
                 self.client.nodes_manager.initialize()
-                self._replicas = self._count_replicas()
+                self._count_replicas()
             except ERRORS as e:  # no node answers yet: the next retry asks again
                 log.info("Redis Cluster slots not refreshed: %s", e)
 
-    def _count_replicas(self) -> int:
+    def _count_replicas(self) -> None:
         """The replicas of the scope's node on a cluster (0 for one server: appends are as safe
-        as that server's persistence, and WAIT would only add its timeout)."""
-        if not isinstance(self.client, RedisCluster):
-            return 0
-        return int(self.node().info("replication").get("connected_slaves", 0))
+        as that server's persistence, and WAIT would only add its timeout). The writer counts
+        again every `RECOUNT_S`: a master restarted after its failover rejoins as a replica."""
+        self._recount_at = time.monotonic() + RECOUNT_S
+        if isinstance(self.client, RedisCluster):
+            self._replicas = int(self.node().info("replication").get("connected_slaves", 0))
 
     # -- NgramStore ----------------------------------------------------------------------
     def compiled(self) -> StoreIndex:
@@ -415,6 +418,8 @@ class RedisLogitNgramStore:
         if not batches and not claims:
             return None
         try:
+            if time.monotonic() > self._recount_at:
+                self._count_replicas()
             appended, fresh, replicated = self._round_trip(batches, claims)
         except ERRORS as e:
             self._fail(e)

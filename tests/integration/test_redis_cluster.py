@@ -1,7 +1,7 @@
 """The store on a real Redis Cluster of 3 masters and 3 replicas (redis-server processes on
 loopback ports, started here and stopped by PID): a scope's keys stay in one slot, counts are
-exact, a best-of-4 solve equals the in-process store's, and a master killed mid-run is taken
-over by its replica with nothing lost silently and nothing applied twice."""
+exact, a best-of-4 solve equals the in-process store's, and two masters killed mid-run one after
+the other are taken over by their replicas with nothing lost silently or applied twice."""
 
 from __future__ import annotations
 
@@ -107,31 +107,50 @@ def test_best_of_4_greedy_through_the_cluster_equals_the_in_process_store(cluste
     assert stats["flushed_updates"] > 0 and stats["lost_updates"] == 0
 
 
-def test_a_master_killed_mid_run_is_replaced_and_nothing_is_lost_silently(cluster):
-    """kill -9 of the master that owns the problem's slot: its replica takes over within the
-    node timeout; the store degrades, retries, and every row is stored exactly once or
-    counted lost (asynchronous replication cannot lose an acknowledged row: a round trip
-    counts only once a replica holds it)."""
+def _write_until(store: RedisLogitNgramStore, steps: list, done, what: str) -> None:
+    """Add a step every 50 ms (a decoding step's pace) until `done()` (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        store.add(steps.pop(0))
+        time.sleep(0.05)
+
+
+def test_two_masters_killed_mid_run_are_replaced_and_nothing_is_lost_silently(cluster):
+    """kill -9 of the master that owns the problem's slot, its replica takes over; the killed
+    node comes back as the new master's replica, and that master is killed too. The store
+    degrades, retries, and every row is stored exactly once or counted lost (asynchronous
+    replication cannot lose an acknowledged row: a round trip counts only once a replica holds
+    it, and the writer counts the replicas again as they come back)."""
     scope = RedisScope("problem", "failover")
     client = client_from_url(cluster.url)
     store = RedisLogitNgramStore(client, scope, retry_s=0.0)
-    store._replicas = store._count_replicas()
+    store._count_replicas()
     assert store._replicas == 1
-    victim = cluster.master_of(scope.log_key)
-    steps = ngram_steps(1, 60)
-    for i, step in enumerate(steps):
-        if i == 20:
-            victim.kill()
-        store.add(step)
-        time.sleep(0.05)  # a decoding step's pace: the failover happens during the run
+    written = ngram_steps(1, 400)
+    steps = list(written)
+    owner = lambda: cluster.master_of(scope.log_key)  # noqa: E731
+    first = owner()
+    for _ in range(20):
+        store.add(steps.pop(0))
+    first.kill()
+    _write_until(store, steps, lambda: owner().port != first.port, "the first failover")
+    second = owner()
+    first.start()  # back as the new master's replica
+    cluster.wait_ok(nodes=[first])
+    _write_until(store, steps, lambda: store._replicas == 1, "the writer to see the replica")
+    second.kill()
+    _write_until(store, steps, lambda: owner().port != second.port, "the second failover")
+    for _ in range(20):
+        store.add(steps.pop(0))
     stats = _drain_and_close(store)
-    sent = sum(len(s) for s in steps)
-    assert stats["errors"] >= 1 and stats["reconnects"] >= 1  # it failed over, and came back
-    assert cluster.master_of(scope.log_key).port != victim.port  # the replica took over
-    stored = _stored(cluster.url, "failover")
-    lost = stats["lost_updates"]
+    assert stats["errors"] >= 2 and stats["reconnects"] >= 2  # it failed over twice
+    stored, lost = _stored(cluster.url, "failover"), stats["lost_updates"]
+    sent = sum(len(s) for s in written[: len(written) - len(steps)])
     assert stored + lost == sent  # each row applied exactly once, or counted lost
-    assert lost == 0  # here the queue held everything until the replica took over
+    assert lost == 0  # the queue held everything until a replica took over
+    second.start()  # the cluster whole again for the next test
+    cluster.wait_ok()
 
 
 def test_a_cluster_url_that_does_not_answer_is_a_clear_error():
