@@ -27,8 +27,10 @@ from pathlib import Path
 from actors.placement import PlacementError
 from jobs.common import (
     JOB_PRESET,
+    MODEL_HELP,
     JobInputError,
     Progress,
+    check_run,
     first_difference,
     job_id_for,
     load_config,
@@ -36,6 +38,7 @@ from jobs.common import (
     run_missing,
     run_settings,
     stopped,
+    with_model,
 )
 from tts_service.drafters.registry import METHOD_NAMES, method_name
 from tts_service.engine.metrics import acceptance_length
@@ -63,6 +66,7 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     ap.add_argument("--problems", required=True, help="JSONL, one problem per line (required)")
     ap.add_argument("--out", required=True, help="results go here; a re-run resumes (required)")
     ap.add_argument("--method", choices=METHOD_NAMES, help="over the preset's method (there: auto)")
+    ap.add_argument("--model", help=MODEL_HELP)
     ap.add_argument("--set", action="append", default=[], help="override: key.sub=value")
     ap.add_argument(
         "--log",
@@ -78,8 +82,9 @@ def parse(argv: list[str] | None) -> tuple[JobConfig, list[Problem], Path]:
     )
     args = ap.parse_args(argv)
     overrides = [*args.set, "log_trajectories=true"] if args.log else args.set
-    cfg = load_config(args.config, overrides, method=args.method)
+    cfg = load_config(args.config, overrides, with_model(args.model), args.method)
     problems = load_problems(Path(args.problems))
+    check_run(cfg)
     out = output_dir(args.out)
     if args.new_run:
         candidates = (out if k == 1 else Path(f"{out}-{k}") for k in count(1))

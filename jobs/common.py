@@ -96,6 +96,23 @@ def with_method(data: dict, method: str | None, device: str) -> dict:
     return data
 
 
+MODEL_HELP = (
+    "the model (model.name): an alias (smollm2-135m), a local directory or a hub id "
+    "(docs/real-models.md); a --set still wins over it"
+)
+
+
+def with_model(name: str | None) -> Callable[[dict], dict]:
+    """`--model` as a change to the preset (None: none)."""
+
+    def update(data: dict) -> dict:
+        if name is not None:
+            data["model"] = {**(data.get("model") or {}), "name": name}
+        return data
+
+    return update
+
+
 def load_config(
     path: str | Path,
     sets: list[str],
@@ -131,7 +148,8 @@ def check_shards(cfg: JobConfig) -> None:
     its config; nothing loads)."""
     if cfg.tensor_parallel == 1:
         return
-    from tts_service.models import ModelNotFoundError, check_tensor_parallel
+    from tts_service.model_check import ModelNotFoundError
+    from tts_service.models import check_tensor_parallel
 
     try:
         check_tensor_parallel(cfg.model, cfg.tensor_parallel)
@@ -240,18 +258,37 @@ def stopped(prog: str) -> int:
     return 128 + sig
 
 
+def check_run(cfg: JobConfig, here: bool | None = None) -> None:
+    """What a run needs, checked in the driver before Ray starts (a second or two): the model is
+    there (`tts_service.model_check`) and the store answers. Raises JobInputError naming the
+    field. `here` False (default: whether RAY_ADDRESS names a cluster) the actors run on other
+    nodes: a hub model this node neither caches nor reaches passes with a warning."""
+    from actors.cluster import cluster_address
+    from tts_service.model_check import ModelNotFoundError, check_model
+
+    here = cluster_address() is None if here is None else here
+    try:
+        warning = check_model(cfg.model.name, here=here)
+    except ModelNotFoundError as e:
+        raise JobInputError(f"model.name: {e}") from e
+    if warning:
+        print(f"[job] warning: {warning}", flush=True)
+    if cfg.store.url == "local-redis":
+        return
+    from store.factory import check_store
+    from store.redis_client import StoreUnavailableError
+
+    try:
+        check_store(cfg.store, cfg.store.url)
+    except (StoreUnavailableError, ValueError) as e:  # down, or a malformed URL
+        raise JobInputError(f"store.url: {e}") from e
+
+
 @contextlib.contextmanager
 def store_url(cfg: JobConfig) -> Iterator[str | None]:
-    """The store's URL, checked to answer before any actor loads a model ('local-redis': a
-    private redis-server for the run)."""
+    """The store's URL ('local-redis': a private redis-server for the run; any other was
+    checked by `check_run`)."""
     if cfg.store.url != "local-redis":
-        from store.factory import check_store
-        from store.redis_client import StoreUnavailableError
-
-        try:
-            check_store(cfg.store, cfg.store.url)
-        except (StoreUnavailableError, ValueError) as e:  # down, or a malformed URL
-            raise JobInputError(f"store.url: {e}") from e
         yield cfg.store.url
         return
     from store.local_server import LocalRedisServer

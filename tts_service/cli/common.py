@@ -192,7 +192,7 @@ def check_tensor_parallel(
     names `flag`, as typed)."""
     if req.tensor_parallel == 1:
         return
-    from tts_service.models import ModelNotFoundError
+    from tts_service.model_check import ModelNotFoundError
     from tts_service.models import check_tensor_parallel as check_model
 
     try:
@@ -205,7 +205,8 @@ def check_tensor_parallel(
 
 def load(req: GenerateRequest | SolveRequest | CalibrateTreeRequest):
     from tts_service.generation import Generator  # heavy: only after validation
-    from tts_service.models import ModelNotFoundError, resolve_device
+    from tts_service.model_check import ModelNotFoundError
+    from tts_service.models import resolve_device
 
     try:
         resolve_device(req.model.device)  # cuda asked on a machine without it

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import sys
 from pathlib import Path
 
 from tts_service.cli.usage import UsageError
@@ -66,9 +67,30 @@ def entrypoint(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(a) for a in words)
 
 
+def check_entry_model(words: list[str]) -> None:
+    """The model a jobs entrypoint names (`--model X`, `--set model.name=X`), checked here before
+    the job is submitted (a typo is exit 2 now, not an actor's death on the cluster). The job's
+    nodes load it, so a hub id that this machine neither caches nor reaches passes, warned."""
+    if not any(w in ("jobs.best_of_n", "jobs.evaluate") for w in words):
+        return
+    named = [b for a, b in zip(words, words[1:], strict=False) if a == "--model"]
+    named += [w.split("=", 1)[1] for w in words if w.startswith("model.name=")]
+    from tts_service.model_check import ModelNotFoundError, check_model
+
+    for name in named:
+        try:
+            warning = check_model(name, here=False)
+        except ModelNotFoundError as e:
+            raise UsageError(f"entrypoint: {e}") from e
+        if warning:
+            print(f"tts: warning: {warning}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """One call of Ray's JobSubmissionClient (RAY_AUTH_MODE decides token auth)."""
     entry = entrypoint(args) if args.action == "submit" else ""
+    if entry:
+        check_entry_model(shlex.split(entry))
     from ray.job_submission import JobSubmissionClient
 
     address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or "http://127.0.0.1:8265"

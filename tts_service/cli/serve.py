@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -132,18 +133,12 @@ def run(args: argparse.Namespace) -> int:
     flag = typed_flag(args, "--tensor-parallel", "--tensor-parallel-size")
     check_tensor_parallel(cfg, flag)
     app = (data.get("applications") or [{}])[0]
-    from store.factory import check_store
-    from store.redis_client import StoreUnavailableError
-
-    try:  # before any replica loads the model
-        check_store(cfg.store, cfg.store.url)
-    except StoreUnavailableError as e:
-        raise UsageError(f"--config: store.url: {e}") from e
-    from ray import serve
-
     from actors.cluster import cluster_address, connect
 
     private = cluster_address() is None
+    check_before_ray(cfg, private)
+    from ray import serve
+
     with phase("tts: starting Ray", "tts: Ray ready"):
         using = connect()
     print(f"tts: Ray: {using}", file=sys.stderr, flush=True)
@@ -172,6 +167,33 @@ def run(args: argparse.Namespace) -> int:
         else:  # a shared cluster: only this application
             serve.delete(name)
     return 0
+
+
+def check_before_ray(cfg: ServeConfig, private: bool) -> None:
+    """What the deployment needs, checked in a second or two before Ray starts (UsageError,
+    exit 2): the model is there, the store answers, and on a private Ray the port is free (on a
+    cluster, Serve may already listen there)."""
+    from store.factory import check_store
+    from store.redis_client import StoreUnavailableError
+    from tts_service.model_check import ModelNotFoundError, check_model
+
+    try:
+        warning = check_model(cfg.model.name, here=private)
+    except ModelNotFoundError as e:
+        raise UsageError(f"--model: {e}") from e
+    if warning:
+        print(f"tts: warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        check_store(cfg.store, cfg.store.url)
+    except StoreUnavailableError as e:
+        raise UsageError(f"--config: store.url: {e}") from e
+    if private:
+        with socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's proxy binds
+            try:
+                probe.bind((cfg.host, cfg.port))
+            except OSError as e:
+                raise UsageError(f"--port: {cfg.host}:{cfg.port} is taken ({e.strerror})") from e
 
 
 SERVE_SHUTDOWN_S = 3.0

@@ -17,15 +17,18 @@ for the real encoding; plain JSON is read as JSON.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import pickle
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tts_service.model_check import HUB_TIMEOUT_S
 from tts_service.tasks.items import TaskName, TestCase
 
 DataSource = Literal["hub", "fixtures", "files"]
@@ -121,17 +124,54 @@ def _hub_help(task: TaskName, cause: BaseException) -> str:
 
 
 def _from_hub(task: TaskName, release: str, token: str | None):
+    """The task's rows from the hub; when it does not answer within `HUB_TIMEOUT_S` (its client
+    would retry for half a minute), from the local datasets cache, failing at once without."""
     from datasets import load_dataset
 
     ds = DATASETS[task]
     files = lcb_release_files(release) if task == "lcb" else []  # a bad tag fails before I/O
+    reachable = _hub_answers(ds.name, token)
     try:
-        if task == "lcb":
-            urls = [f"hf://datasets/{ds.name}/{f}" for f in files]
-            return load_dataset("json", data_files=urls, split="train", token=token)
-        return load_dataset(ds.name, ds.config, split=ds.split, token=token)
+        with contextlib.nullcontext() if reachable else _offline():
+            if task == "lcb":
+                urls = [f"hf://datasets/{ds.name}/{f}" for f in files]
+                return load_dataset("json", data_files=urls, split="train", token=token)
+            return load_dataset(ds.name, ds.config, split=ds.split, token=token)
     except Exception as e:  # the Hub stack raises OS, HTTP-client and datasets errors alike
-        raise DatasetUnavailable(_hub_help(task, e)) from e
+        cause = e if reachable else ConnectionError(f"no answer, and no cached copy of {ds.name}")
+        raise DatasetUnavailable(_hub_help(task, cause)) from e
+
+
+def _hub_answers(name: str, token: str | None) -> bool:
+    """Whether the hub answers about dataset `name` within `HUB_TIMEOUT_S` (an HTTP error is
+    an answer: the load then says what is wrong); under HF_HUB_OFFLINE, as if it did (the
+    datasets library reads its cache itself)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        HfApi(token=token).dataset_info(name, timeout=HUB_TIMEOUT_S)
+    except HfHubHTTPError:
+        return True
+    except Exception:  # noqa: BLE001 - no network: every transport's own error type
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """The hub and datasets libraries in offline mode for one load (the cache answers)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = before
 
 
 def _from_files(paths: list[Path], where: str):

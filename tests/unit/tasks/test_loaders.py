@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 
+from tts_service.tasks import loaders
 from tts_service.tasks.items import TASK_NAMES
 from tts_service.tasks.loaders import (
     FIXTURES_DIR,
@@ -94,8 +95,31 @@ def test_a_gated_dataset_without_a_token_is_a_clear_error(monkeypatch):
         raise DatasetNotFoundError("Dataset 'Idavidrein/gpqa' is a gated dataset on the Hub.")
 
     monkeypatch.setattr(datasets, "load_dataset", gated)
+    monkeypatch.setattr(loaders, "_hub_answers", lambda name, token: True)  # it answered 401
     with pytest.raises(DatasetUnavailable, match="gated dataset.*accepting the dataset's terms"):
         load_rows("gpqa", "hub")
+
+
+def test_a_hub_that_does_not_answer_is_read_from_the_cache_without_retries(monkeypatch):
+    """The hub's client retries an unreachable host for half a minute; a load after a probe
+    that got no answer runs in offline mode (the cache answers at once, or the load fails)."""
+    import datasets
+    import datasets.config
+    from huggingface_hub import constants
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append((constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE))
+        raise FileNotFoundError("Dataset HuggingFaceH4/aime_2024 is not cached")
+
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(loaders, "_hub_answers", lambda name, token: False)
+    with pytest.raises(DatasetUnavailable, match="no answer, and no cached copy of .*aime_2024"):
+        load_rows("aime24", "hub")
+    assert seen == [(True, True)]  # offline for the load
+    assert constants.HF_HUB_OFFLINE is False  # and back after it
 
 
 def test_local_files_must_exist_and_carry_the_fields(tmp_path):
