@@ -15,9 +15,12 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import ray
+
 from store.base import NgramStore
 from tts_service import startup
 from tts_service.schemas import JobConfig
+from tts_service.timing import phase
 
 if TYPE_CHECKING:  # the engine (torch, transformers) loads in the actor, not in the driver
     from tts_service.engine.batch import BatchDecoder
@@ -79,12 +82,14 @@ class GeneratorActor:
         from tts_service.generation import Generator
 
         self.cfg = cfg
+        self.name = f"pid{os.getpid()}"
         with startup.held():  # the model's load: no collector passes (the host settles it)
-            generator = generator or Generator.load(cfg.model, drafter=cfg.drafter)
+            if generator is None:
+                with phase(f"[actor {self.name}] loading {cfg.model.name}", "[actor] loaded"):
+                    generator = Generator.load(cfg.model, drafter=cfg.drafter)
             self.host = RunnerHost(
                 generator, cfg.store, store_url, cfg.max_rows, tp_decoder=decoder, threaded=True
             )
-        self.name = f"pid{os.getpid()}"
         self.node = _ray_node()
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
@@ -92,6 +97,12 @@ class GeneratorActor:
 
     def ready(self) -> str:
         return self.name
+
+    @ray.method(concurrency_group="progress")
+    def progress(self) -> dict[str, int]:
+        """The host's rows and tokens now: answered beside the `run` calls that fill the
+        default concurrency group (`jobs.heartbeat`)."""
+        return self.host.progress()
 
     def close(self) -> dict[str, float]:
         """The actor's last call (the job's end): every store pushes what it queued, waiting
@@ -127,15 +138,23 @@ class GeneratorActor:
         return store
 
     def run(
-        self, job_id: str, problem_id: str, question: str, indices: list[int], attempt: int = 0
+        self,
+        job_id: str,
+        problem_id: str,
+        question: str,
+        indices: list[int],
+        attempt: int = 0,
+        cfg: JobConfig | None = None,
     ) -> list[dict]:
-        """Decode trajectories `indices` of a problem (seeds: sampling.seed + index).
+        """Decode trajectories `indices` of a problem (seeds: sampling.seed + index), with
+        `cfg`'s sampling, drafter, chat template and trajectory log (default: the actor's own;
+        the rest must be the actor's: `jobs.actor_set.SHARED_FIELDS`).
 
         Calls may arrive concurrently (the pool keeps several in flight): their trajectories
         share the host's one continuously batched runner. A retry (`attempt` > 0) draws a new
         run nonce: the failed attempt's rows may have taught the problem's store with the
         configured one (each record says which nonce it ran with)."""
-        cfg = self.cfg
+        cfg = cfg or self.cfg
         ids = self.host.generator.encode(question, chat=cfg.chat)
         store = self._store(job_id, problem_id)
         sampling = cfg.sampling

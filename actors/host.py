@@ -93,6 +93,12 @@ class RunnerHost:
         """Rows in the runner's batch now (read from another thread: a moment's snapshot)."""
         return len(self.runner.decoder.active)
 
+    def progress(self) -> dict[str, int]:
+        """Rows decoding and tokens committed since the host started (another thread's read:
+        a moment's snapshot, for a job's heartbeat)."""
+        decoder = self.runner.decoder
+        return {"rows": len(decoder.active), "tokens": decoder.forwards.new_tokens}
+
     def problem_store(self, scope_id: str) -> NgramStore:
         """The store a problem's trajectories share, read before the global scope.
 

@@ -170,7 +170,7 @@ def start_actors(
     strategies: list | None = None,
 ) -> list:
     """Start `num` generator actors and wait until every model is loaded."""
-    remote = ray.remote(GeneratorActor)
+    remote = ray.remote(concurrency_groups={"progress": 1})(GeneratorActor)  # beside the runs
     actors = []
     for i in range(num):
         opts = {
@@ -335,7 +335,12 @@ class TrajectoryPool:
             index = pick_actor(chunk, in_flight.values(), n, room, shared, turn, avoid)
             turn += 1
             ref = _leader(self.actors[index]).run.remote(
-                self.job_id, chunk.problem.id, chunk.problem.question, chunk.indices, chunk.attempts
+                self.job_id,
+                chunk.problem.id,
+                chunk.problem.question,
+                chunk.indices,
+                chunk.attempts,
+                self.cfg,
             )
             in_flight[ref] = (chunk, index)
         return turn

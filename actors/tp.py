@@ -112,10 +112,16 @@ class TensorParallelRank:
         return self.host.generate(ids, drafter, sampling).to_dict()
 
     def run(
-        self, job_id: str, problem_id: str, question: str, indices: list[int], attempt: int = 0
+        self,
+        job_id: str,
+        problem_id: str,
+        question: str,
+        indices: list[int],
+        attempt: int = 0,
+        cfg: JobConfig | None = None,
     ) -> list[dict]:
         """Rank 0 of a job's replica: `GeneratorActor.run` (the pool's call)."""
-        return self.worker.run(job_id, problem_id, question, indices, attempt)
+        return self.worker.run(job_id, problem_id, question, indices, attempt, cfg)
 
     def close_stores(self) -> None:
         """Rank 0 of a job's replica: `GeneratorActor.close`."""

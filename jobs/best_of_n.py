@@ -25,6 +25,7 @@ from itertools import count
 from pathlib import Path
 
 from actors.placement import PlacementError
+from jobs.actor_set import run_missing
 from jobs.common import (
     JOB_PRESET,
     MODEL_HELP,
@@ -35,7 +36,6 @@ from jobs.common import (
     job_id_for,
     load_config,
     output_dir,
-    run_missing,
     run_settings,
     stopped,
     with_model,
@@ -43,6 +43,7 @@ from jobs.common import (
 from tts_service.drafters.registry import METHOD_NAMES, method_name
 from tts_service.engine.metrics import acceptance_length
 from tts_service.schemas import JobConfig, Problem, read_problems
+from tts_service.tasks.report import truncation_warning
 from tts_service.timing import TIMING_KEYS, process_started, with_setup
 
 
@@ -149,6 +150,9 @@ def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) 
     graded = [s for s in states.values() if s.problem.answer is not None]
     correct = sum(1 for s in graded if s.result and s.result.get("correct"))
     trajectories = sum(len(s.records) for s in states.values())
+    truncated = sum(
+        r["finish_reason"] == "length" for s in states.values() for r in s.records.values()
+    )
     return {
         "problems": len(states),
         "trajectories": trajectories,
@@ -161,10 +165,32 @@ def summarize(states: dict, cfg: JobConfig, progress: Progress, started: float) 
             r["stats"].get("plain_steps", 0) for s in states.values() for r in s.records.values()
         ),
         "row_forwards": forwards,
+        "truncated": round(truncated / trajectories, 4) if trajectories else 0.0,
         **{k: timing[k] for k in TIMING_KEYS},
         "method": method_name(cfg.drafter),
         "n": cfg.n,
     }
+
+
+def with_sessions(summary: dict, new_tokens: int, path: Path) -> dict:
+    """`summary` with every run into this `--out` kept in `sessions` (when it started, how long
+    it took, what it decoded), the earlier ones read from `path`. The top-level timing is the
+    latest session's that decoded anything: a re-run with nothing to run records itself and
+    keeps the run's speed."""
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    sessions = before.get("sessions") or ([_session(before)] if "wall_s" in before else [])
+    began = time.gmtime(time.time() - summary["wall_s"])
+    now = _session(summary) | {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", began),
+        "new_tokens": new_tokens,
+    }
+    sessions.append(now)
+    timed = next((x for x in reversed(sessions) if x.get("new_tokens", 1) > 0), now)
+    return summary | {k: timed[k] for k in TIMING_KEYS} | {"sessions": sessions}
+
+
+def _session(summary: dict) -> dict:
+    return {k: summary[k] for k in ("started", "new_tokens", *TIMING_KEYS) if k in summary}
 
 
 def plain_steps_line(summary: dict, cfg: JobConfig) -> str | None:
@@ -272,9 +298,12 @@ def run(cfg: JobConfig, problems: list[Problem], out: Path, started: float | Non
             f.write(json.dumps(states[p.id].result) + "\n")
     summary = summarize(states, cfg, progress, started)
     summary["retries"] = retries
+    summary = with_sessions(summary, progress.tokens, out / "summary.json")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if line := plain_steps_line(summary, cfg):
         print(line, flush=True)
+    if warning := truncation_warning(summary["truncated"], cfg.sampling.max_new_tokens):
+        print(f"[job] warning: {warning}", flush=True)
     print(f"[job] done: {json.dumps(summary)}", flush=True)
     return summary
 

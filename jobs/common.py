@@ -1,13 +1,13 @@
-"""What the job entrypoints share: a validated `JobConfig` from a preset plus overrides, a local
-or attached Ray, the generator actors placed from the config, and progress lines.
+"""What the job entrypoints share: a validated `JobConfig` from a preset plus overrides, the
+checks before Ray, a local or attached Ray, and progress lines.
 
 `best_of_n` and `evaluate` differ only in their inputs and in what they write; both run
-trajectories through `run_pool`, so retries, resume and placement behave the same in each.
+trajectories through `jobs.actor_set.run_missing`, so retries, resume and
+placement behave the same in each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -17,9 +17,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
@@ -34,11 +33,8 @@ from tts_service.drafters.registry import (
     resolve_method,
 )
 from tts_service.engine.metrics import ForwardStats, GenerationStats, summarize
-from tts_service.schemas import JobConfig, Problem
+from tts_service.schemas import JobConfig
 from tts_service.timing import phase
-
-if TYPE_CHECKING:
-    from actors.placement import PlacementPlan
 
 
 class JobInputError(ValueError):
@@ -282,169 +278,6 @@ def check_run(cfg: JobConfig, here: bool | None = None) -> None:
         check_store(cfg.store, cfg.store.url)
     except (StoreUnavailableError, ValueError) as e:  # down, or a malformed URL
         raise JobInputError(f"store.url: {e}") from e
-
-
-@contextlib.contextmanager
-def store_url(cfg: JobConfig) -> Iterator[str | None]:
-    """The store's URL ('local-redis': a private redis-server for the run; any other was
-    checked by `check_run`)."""
-    if cfg.store.url != "local-redis":
-        yield cfg.store.url
-        return
-    from store.local_server import LocalRedisServer
-
-    with LocalRedisServer() as server:
-        print(f"[job] started redis-server at {server.url}", flush=True)
-        yield server.url
-
-
-def placed_actors(cfg: JobConfig) -> tuple[JobConfig, int, int, list]:
-    """(config, replicas, GPUs per actor, scheduling strategies), every replica's resources
-    reserved as one STRICT_PACK placement group within `placement_timeout_s`. Without GPUs:
-    `replicas` groups of `cpus_per_replica` CPUs. With GPUs: the placement plan sizes each
-    replica from the model's parameter count and KV cache (`_gpu_plan`). Tensor-parallel
-    replicas (the returned config's `tensor_parallel` > 1: a GPU per rank) reserve their own
-    groups, since a restart reserves a new one, so none are returned for them.
-
-    Raises:
-        PlacementError: the cluster cannot hold the replicas (the message names the fields).
-    """
-    import ray
-
-    from actors.placement import (
-        PlacementError,
-        PlacementPlan,
-        create_placement_groups,
-        scheduling_strategy,
-    )
-
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if not gpus or cfg.model.device == "cpu":
-        replicas = cfg.replicas or 1
-        ranks = f" of {cfg.tensor_parallel} ranks" if cfg.tensor_parallel > 1 else ""
-        reason = f"{replicas} replica(s){ranks} of {cfg.cpus_per_replica:g} CPU(s), no GPUs"
-        plan = PlacementPlan(0, replicas, 0, {}, reason)
-        asked = f"replicas={replicas} with cpus_per_replica={cfg.cpus_per_replica:g}"
-    else:
-        cfg, plan = _gpu_plan(cfg, gpus)
-        asked = (
-            f"{plan.num_replicas} replica(s) of {plan.gpus_per_replica} GPU(s) with "
-            f"cpus_per_replica={cfg.cpus_per_replica:g}"
-        )
-    print(f"[job] placement: {plan.reason}", flush=True)
-    if cfg.tensor_parallel > 1:
-        return cfg, plan.num_replicas, 1 if plan.gpus_per_replica else 0, []
-    try:
-        groups = create_placement_groups(plan, cfg.cpus_per_replica, cfg.placement_timeout_s)
-    except PlacementError as e:
-        raise PlacementError(f"{asked} cannot be placed: {e}") from e
-    return cfg, plan.num_replicas, plan.gpus_per_replica, [scheduling_strategy(g) for g in groups]
-
-
-def _gpu_plan(cfg: JobConfig, gpus: int) -> tuple[JobConfig, PlacementPlan]:
-    """The GPU plan for `cfg.replicas` (at most what fits; `actors.placement.plan_gpu_replicas`)
-    and the config its replicas load: tensor-parallel ranks set to the plan's, or a sharded
-    `device_map` replica's `max_memory`. A model that does not fit names `gpu_memory_gb`."""
-    from actors.placement import PlacementError, plan_gpu_replicas
-
-    try:
-        plan = plan_gpu_replicas(cfg, gpus)
-    except PlacementError as e:  # the model does not fit this cluster's GPUs
-        raise PlacementError(f"gpu_memory_gb={cfg.gpu_memory_gb:g}: {e}") from e
-    if cfg.sharding == "tensor_parallel":
-        cfg = cfg.model_copy(update={"tensor_parallel": plan.gpus_per_replica})
-    elif plan.gpus_per_replica > 1:
-        memory_map = {str(k): v for k, v in plan.max_memory.items()}
-        model = cfg.model.model_copy(update={"max_memory": memory_map})
-        cfg = cfg.model_copy(update={"model": model})
-    return cfg, plan
-
-
-def run_pool(
-    cfg: JobConfig,
-    problems: list[Problem],
-    trajectories: Path,
-    job_id: str,
-    on_trajectory: Callable[[dict], None] | None = None,
-    on_problem: Callable | None = None,
-    on_ready: Callable[[], None] | None = None,
-) -> tuple[dict, int]:
-    """Start the actors, run every missing trajectory (appended to `trajectories`, the resume
-    point), and return (problem id -> state, retries). `on_ready` is called once every model is
-    loaded, before the first trajectory starts (where a speed measurement begins)."""
-    from ray.util.placement_group import remove_placement_group
-
-    from actors.pool import (
-        ResultsFile,
-        TrajectoryPool,
-        close_actors,
-        kill_replicas,
-        start_actors,
-        start_replicas,
-    )
-
-    with store_url(cfg) as url:
-        placed_cfg, replicas, gpus, strategies = placed_actors(cfg)
-        actors: list = []
-        try:
-            with phase(
-                f"[job] starting {replicas} actor(s), each loading {cfg.model.name}",
-                f"[job] {replicas} actor(s) ready",
-            ):
-                if placed_cfg.tensor_parallel > 1:
-                    actors = start_replicas(placed_cfg, replicas, url, gpus)
-                else:
-                    actors = start_actors(placed_cfg, replicas, url, gpus, strategies)
-            if on_ready is not None:
-                on_ready()
-            pool = TrajectoryPool(cfg, actors, job_id, ResultsFile(trajectories))
-            states = pool.run(problems, on_trajectory, on_problem)
-            shared = close_actors(actors)  # while a local-redis server still runs
-            if url is not None and shared:
-                print(store_line(shared, len(actors)), flush=True)
-        except BaseException:
-            kill_replicas(actors)
-            raise
-        finally:  # the reservations (and the actors in them) end with the run, not the driver
-            for strategy in strategies:
-                remove_placement_group(strategy.placement_group)
-    return states, pool.retries
-
-
-def store_line(totals: dict[str, float], actors: int) -> str:
-    """What the job's shared store did: rows each actor took from the others, the replication
-    lag, and what was lost (never silent)."""
-    return (
-        f"[job] store shared by {actors} actor(s): {int(totals.get('flushed_updates', 0)):,} "
-        f"rows appended, {int(totals.get('remote_updates', 0)):,} merged from other actors, "
-        f"lag p99 {totals.get('lag_ms_p99', 0.0):.0f} ms, lost "
-        f"{int(totals.get('lost_updates', 0))}, missed {int(totals.get('missed_batches', 0))}"
-    )
-
-
-def run_missing(
-    cfg: JobConfig,
-    problems: list[Problem],
-    trajectories: Path,
-    job_id: str,
-    progress: Progress,
-    on_problem: Callable,
-) -> tuple[dict, int]:
-    """`run_pool` over Ray for what `trajectories` still lacks (`actors.pool.still_to_run`), or,
-    when nothing is missing, each problem's state straight from the file: no Ray, no model.
-    Returns (problem id -> state, retries)."""
-    from actors.pool import ResultsFile, still_to_run
-
-    states, chunks = still_to_run(cfg, problems, ResultsFile(trajectories).load())
-    if chunks:
-        init_ray(cfg)
-        return run_pool(
-            cfg, problems, trajectories, job_id, progress.trajectory, on_problem, progress.begin
-        )
-    print(f"[job] nothing to run: every trajectory is in {trajectories}", flush=True)
-    for state in states.values():
-        on_problem(state)
-    return states, 0
 
 
 def generation_stats(stats: dict) -> GenerationStats:

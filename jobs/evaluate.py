@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from actors.placement import PlacementError
+from jobs.actor_set import JobActors, run_missing
 from jobs.common import (
     JOB_PRESET,
     MODEL_HELP,
@@ -58,7 +59,6 @@ from jobs.common import (
     job_id_for,
     load_config,
     output_dir,
-    run_missing,
     stopped,
     with_model,
 )
@@ -378,8 +378,15 @@ def schedule(jobs: list[EvalJob]) -> list[tuple[EvalJob, list[EvalItem]]]:
     return order
 
 
-def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) -> None:
-    """Run what is missing of `items` (some or all of the job's); record this invocation's
+def run_one(
+    job: EvalJob,
+    items: list[EvalItem],
+    invocation: str,
+    since: float,
+    actors: JobActors | None = None,
+) -> None:
+    """Run what is missing of `items` (some or all of the job's) on `actors` (the
+    evaluation's, kept across its tasks; default: its own); record this invocation's
     conditions and speed as one session in run.json, its wall time from `since` (a
     `time.perf_counter` value) to now."""
     from actors.pool import ResultsFile
@@ -404,7 +411,7 @@ def run_one(job: EvalJob, items: list[EvalItem], invocation: str, since: float) 
     if todo and job.endpoint is not None:
         _run_endpoint(job, list(todo.values()), progress, on_problem)
     elif todo:
-        _run_actors(job, list(todo.values()), progress, on_problem)
+        _run_actors(job, list(todo.values()), progress, on_problem, actors)
     progress.close()
     speed = with_setup(progress.summary(), since)
     session |= {k: speed[k] for k in ("new_tokens", *TIMING_KEYS)}
@@ -465,7 +472,9 @@ def _grader(
     return on_problem
 
 
-def _run_actors(job: EvalJob, items: list[EvalItem], progress: Progress, on_problem) -> None:
+def _run_actors(
+    job: EvalJob, items: list[EvalItem], progress: Progress, on_problem, actors: JobActors | None
+) -> None:
     """Every item's n trajectories from this service's actors (resuming from
     trajectories.jsonl); graded as each item's last one arrives."""
     problems = [
@@ -478,6 +487,7 @@ def _run_actors(job: EvalJob, items: list[EvalItem], progress: Progress, on_prob
         job_id_for(job.run_dir),
         progress,
         lambda state: on_problem(state.problem.id, list(state.records.values())),
+        actors,
     )
 
 
@@ -509,9 +519,10 @@ def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
 
     invocation = uuid.uuid4().hex[:12]
     since = time.perf_counter() if started is None else started
-    for job, items in schedule(jobs):
-        run_one(job, items, invocation, since)
-        since = time.perf_counter()
+    with JobActors() as actors:  # one model load for every task and method
+        for job, items in schedule(jobs):
+            run_one(job, items, invocation, since, actors)
+            since = time.perf_counter()
     out = jobs[0].out
     paths = report.write(out)
     for r in json.loads(paths[0].read_text())["runs"] if paths else []:
@@ -529,6 +540,8 @@ def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
             f"{sp['setup_s']:.1f} s + decode {sp['decode_s']:.1f} s) acceptance length {acc_text}",
             flush=True,
         )
+    for warning in report.run_warnings(json.loads(paths[0].read_text())) if paths else []:
+        print(f"[eval] warning: {warning}", flush=True)
     print(f"[eval] report: {', '.join(str(p) for p in paths)}", flush=True)
     return paths
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -143,10 +144,22 @@ def model_source(cfg: ModelConfig, cache_dir: Path | None = None) -> str | Path:
     return cfg.name
 
 
+def quiet_progress_bars() -> None:
+    """No progress bars when stderr is not a terminal (an actor's log, a job's): each frame
+    would be a line of its own. Loads say where they are in phase lines instead."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+
+        disable_progress_bars()
+        hf_logging.disable_progress_bar()
+
+
 def load_model(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedModel:
     """Load the configured model and tokenizer on the configured device, ready for inference.
 
     With `cfg.max_memory` the model is sharded (device_map="auto") over the visible GPUs."""
+    quiet_progress_bars()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = model_source(cfg, cache_dir)
@@ -204,6 +217,7 @@ def load_model_shard(cfg: ModelConfig, cache_dir: Path | None = None) -> LoadedM
 
     if cfg.forward != "transformers":
         raise ValueError(f"forward {cfg.forward!r}: not on tensor-parallel ranks")
+    quiet_progress_bars()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = model_source(cfg, cache_dir)

@@ -58,7 +58,8 @@ def refuse_to_start(monkeypatch) -> list[str]:
         return start
 
     monkeypatch.setattr("jobs.common.init_ray", refuse("Ray"))
-    monkeypatch.setattr("jobs.common.run_pool", refuse("the actors"))
+    monkeypatch.setattr("jobs.actor_set.init_ray", refuse("Ray"))
+    monkeypatch.setattr("jobs.actor_set.JobActors.run", refuse("the actors"))
     monkeypatch.setattr("ray.init", refuse("ray.init"))
     for loader in ("tts_service.models.load_model", "tts_service.generation.load_model"):
         monkeypatch.setattr(loader, refuse("a model"))

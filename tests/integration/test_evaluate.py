@@ -15,7 +15,9 @@ from tests.integration.conftest import refuse_to_start
 pytestmark = pytest.mark.slow
 
 
-def _run(out: Path, model_dir: Path, task: str, method: str, limit: int = 2, *extra) -> None:
+def _run(
+    out: Path, model_dir: Path, task: str, method: str, limit: int = 2, *extra, tokens: int = 8
+) -> None:
     argv = [
         *extra,
         "--tasks",
@@ -37,7 +39,7 @@ def _run(out: Path, model_dir: Path, task: str, method: str, limit: int = 2, *ex
         "--set",
         "model.dtype=float32",
         "--set",
-        "sampling.max_new_tokens=8",
+        f"sampling.max_new_tokens={tokens}",
         "--set",
         "batch=2",
         "--set",
@@ -108,6 +110,30 @@ def test_evaluation_writes_the_report_and_a_rerun_resumes(ray_local, tiny_model_
     assert (
         len(_lines(stand / "items.jsonl")) == 3 and len(_lines(stand / "trajectories.jsonl")) == 6
     )
+
+
+def test_three_tasks_and_two_methods_load_the_model_once_and_beat_while_decoding(
+    ray_local, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """One set of actors serves every task and method of an evaluation (the method travels
+    with each call), and a decoding job says how it is doing between finished trajectories."""
+    monkeypatch.setattr("jobs.heartbeat.HEARTBEAT_S", 0.05)
+    out = tmp_path / "eval"
+    _run(out, tiny_model_dir, "aime24,gpqa,lcb", "plain,stand", 1, tokens=64)
+    captured = capsys.readouterr()
+    log = captured.out + captured.err
+    assert log.count("[job] starting 1 actor(s)") == 1, log
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert {(r["task"], r["method"]) for r in runs} == {
+        (t, m) for t in ("aime24", "gpqa", "lcb") for m in ("plain", "stand")
+    }
+    accepted = {(r["task"], r["method"]): r["metrics"]["acceptance_length"]["value"] for r in runs}
+    assert all(accepted[(t, "plain")] == 1.0 for t in ("aime24", "gpqa", "lcb"))  # per call
+    top = (out / "report.md").read_text().splitlines()[4]  # every answer cut at 64 tokens
+    assert top.startswith("> **Warning**: aime24/plain: 100% of trajectories stopped at")
+    assert "[eval] warning: lcb/stand: 100% of trajectories" in log
+    beats = [line for line in log.splitlines() if line.startswith("[job] decoding")]
+    assert beats and all("tok/s" in b and "trajectories" in b for b in beats), log
 
 
 def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(

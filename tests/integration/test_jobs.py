@@ -18,6 +18,7 @@ from jobs.best_of_n import main as job_main
 from jobs.best_of_n import run as run_job
 from tests.integration.conftest import refuse_to_start
 from tts_service.schemas import JobConfig, Problem
+from tts_service.timing import TIMING_KEYS
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -290,7 +291,7 @@ def test_gpu_placement_of_job_actors_with_declared_gpus(ray_local, tiny_model_di
     """The session's Ray declares 8 GPUs: the plan gives each replica one, in its own group."""
     from ray.util import remove_placement_group
 
-    from jobs.common import placed_actors
+    from jobs.actor_set import placed_actors
 
     cfg = _cfg(
         tiny_model_dir,
@@ -377,9 +378,12 @@ def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(
     assert {name: (out / name).read_text() for name in written} == before
     assert json.loads((out / "summary.json").read_text()) == again
     assert again["resumed_trajectories"] == again["trajectories"] == 4
-    assert again["decode_s"] == again["tokens_per_s"] == 0.0
     for key in ("problems", "accuracy", "graded", "total_tokens", "mean_acceptance_length"):
         assert again[key] == first[key]
+    # the record keeps the run's speed, and says a session did nothing after it
+    assert {k: again[k] for k in TIMING_KEYS} == {k: first[k] for k in TIMING_KEYS}
+    assert [s["new_tokens"] for s in again["sessions"]] == [first["total_tokens"], 0]
+    assert again["sessions"][1]["decode_s"] == again["sessions"][1]["tokens_per_s"] == 0.0
 
 
 def test_tts_job_submits_follows_lists_and_stops_through_a_real_job_server(

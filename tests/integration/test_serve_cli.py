@@ -89,6 +89,12 @@ def test_tts_serve_takes_vllm_flags_checks_the_key_and_stops_on_sigterm(tiny_mod
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         assert not _port_open(port)
+        # quiet by default: one access line per request (the 401s too), none of Ray's INFO
+        lines = log.read_text().splitlines()
+        access = [line for line in lines if '"GET /' in line or '"POST /' in line]
+        assert len(access) == 7, lines  # 4 refused, /v1/models, 2 completions
+        assert any('"POST /v1/completions" 400' in line for line in access)
+        assert not [line for line in lines if "INFO" in line], lines
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -107,7 +107,7 @@ def test_the_gpu_plan_makes_replicas_tensor_parallel_on_declared_gpus(
     """The session's Ray declares 8 GPUs; a GPU of 0.012 GiB holds half the tiny model (12.7
     MB of fp32 weights, 0.5 MB of KV cache): the plan makes each replica 2 ranks of a GPU
     each, GT-sized methods included (their ranks price trees by the fixed curve)."""
-    from jobs.common import placed_actors
+    from jobs.actor_set import placed_actors
 
     plan = {
         "model": {"name": str(tiny_model_dir), "device": "auto", "dtype": "float32"},

@@ -7,6 +7,7 @@ the application.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -68,6 +69,10 @@ def add_arguments(srv: argparse.ArgumentParser) -> None:
     )
     add_field(server, ServeConfig, "allow_unauthenticated", args, action="store_true", default=None)
     add_field(server, ServeConfig, "reject_unknown_fields", args, action="store_true", default=None)
+    add_field(server, ServeConfig, "log_level", args, choices=["debug", "info", "warning", "error"])
+    server.add_argument(
+        "--verbose", action="store_true", help="Ray's and Serve's info lines (--log-level info)"
+    )
     engine = srv.add_argument_group("engine")
     add_field(engine, ServeConfig, "max_rows", args, flag="--max-num-seqs", type=int)
     engine.add_argument(
@@ -103,6 +108,7 @@ def serve_config(args: argparse.Namespace) -> tuple[dict, ServeConfig]:
         "reject_unknown_fields": args.reject_unknown_fields,
         "allow_unauthenticated": args.allow_unauthenticated,
         "generation_config": args.generation_config,
+        "log_level": "info" if args.verbose and args.log_level is None else args.log_level,
     }
     raw.update({k: v for k, v in flags.items() if v is not None})
     if args.model_tag is not None and args.model not in (None, args.model_tag):
@@ -139,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     check_before_ray(cfg, private)
     from ray import serve
 
+    level = cfg.log_level.upper()
+    logging.getLogger("ray.serve").setLevel(level)  # the driver's own Serve lines
     with phase("tts: starting Ray", "tts: Ray ready"):
-        using = connect()
+        using = connect(logging_level=level)
     print(f"tts: Ray: {using}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's init, which installs its own
@@ -254,13 +262,16 @@ def _deploy(cfg: ServeConfig, name: str, route_prefix: str, stop: threading.Even
     its own, so that SIGTERM or Ctrl-C meanwhile stops the command within a second."""
     from ray import serve
 
-    from tts_service.serve.app import build_app
+    from tts_service.serve.app import build_app, serve_logging
 
     done, failed = threading.Event(), []
 
     def deploy() -> None:
         try:
-            serve.start(http_options={"host": cfg.host, "port": cfg.port})
+            serve.start(
+                http_options={"host": cfg.host, "port": cfg.port},
+                logging_config=serve_logging(cfg.log_level),
+            )
             serve.run(build_app(cfg), name=name, route_prefix=route_prefix)
         except BaseException as e:  # raised again in the command's thread
             failed.append(e)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -87,6 +88,12 @@ class ServeConfig(StrictConfig):
         description="Sampling defaults for requests that leave them unset (temperature, "
         "top_p, top_k, min_p, max_tokens): auto, the model's generation_config.json; vllm, "
         "none; or a folder holding one (vLLM's --generation-config).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning",
+        description="Ray's and Serve's own log lines at this level and above (info: their "
+        "access and per-call lines too); one access line per request at every level but "
+        "error, as vLLM prints them.",
     )
     reject_unknown_fields: bool = Field(
         False,

@@ -21,6 +21,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import sys
 import threading
 import time
 import uuid
@@ -92,6 +93,37 @@ class BearerAuth:
 fastapi_app.add_middleware(BearerAuth)
 
 
+class AccessLog:
+    """ASGI middleware, the outermost (refusals included): one line per request, as vLLM prints
+    them: client, method and path, status, seconds to the response's start (a stream ends
+    later). Pure ASGI, so streaming and disconnects pass as is."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not getattr(scope["app"].state, "access_log", True):
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+
+        async def send_noting_status(message) -> None:
+            if message["type"] == "http.response.start":
+                client = scope["client"][0] if scope.get("client") else "-"
+                print(
+                    f'tts: {client} "{scope["method"]} {scope["path"]}" {message["status"]} '
+                    f"{time.monotonic() - started:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            await send(message)
+
+        await self.app(scope, receive, send_noting_status)
+
+
+fastapi_app.add_middleware(AccessLog)  # added last: the outermost
+
+
 JSON_BODIES = ("application/json", "application/x-www-form-urlencoded")
 """Content types read as JSON: `curl -d` sends the second by default (vLLM reads it as JSON)."""
 
@@ -160,6 +192,7 @@ class TTSServer:
     def __init__(self, cfg: dict, hub: DeploymentHandle) -> None:
         self.cfg = ServeConfig.model_validate(cfg)
         fastapi_app.state.api_key = self.cfg.api_key  # BearerAuth checks it on every route
+        fastapi_app.state.access_log = self.cfg.log_level != "error"
         self.engine = ServeEngine(self.cfg)
         # one thread per admitted request: each waits on the shared runner, none queues here
         self.pool = ThreadPoolExecutor(self.cfg.max_queued_requests, "tts-request")
@@ -405,7 +438,14 @@ def build_app(cfg: ServeConfig):
         options["autoscaling_config"] = cfg.autoscaling
     else:
         options["num_replicas"] = cfg.num_replicas
-    return TTSServer.options(**options).bind(cfg.model_dump(mode="json"), MetricsHub.bind())
+    logs = serve_logging(cfg.log_level)
+    hub = MetricsHub.options(logging_config=logs).bind()
+    return TTSServer.options(**options, logging_config=logs).bind(cfg.model_dump(mode="json"), hub)
+
+
+def serve_logging(level: str) -> dict:
+    """Serve's logging config for `level`: its per-call access lines only at info and below."""
+    return {"log_level": level.upper(), "enable_access_log": level in ("debug", "info")}
 
 
 def app_builder(args: dict):

@@ -46,6 +46,35 @@ DEFINITIONS = {
 }
 
 
+TRUNCATION_WARNING = 0.2
+"""The share of trajectories stopped by the token limit above which a run is warned about: their
+answers are cut off, and accuracy measures the limit, not the model."""
+
+
+def truncation_warning(rate: float, max_new_tokens: int | None) -> str | None:
+    """The warning for a run whose trajectories hit the token limit more than
+    `TRUNCATION_WARNING` of the time (None below it)."""
+    if rate <= TRUNCATION_WARNING:
+        return None
+    limit = f" ({max_new_tokens:,} tokens)" if max_new_tokens else ""
+    return (
+        f"{rate:.0%} of trajectories stopped at sampling.max_new_tokens{limit}: their answers are "
+        "cut off; raise it (--set sampling.max_new_tokens=32768 for reasoning models, "
+        "docs/real-models.md)"
+    )
+
+
+def run_warnings(report: dict) -> list[str]:
+    """Each run's truncation warning, named by its task and method."""
+    found = []
+    for r in report["runs"]:
+        limit = (r.get("sampling") or {}).get("max_new_tokens")
+        warning = truncation_warning(r["metrics"]["truncation_rate"]["value"], limit)
+        if warning:
+            found.append(f"{r['task']}/{r['method']}: {warning}")
+    return found
+
+
 def read_rows(path: Path) -> list[dict]:
     """Complete JSONL rows (a line cut by a crash is skipped; its item is redone)."""
     if not path.is_file():
@@ -208,6 +237,8 @@ def _sessions(runs: list[dict]) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = ["# Evaluation report", "", f"Generated {report['generated']}.", ""]
+    lines += [f"> **Warning**: {w}" for w in run_warnings(report)]
+    lines += [""] if run_warnings(report) else []
     for task in sorted({r["task"] for r in report["runs"]}):
         runs = [r for r in report["runs"] if r["task"] == task]
         lines += [f"## {TITLES.get(task, task)} (`{task}`)", ""]

@@ -40,7 +40,7 @@ def test_a_job_sums_its_actors_store_counters():
     """`add_store`: replication counters summed over closed stores and actors, the lag's worst
     p99 kept; an in-process store's stats add nothing; the job's line says it."""
     from actors.generator import add_store
-    from jobs.common import store_line
+    from jobs.actor_set import store_line
 
     totals: dict[str, float] = {}
     add_store(totals, {"remote_updates": 10, "flushed_updates": 12, "lag_ms_p99": 30.0})

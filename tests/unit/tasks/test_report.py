@@ -240,3 +240,22 @@ def test_tasks_keep_the_name_typed_beside_ours():
     from jobs.evaluate import _tasks
 
     assert _tasks("gpqa_diamond, aime24,gpqa") == {"gpqa": "gpqa_diamond", "aime24": "aime24"}
+
+
+def test_a_run_mostly_cut_off_by_the_token_limit_is_warned_at_the_top():
+    from tts_service.tasks.report import run_warnings, truncation_warning
+
+    assert truncation_warning(0.2, 512) is None  # at the threshold: not warned
+    warning = truncation_warning(0.75, 512)
+    assert warning is not None and "75%" in warning and "(512 tokens)" in warning
+    assert "sampling.max_new_tokens" in warning
+    rates = {"plain": 0.9, "stand": 0.1}
+    report = {
+        "generated": "now",
+        "runs": [
+            {"task": "aime24", "method": m, "sampling": {"max_new_tokens": 512},
+             "metrics": {"truncation_rate": {"value": rate}}}
+            for m, rate in rates.items()
+        ],
+    }  # fmt: skip
+    assert run_warnings(report) == [f"aime24/plain: {truncation_warning(0.9, 512)}"]
