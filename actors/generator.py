@@ -94,15 +94,22 @@ class GeneratorActor:
         self._stores: OrderedDict[str, NgramStore] = OrderedDict()  # scope id -> store
         self._stores_lock = threading.Lock()  # calls run in concurrent threads
         self.store_totals: dict[str, float] = {}  # the closed stores' counters (`add_store`)
+        self._cancelled: set[tuple[str, str]] = set()  # (job id, problem id): decided votes
 
     def ready(self) -> str:
         return self.name
 
-    @ray.method(concurrency_group="progress")
+    @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, int]:
         """The host's rows and tokens now: answered beside the `run` calls that fill the
         default concurrency group (`jobs.heartbeat`)."""
         return self.host.progress()
+
+    @ray.method(concurrency_group="control")
+    def cancel(self, job_id: str, problem_id: str) -> None:
+        """The problem's vote is decided (`actors.pool`, early stop): its rows here leave the
+        batch at the next step, and their calls return what finished."""
+        self._cancelled.add((job_id, problem_id))
 
     def close(self) -> dict[str, float]:
         """The actor's last call (the job's end): every store pushes what it queued, waiting
@@ -160,8 +167,16 @@ class GeneratorActor:
         sampling = cfg.sampling
         if attempt:
             sampling = sampling.model_copy(update={"run_nonce": None})
+        key = (job_id, problem_id)
         report = self.host.trajectories(
-            problem_id, ids, indices, sampling, cfg.drafter, store, cfg.log_trajectories
+            problem_id,
+            ids,
+            indices,
+            sampling,
+            cfg.drafter,
+            store,
+            cfg.log_trajectories,
+            skip=lambda _request: key in self._cancelled,
         )
         records = []
         for res in report.results:

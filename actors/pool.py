@@ -26,7 +26,8 @@ from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
 
 from actors.generator import GeneratorActor, add_store
 from actors.tp import TensorParallelReplica
-from tts_service.aggregate import extract_answer, leader_is_final, majority_vote
+from tts_service.aggregate import extract_answer
+from tts_service.aggregate.early_stop import decided_vote
 from tts_service.config import default_max_rows
 from tts_service.schemas import JobConfig, Problem
 
@@ -97,11 +98,12 @@ class ResultsFile:
 
 def stop_early(cfg: JobConfig, state: ProblemState) -> None:
     """Mark `state` stopped once no outcome of its missing trajectories can change the winner
-    (`early_stop`; those already in flight still finish and are recorded)."""
+    (`early_stop`, `aggregate.early_stop`: its calls in flight are then cancelled, and what
+    they finished meanwhile is still recorded)."""
     if not cfg.early_stop or state.stopped_early or len(state.records) == cfg.n:
         return
-    vote = majority_vote(state.answers(), state.problem.task)
-    if vote.answer is not None and leader_is_final(vote.votes, cfg.n - len(state.records)):
+    answers = dict(zip(sorted(state.records), state.answers(), strict=True))
+    if decided_vote(answers, cfg.n, state.problem.task) is not None:
         state.stopped_early = True
 
 
@@ -123,14 +125,21 @@ def still_to_run(
         if states[p.id].stopped_early:
             continue
         todo = [i for i in range(cfg.n) if i not in states[p.id].records]
-        chunks += [Chunk(p, todo[k : k + cfg.batch]) for k in range(0, len(todo), cfg.batch)]
+        size = chunk_size(cfg)
+        chunks += [Chunk(p, todo[k : k + size]) for k in range(0, len(todo), size)]
     return states, chunks
 
 
+def chunk_size(cfg: JobConfig) -> int:
+    """Trajectories per call: `batch`, or with `early_stop` one (the pool decides a problem's
+    vote as each trajectory returns, and cancels the rest in flight)."""
+    return 1 if cfg.early_stop else cfg.batch
+
+
 def calls_per_actor(cfg: JobConfig) -> int:
-    """Calls kept in flight per actor: enough chunks of `batch` trajectories to keep its
-    `max_rows` rows full, plus one waiting (an actor runs that many calls concurrently)."""
-    return -(-(cfg.max_rows or default_max_rows("cpu")) // cfg.batch) + 1
+    """Calls kept in flight per actor: enough chunks (`chunk_size`) to keep its `max_rows`
+    rows full, plus one waiting (an actor runs that many calls concurrently)."""
+    return -(-(cfg.max_rows or default_max_rows("cpu")) // chunk_size(cfg)) + 1
 
 
 def pick_actor(
@@ -170,7 +179,7 @@ def start_actors(
     strategies: list | None = None,
 ) -> list:
     """Start `num` generator actors and wait until every model is loaded."""
-    remote = ray.remote(concurrency_groups={"progress": 1})(GeneratorActor)  # beside the runs
+    remote = ray.remote(concurrency_groups={"control": 1})(GeneratorActor)  # beside the runs
     actors = []
     for i in range(num):
         opts = {
@@ -299,9 +308,20 @@ class TrajectoryPool:
                 continue
             state = states[chunk.problem.id]
             self._record(state, records, on_trajectory)
-            stop_early(self.cfg, state)
+            if not state.stopped_early:
+                stop_early(self.cfg, state)
+                if state.stopped_early:
+                    self._cancel(state.problem.id, in_flight)
             report_if_done(state)
         return states
+
+    def _cancel(self, problem_id: str, in_flight: dict) -> None:
+        """Stop the decided problem's rows in flight on every actor that has some (a
+        tensor-parallel replica's finish: its rank 0 answers no call beside its runs)."""
+        holding = {i for chunk, i in in_flight.values() if chunk.problem.id == problem_id}
+        for i in holding:
+            if not isinstance(self.actors[i], TensorParallelReplica):
+                self.actors[i].cancel.remote(self.job_id, problem_id)
 
     def _follower_loops(self) -> dict:
         """A follower's loop, which ends only when a rank dies -> index of its actor."""

@@ -211,10 +211,12 @@ def plain_steps_line(summary: dict, cfg: JobConfig) -> str | None:
 
 def problem_result(state, cfg: JobConfig) -> dict:
     from tts_service.aggregate import is_correct, majority_vote
+    from tts_service.aggregate.early_stop import with_indices
 
     answers = state.answers()
-    vote = majority_vote(answers, state.problem.task)
-    recs = [state.records[i] for i in sorted(state.records)]
+    order = sorted(state.records)
+    vote = with_indices(majority_vote(answers, state.problem.task), order)
+    recs = [state.records[i] for i in order]
     tokens = sum(r["stats"]["new_tokens"] for r in recs)
     forwards = sum(r["stats"]["target_forwards"] for r in recs)
     correct = None
@@ -225,6 +227,9 @@ def problem_result(state, cfg: JobConfig) -> dict:
         **vote.to_dict(),
         "correct": correct,
         "stopped_early": state.stopped_early,
+        "decoded": len(recs),
+        "n": cfg.n,
+        "cut": [i for i in range(cfg.n) if i not in state.records],  # stopped before they ended
         "trajectories": [
             {
                 **{k: v for k, v in r.items() if k not in ("top_ids", "top_probs", "prompt_ids")},
@@ -249,6 +254,8 @@ def problem_line(result: dict, problem: Problem) -> str:
         f"[job] problem {problem.id}: vote {result['answer']!r}, share {result['share']:.2f} "
         f"({won} of {n}), votes {result['votes']}, no answer {result['no_answer']}"
     )
+    if result.get("stopped_early"):
+        line += f", decoded {n} of {result['n']} (the vote was decided)"
     if problem.answer is not None:
         line += f", reference {problem.answer!r}, correct {result['correct']}"
     return line

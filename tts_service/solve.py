@@ -17,6 +17,7 @@ from typing import Protocol
 
 from store.base import NgramStore
 from tts_service.aggregate import extract_answer, majority_vote
+from tts_service.aggregate.early_stop import EarlyStop, with_indices
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.decode import GenerationOutput, OnCommit
@@ -71,16 +72,25 @@ class ProblemInput:
 
 @dataclass
 class SolveResult:
-    """One problem's trajectories (by index) and its store's statistics."""
+    """One problem's trajectories (by index) and its store's statistics; with early stop, the
+    N asked for and whether the vote was decided before all of them finished."""
 
     problem_id: str = "q0"
     trajectories: list[Trajectory] = field(default_factory=list)
     store_stats: dict = field(default_factory=dict)
+    n: int | None = None
+    stopped_early: bool = False
 
     def vote(self, task: str) -> dict:
-        """The aggregator's majority vote over the trajectories' answers."""
+        """The aggregator's majority vote over the trajectories' answers (winners by index);
+        stopped early, what was decoded of the N asked for."""
         answers = [extract_answer(t.output.text, task) for t in self.trajectories]
-        return majority_vote(answers, task).to_dict()
+        order = [t.index for t in self.trajectories]
+        out = with_indices(majority_vote(answers, task), order).to_dict()
+        if self.n is not None:
+            out |= {"decoded": len(self.trajectories), "n": self.n}
+            out["stopped_early"] = self.stopped_early
+        return out
 
     def to_dict(self, task: str | None = None) -> dict:
         tokens = sum(t.output.stats.new_tokens for t in self.trajectories)
@@ -133,12 +143,17 @@ def solve_problems(
     record: bool = False,
     on_commit: OnCommit | None = None,
     skip: Skip | None = None,
+    early_stop: EarlyStop | None = None,
 ) -> SolveRun:
     """Run `n` trajectories of every problem through `runner`, problem after problem in the
-    queue; `on_trajectory(problem_id, trajectory)` sees each one as it finishes."""
+    queue; `on_trajectory(problem_id, trajectory)` sees each one as it finishes. With
+    `early_stop` (over the same `n`), a problem whose vote is decided stops its other rows."""
     if n < 1:
         raise ValueError("n must be >= 1")
-    results = {p.problem_id: SolveResult(p.problem_id) for p in problems}
+    if early_stop is not None and early_stop.n != n:
+        raise ValueError(f"early_stop is over n = {early_stop.n}, not {n}")
+    asked = n if early_stop is not None else None  # stopped early: what was decoded of it
+    results = {p.problem_id: SolveResult(p.problem_id, n=asked) for p in problems}
     if len(results) != len(problems):
         raise ValueError("problem ids must be unique")
     each = None if on_commit is None else (lambda _i: on_commit)
@@ -159,11 +174,15 @@ def solve_problems(
             req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs, nonce
         )
         results[req.problem_id].trajectories.append(traj)
+        if early_stop is not None and early_stop.finished(
+            req.problem_id, req.index, traj.output.text
+        ):
+            results[req.problem_id].stopped_early = True
         if on_trajectory is not None:
             on_trajectory(req.problem_id, traj)
 
     try:
-        report = runner.run(requests, collect, skip)
+        report = runner.run(requests, collect, stop_skip(early_stop, skip))
     finally:  # the stores' final flush, whether the run finished or failed
         for p in problems:
             p.store.close()
@@ -174,6 +193,13 @@ def solve_problems(
     salted = drafter.kind != "plain" and not sampling.greedy  # else nothing uses the nonce
     nonce = sampling.run_nonce if salted else None
     return SolveRun([results[p.problem_id] for p in problems], report, nonce)
+
+
+def stop_skip(early_stop: EarlyStop | None, skip: Skip | None) -> Skip | None:
+    """The runner's skip test: `skip`'s, and a decided problem's rows."""
+    if early_stop is None:
+        return skip
+    return lambda req: early_stop.stopped(req.problem_id) or (skip is not None and skip(req))
 
 
 def solve(

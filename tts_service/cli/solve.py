@@ -38,6 +38,7 @@ def add_arguments(sol: argparse.ArgumentParser) -> None:
     add_field(sol, SolveRequest, "task")
     add_common_flags(sol, SolveRequest)
     add_field(sol, SolveRequest, "n")
+    add_field(sol, SolveRequest, "early_stop", action=argparse.BooleanOptionalAction)
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
     add_field(sol, SolveRequest, "max_rows", type=int)
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             "problems": args.problems,
             "task": args.task,
             "n": args.n,
+            "early_stop": args.early_stop,
             "chat": not args.no_chat,
             "max_rows": args.max_rows,
             "store": store_flags(args),
@@ -97,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             for t in p["trajectories"]:
                 print(f"--- {p['id']} trajectory {t['index']} ({t['finish_reason']}) ---")
                 print(t["text"])
-            print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']} ===")
+            cut = f", decoded {p['decoded']} of {p['n']}" if p.get("stopped_early") else ""
+            print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']}{cut} ===")
         print(json.dumps(out["stats"]), file=sys.stderr)
     return 0
 
@@ -139,6 +142,7 @@ def _solve_with(
     from actors.host import RunnerHost
     from store.factory import problem_id
     from store.redis_client import StoreUnavailableError
+    from tts_service.aggregate.early_stop import EarlyStop
     from tts_service.drafters.registry import VerifyKeyReusedError
     from tts_service.generation import InputTooLongError
     from tts_service.solve import ProblemInput, solve_problems
@@ -163,6 +167,7 @@ def _solve_with(
                 on_trajectory=progress.trajectory,
                 record=record,
                 on_commit=progress.commit,
+                early_stop=EarlyStop(req.n, req.task) if req.early_stop else None,
             )
         finally:  # while a local-redis server still runs
             host.close()

@@ -51,6 +51,12 @@ class SolveRequest(StrictConfig):
         "math", description="How answers are voted: math, choice or code."
     )
     n: int = Field(16, ge=1, le=64, description="Trajectories per problem.")
+    early_stop: bool = Field(
+        True,
+        description="Stop a problem's other trajectories once its vote is decided (the leader "
+        "ahead by more than the trajectories still running: the answer all N would give); "
+        "off: all N decode (for maj@k, pass@k).",
+    )
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
     sampling: SamplingConfig = SamplingConfig()

@@ -255,6 +255,7 @@ class SolveHttpRequest(BaseModel):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     method: MethodName | None = None
     return_trajectories: bool = False
+    early_stop: bool = True  # stop the other trajectories once the vote is decided
     model: str | None = None
 
 

@@ -23,6 +23,7 @@ from store.factory import problem_id
 from store.redis_client import StoreUnavailableError
 from tts_service import startup
 from tts_service.aggregate import Task, extract_answer, majority_vote
+from tts_service.aggregate.early_stop import EarlyStop, with_indices
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
@@ -69,6 +70,7 @@ class Job:
     include_usage: bool = False  # a stream's last chunk carries `usage`
     logprobs: int | None = None  # None: not asked; k: the chosen tokens' and k alternatives
     echo: bool = False  # completions: the prompt comes back first (with its logprobs)
+    early_stop: bool = False  # /v1/solve: the other rows stop once the vote is decided
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -355,7 +357,16 @@ class ServeEngine:
         self._fit(ids, sampling, "question")
         method, drafter = self._drafter(req.method)
         return Job(
-            True, (ids,), req.n, sampling, method, drafter, True, req.task, req.return_trajectories
+            True,
+            (ids,),
+            req.n,
+            sampling,
+            method,
+            drafter,
+            True,
+            req.task,
+            req.return_trajectories,
+            early_stop=req.early_stop,
         )
 
     # -- execution -----------------------------------------------------------------------
@@ -378,11 +389,15 @@ class ServeEngine:
         cancel: threading.Event,
         on_commit: Callable[[int, Sequence[int]], bool] | None = None,
         on_result: Callable[[TrajectoryResult], None] | None = None,
+        stop: EarlyStop | None = None,
     ) -> RunReport:
         """The request's trajectories, n per prompt, all in the replica's one batch, their
         results in choice order (prompt, then index); each stops at its next step once `cancel`
-        is set (the client went away). `on_commit(choice, tokens)` sees every step."""
+        is set (the client went away), or with `stop` once its prompt's vote is decided.
+        `on_commit(choice, tokens)` sees every step."""
         keep_going = on_commit or (lambda _i, _t: not cancel.is_set())
+        if stop is not None:
+            on_result = stop.noting(on_result)
         with contextlib.ExitStack() as stores:  # the request's end is its stores'
             problems = [
                 (str(p), ids, stores.enter_context(contextlib.closing(self._store(ids))))
@@ -395,12 +410,15 @@ class ServeEngine:
                 job.drafter,
                 on_commit=lambda p, i, tokens: keep_going(p * job.n + i, tokens),
                 on_result=on_result,
-                skip=lambda _r: cancel.is_set(),
+                skip=lambda r: cancel.is_set() or (stop is not None and stop.stopped(r.problem_id)),
             )
 
-    def _trajectories(self, job: Job, cancel: threading.Event) -> RunReport:
-        """Every trajectory of the request, or `Cancelled`."""
-        report = self._run(job, cancel)
+    def _trajectories(
+        self, job: Job, cancel: threading.Event, stop: EarlyStop | None = None
+    ) -> RunReport:
+        """Every trajectory of the request (with `stop`, those decoded before the vote was
+        decided), or `Cancelled`."""
+        report = self._run(job, cancel, stop=stop)
         if cancel.is_set():
             raise Cancelled
         return report
@@ -483,32 +501,35 @@ class ServeEngine:
             emit(None)
 
     def solve(self, job: Job, cancel: threading.Event) -> dict:
+        stop = EarlyStop(job.n, job.task) if job.early_stop else None
         try:
-            report = self._trajectories(job, cancel)
+            report = self._trajectories(job, cancel, stop)
         except Cancelled:
             return {}
-        outs = [r.output for r in report.results]
-        ext = self._extension(job, report)
+        done = [(r.request.index, r.output) for r in report.results]
+        answers = [extract_answer(o.text, job.task) for _, o in done]
+        vote = with_indices(majority_vote(answers, job.task), [i for i, _ in done]).to_dict()
+        stats = report.summary()
         body = {
-            "answer": ext["aggregate"]["answer"],
-            "votes": ext["aggregate"]["votes"],
-            "share": ext["aggregate"]["share"],
-            "no_answer": ext["aggregate"]["no_answer"],
+            "answer": vote["answer"],
+            "votes": vote["votes"],
+            "share": vote["share"],
+            "no_answer": vote["no_answer"],
             "task": job.task,
             "n": job.n,
+            "decoded": len(done),
+            "stopped_early": stop is not None and stop.stopped("0"),
             "method": job.method,
-            "stats": {**ext["stats"], "trajectories": ext["trajectories"]},
-            "usage": job.usage(sum(len(o.token_ids) for o in outs)),
+            "stats": {
+                **stats,
+                "trajectories": [{"index": i, "stats": o.stats.to_dict()} for i, o in done],
+            },
+            "usage": job.usage(sum(len(o.token_ids) for _, o in done)),
         }
         if job.return_trajectories:
             body["trajectories"] = [
-                {
-                    "index": i,
-                    "text": o.text,
-                    "finish_reason": o.finish_reason,
-                    "answer": extract_answer(o.text, job.task),
-                }
-                for i, o in enumerate(outs)
+                {"index": i, "text": o.text, "finish_reason": o.finish_reason, "answer": a}
+                for (i, o), a in zip(done, answers, strict=True)
             ]
         return body
 

@@ -1,0 +1,86 @@
+"""The exact early stop of a best-of-N vote in flight: once the leader is ahead of the runner-up
+by more than the trajectories still running, nothing they could answer changes the winner, so
+they stop (docs/design.md, "Early stop"). Trajectories without an answer do not vote; a
+possible tie keeps decoding. The voted answer is the one all N would give, for any equivalence
+that groups answers transitively (normalised strings: choice, code, and math answers
+`math_equal` groups alike; `tests/unit/aggregate/test_early_stop.py`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tts_service.aggregate.extract import Task, extract_answer
+from tts_service.aggregate.vote import Vote, leader_is_final, majority_vote
+
+
+def decided_vote(
+    answers: Mapping[int, str | None],
+    n: int,
+    task: Task,
+    tests: Mapping[int, bool] | None = None,
+) -> Vote | None:
+    """The vote over the finished trajectories' `answers` (index -> answer, in index order) if
+    no outcome of the `n - len(answers)` still running can change its winner, else None. Its
+    `winner_indices` are trajectory indices. `tests` (code): whether each passed its tests;
+    only those that did vote."""
+    if len(answers) > n:
+        raise ValueError(f"{len(answers)} answers for n = {n}")
+    order = sorted(answers)
+    passed = None if tests is None else [tests[i] for i in order]
+    vote = majority_vote([answers[i] for i in order], task, passed)
+    if vote.answer is None or not leader_is_final(vote.votes, n - len(answers)):
+        return None
+    return with_indices(vote, order)
+
+
+def with_indices(vote: Vote, order: list[int]) -> Vote:
+    """`vote` over answers listed in `order` (their trajectory indices), its winners named by
+    index rather than by position in the list."""
+    winners = tuple(order[k] for k in vote.winner_indices)
+    return Vote(
+        vote.answer, vote.votes, vote.share, vote.num_trajectories, vote.num_no_answer, winners
+    )
+
+
+class EarlyStop:
+    """One run's problems' votes as their trajectories finish (`finished`), and the runner's
+    skip test (`stopped`): a decided problem's rows leave the batch at the next step and their
+    slots go to whatever waits. Thread-safe: results arrive in the runner's thread, a server
+    asks from others."""
+
+    def __init__(self, n: int, task: Task) -> None:
+        self.n, self.task = n, task
+        self.answers: dict[str, dict[int, str | None]] = {}
+        self.decided: dict[str, Vote] = {}
+        self._lock = threading.Lock()
+
+    def finished(self, problem_id: str, index: int, text: str) -> bool:
+        """Trajectory `index` of `problem_id` finished with `text`: True if this decides the
+        problem's vote (its other rows should stop)."""
+        answer = extract_answer(text, self.task)
+        with self._lock:
+            if problem_id in self.decided:
+                return False
+            got = self.answers.setdefault(problem_id, {})
+            got[index] = answer
+            vote = decided_vote(got, self.n, self.task)
+            if vote is not None and len(got) < self.n:
+                self.decided[problem_id] = vote
+                return True
+            return False
+
+    def stopped(self, problem_id: str) -> bool:
+        return problem_id in self.decided
+
+    def noting(self, on_result: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        """A runner's result callback: `finished` sees each trajectory (a
+        `trajectory.TrajectoryResult`), then `on_result` if given."""
+
+        def note(res: Any) -> None:
+            self.finished(res.request.problem_id, res.request.index, res.output.text)
+            if on_result is not None:
+                on_result(res)
+
+        return note
