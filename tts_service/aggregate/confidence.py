@@ -1,0 +1,75 @@
+"""How sure a trajectory was, from the target's distributions at its committed positions
+(DeepConf's definitions, docs/design.md, "Confidence"), and the two votes that use it. Both
+change answers, so neither is the default: `majority` is (`aggregate.vote`).
+
+A token's confidence is minus the mean log-probability of the target's top k at its position:
+high where the distribution is peaked. A trajectory's group confidences are the means over a
+sliding window of `window_for(length)` tokens (DeepConf's 2,048, scaled down for shorter
+trajectories: an eighth of the length, at least 16).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tts_service.aggregate.extract import Task
+from tts_service.aggregate.vote import Vote, majority_vote
+
+FLOOR = 1e-12  # a top-k probability's floor before the log (a rounded-off zero)
+MAX_WINDOW = 2048  # DeepConf's window
+BOTTOM = 0.10  # the share of lowest groups `bottom10_group` averages
+
+
+def token_confidence(top_probs: Sequence[float]) -> float:
+    """-mean log p over the target's top-k probabilities at one position."""
+    return -sum(math.log(max(p, FLOOR)) for p in top_probs) / len(top_probs)
+
+
+def window_for(length: int) -> int:
+    """The sliding window for a trajectory of `length` tokens."""
+    return max(1, min(MAX_WINDOW, max(16, length // 8), length))
+
+
+def group_confidences(confidences: Sequence[float], window: int) -> list[float]:
+    """The mean over every full window of `window` consecutive tokens (one group, the mean
+    of all, when the trajectory is shorter)."""
+    if not confidences:
+        return []
+    if len(confidences) <= window:
+        return [sum(confidences) / len(confidences)]
+    prefix = [0.0]
+    for c in confidences:
+        prefix.append(prefix[-1] + c)
+    return [(prefix[i + window] - prefix[i]) / window for i in range(len(confidences) - window + 1)]
+
+
+def trajectory_confidence(confidences: Sequence[float]) -> dict[str, float | int]:
+    """A trajectory's confidences from its tokens': `mean`, `lowest_group`, `bottom10_group`
+    (the mean of its lowest 10% of groups), `tail` (the mean of its last window) and the
+    `window` used."""
+    if not confidences:
+        return {"mean": 0.0, "lowest_group": 0.0, "bottom10_group": 0.0, "tail": 0.0, "window": 0}
+    window = window_for(len(confidences))
+    groups = sorted(group_confidences(confidences, window))
+    lowest = groups[: max(1, math.ceil(BOTTOM * len(groups)))]
+    tail = confidences[-window:]
+    return {
+        "mean": round(sum(confidences) / len(confidences), 4),
+        "lowest_group": round(groups[0], 4),
+        "bottom10_group": round(sum(lowest) / len(lowest), 4),
+        "tail": round(sum(tail) / len(tail), 4),
+        "window": window,
+    }
+
+
+def filtered_vote(
+    answers: Sequence[str | None], scores: Sequence[float], keep: float, task: Task
+) -> Vote:
+    """The majority vote of the `keep` share (at least one) of trajectories with the highest
+    `scores` (DeepConf's offline filter: η = 10% or 90% of them, by lowest group confidence)."""
+    if len(answers) != len(scores) or not 0 < keep <= 1:
+        raise ValueError("one score per answer, and 0 < keep <= 1")
+    count = max(1, math.ceil(keep * len(answers)))
+    kept = sorted(sorted(range(len(answers)), key=lambda i: -scores[i])[:count])
+    return majority_vote([answers[i] for i in kept], task)
