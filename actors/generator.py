@@ -41,9 +41,13 @@ class TrajectoryRecord:
     actor: str
     node: str = ""  # the Ray node that decoded it (empty outside Ray)
     run_nonce: int | None = None  # what salted its verify stream (None: plain decoding)
+    confidence: dict | None = None  # `aggregate.confidence`'s summary, with `confidence: true`
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["confidence"] is None:
+            del out["confidence"]
+        return out
 
 
 def _ray_node() -> str:
@@ -177,6 +181,7 @@ class GeneratorActor:
             store,
             cfg.log_trajectories,
             skip=lambda _request: key in self._cancelled,
+            confidence=cfg.confidence,
         )
         records = []
         for res in report.results:
@@ -192,6 +197,7 @@ class GeneratorActor:
                 self.name,
                 self.node,
                 res.request.run_nonce if res.request.salted else None,
+                res.confidence,
             ).to_dict()
             if res.top_ids is not None:  # only when logging: the replay format needs them
                 rec["prompt_ids"] = ids

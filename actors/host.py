@@ -135,6 +135,7 @@ class RunnerHost:
         on_commit: Callable[[int, Sequence[int]], bool] | None = None,
         on_result: Callable[[TrajectoryResult], None] | None = None,
         skip: Skip | None = None,
+        confidence: bool = False,
     ) -> RunReport:
         """Trajectories `indices` of one problem (seeds: `sampling.seed + i`), their results in
         index order; `on_commit(i, tokens)` sees trajectory i's steps."""
@@ -150,6 +151,7 @@ class RunnerHost:
             per_problem,
             on_result,
             skip,
+            confidence,
         )
 
     def problems(
@@ -162,10 +164,11 @@ class RunnerHost:
         on_commit: Callable[[int, int, Sequence[int]], bool] | None = None,
         on_result: Callable[[TrajectoryResult], None] | None = None,
         skip: Skip | None = None,
+        confidence: bool = False,
     ) -> RunReport:
         """Trajectories `indices` of every (problem id, prompt ids, store) in one submission,
         so they share the batch; results in (problem, index) order; `on_commit(p, i, tokens)`
-        sees trajectory i of problem p's steps."""
+        sees trajectory i of problem p's steps; with `confidence`, each result's."""
         requests: list[TrajectoryRequest] = []
         position: dict[int, int] = {}  # id of a request -> its problem's position
         for p, (problem_id, prompt_ids, store) in enumerate(problems):
@@ -173,7 +176,15 @@ class RunnerHost:
             if on_commit is not None:
                 per_index = lambda i, p=p: lambda tokens: on_commit(p, i, tokens)  # noqa: E731
             mine = trajectory_requests(
-                problem_id, prompt_ids, indices, sampling, drafter, store, record, per_index
+                problem_id,
+                prompt_ids,
+                indices,
+                sampling,
+                drafter,
+                store,
+                record,
+                per_index,
+                confidence,
             )
             position.update((id(r), p) for r in mine)
             requests += mine

@@ -20,10 +20,14 @@ from tts_service.timing import phase
 if TYPE_CHECKING:
     from actors.placement import PlacementPlan
 
-SHARED_FIELDS = ("model", "store", "chat", *sorted(EXECUTION_FIELDS - {"log_trajectories"}))
+SHARED_FIELDS = (
+    "model",
+    "store",
+    *sorted(EXECUTION_FIELDS - {"log_trajectories", "confidence"}),
+)
 """What every run on one set of actors shares (what they were started with); a run that differs
-in any of these gets actors of its own (the sampling, the drafter and the trajectory log travel
-with each call)."""
+in any of these gets actors of its own (the sampling, the drafter, the chat template, the
+trajectory log and confidence travel with each call)."""
 
 
 def run_missing(

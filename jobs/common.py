@@ -176,6 +176,7 @@ EXECUTION_FIELDS = frozenset(
         "max_rows",
         "max_retries",
         "log_trajectories",
+        "confidence",
     }
 )
 

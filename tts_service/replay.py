@@ -67,6 +67,7 @@ class LoggedProblem:
     responses: list[list[int]]
     top_ids: list[list[list[int]]] | None = None
     top_probs: list[list[list[float]]] | None = None
+    confidence: list[dict] | None = None  # per response, `aggregate.confidence`'s summary
 
     def to_json(self) -> str:
         data = {
@@ -76,6 +77,8 @@ class LoggedProblem:
         }
         if self.top_ids is not None:
             data.update(top_ids=self.top_ids, top_probs=self.top_probs)
+        if self.confidence is not None:
+            data["confidence"] = self.confidence
         return json.dumps(data)
 
 
@@ -121,7 +124,12 @@ def parse_line(line: str, vocab_size: int | None = None) -> LoggedProblem:
                 _int_list(i_row, f"top_ids[{r}][{t}]", vocab_size)
                 if not isinstance(p_row, list) or len(p_row) != len(i_row):
                     raise ValueError(f"top_probs[{r}][{t}] is ragged against top_ids")
-    return LoggedProblem(str(data["prompt_id"]), prompt, responses, top_ids, top_probs)
+    confidence = data.get("confidence")
+    if confidence is not None and (
+        not isinstance(confidence, list) or len(confidence) != len(responses)
+    ):
+        raise ValueError("confidence needs one entry per response")
+    return LoggedProblem(str(data["prompt_id"]), prompt, responses, top_ids, top_probs, confidence)
 
 
 def read_log(
@@ -165,12 +173,14 @@ def logged_problem(prompt_ids: list[int], result: SolveResult) -> LoggedProblem:
     recorded)."""
     trajs = result.trajectories
     recorded = all(t.top_ids is not None for t in trajs)
+    sure = all(t.confidence is not None for t in trajs)
     return LoggedProblem(
         result.problem_id,
         list(prompt_ids),
         [list(t.output.token_ids) for t in trajs],
         [t.top_ids for t in trajs] if recorded else None,  # type: ignore[misc]
         [t.top_probs for t in trajs] if recorded else None,  # type: ignore[misc]
+        [t.confidence for t in trajs] if sure else None,  # type: ignore[misc]
     )
 
 

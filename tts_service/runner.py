@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, cast, get_args
 
+import numpy as np
+
 from store.base import NgramStore
+from tts_service.aggregate.confidence import FLOOR, trajectory_confidence
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
@@ -144,22 +147,41 @@ def fifo(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | N
     return None if full or not waiting else 0
 
 
+def fair_admission(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
+    """Serve's admission: the next row goes to the waiting submission holding the fewest rows,
+    and a submission holding none may join a full batch, so a short request never waits
+    behind a long one."""
+    held = Counter(id(r.submission) for r in rows)
+    best, fewest, seen = None, 0, set()
+    for i, (sub, _) in enumerate(waiting):  # each submission's oldest request
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        rows = held[id(sub)]
+        if (not full or rows == 0) and (best is None or rows < fewest):
+            best, fewest = i, rows
+    return best
+
+
 def nodes_per_row(token_budget: int, active_rows: int) -> int:
     """Draft nodes each row may send: a fixed token budget shared out, root included."""
     return max(0, token_budget // max(active_rows, 1) - 1)
 
 
 class TrajectoryRecorder(Drafter):
-    """Wraps a drafter and keeps the target's top-k at every committed position (the
-    trajectory log's `top_ids`/`top_probs`)."""
+    """Wraps a drafter and keeps, at every committed position, the target's token confidence
+    (`aggregate.confidence`: -mean log p of its top k, from the distributions the verifier
+    already holds) and, with `keep_topk`, the top-k itself (the trajectory log's
+    `top_ids`/`top_probs`)."""
 
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
+    def __init__(self, inner: Drafter, keep_topk: bool = True) -> None:
+        self.inner, self.keep_topk = inner, keep_topk
         self.top_ids: list[list[int]] = []
         self.top_probs: list[list[float]] = []
+        self.confidences: list[float] = []
 
     def start(self, prompt_ids: list[int]) -> None:
-        self.top_ids, self.top_probs = [], []
+        self.top_ids, self.top_probs, self.confidences = [], [], []
         self.inner.start(prompt_ids)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -170,19 +192,27 @@ class TrajectoryRecorder(Drafter):
         return self.inner.grouped()
 
     def observe(self, tree: DraftTree, acc: Acceptance, topk: NodeTopK) -> Deferred | None:
-        nodes = [0, *acc.path]  # the distributions the committed tokens were drawn from
-        self.top_ids += topk.ids[nodes].tolist()
-        self.top_probs += topk.probs[nodes].tolist()
+        self._keep(topk, [0, *acc.path])  # the distributions the committed tokens came from
         return self.inner.observe(tree, acc, topk)
 
     def observe_root(self, tokens: Sequence[int], topk: NodeTopK) -> Deferred | None:
-        self.top_ids += topk.ids[:1].tolist()
-        self.top_probs += topk.probs[:1].tolist()
+        self._keep(topk, [0])
         return self.inner.observe_root(tokens, topk)
+
+    def _keep(self, topk: NodeTopK, nodes: list[int]) -> None:
+        probs = topk.probs[nodes]
+        self.confidences += (-np.log(np.maximum(probs, FLOOR)).mean(axis=1)).tolist()
+        if self.keep_topk:
+            self.top_ids += topk.ids[nodes].tolist()
+            self.top_probs += probs.tolist()
 
     def rows(self, num_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
         """The rows of the generation's tokens (a stop may cut the last block)."""
         return self.top_ids[:num_tokens], self.top_probs[:num_tokens]
+
+    def confidence(self, num_tokens: int) -> dict[str, float | int]:
+        """The trajectory's confidences over its `num_tokens` tokens."""
+        return trajectory_confidence(self.confidences[:num_tokens])
 
 
 class TrajectoryRunner:
@@ -428,8 +458,8 @@ class TrajectoryRunner:
         drafter = gen.row_drafter(req.drafter, req.store, params)
         if req.wrap is not None:
             drafter = req.wrap(drafter)
-        if req.record:
-            drafter = TrajectoryRecorder(drafter)
+        if req.record or req.confidence:
+            drafter = TrajectoryRecorder(drafter, keep_topk=req.record)
         return TrajectoryRow(
             list(req.prompt_ids),
             drafter,
@@ -467,10 +497,14 @@ class TrajectoryRunner:
     def _result(self, row: TrajectoryRow) -> TrajectoryResult:
         req = row.request
         out = self.generator.output(row.result())
-        if isinstance(row.drafter, TrajectoryRecorder):
-            ids, probs = row.drafter.rows(len(out.token_ids))
-            return TrajectoryResult(req, out, ids, probs)
-        return TrajectoryResult(req, out)
+        recorder = row.drafter
+        if not isinstance(recorder, TrajectoryRecorder):
+            return TrajectoryResult(req, out)
+        tokens = len(out.token_ids)
+        confidence = recorder.confidence(tokens) if req.confidence else None
+        if not req.record:
+            return TrajectoryResult(req, out, confidence=confidence)
+        return TrajectoryResult(req, out, *recorder.rows(tokens), confidence=confidence)
 
 
 class RunnerLoop:

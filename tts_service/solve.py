@@ -54,9 +54,12 @@ class Trajectory:
     top_ids: list[list[int]] | None = None  # per token: the target's top-k (when logging)
     top_probs: list[list[float]] | None = None
     run_nonce: int | None = None  # what salted its verify stream (None: plain decoding)
+    confidence: dict | None = None  # `aggregate.confidence.trajectory_confidence`'s, if asked
 
     def to_dict(self) -> dict:
         out = {"index": self.index, "seed": self.seed, **self.output.to_dict()}
+        if self.confidence is not None:
+            out["confidence"] = self.confidence
         return out if self.run_nonce is None else {"run_nonce": self.run_nonce, **out}
 
 
@@ -144,10 +147,12 @@ def solve_problems(
     on_commit: OnCommit | None = None,
     skip: Skip | None = None,
     early_stop: EarlyStop | None = None,
+    confidence: bool = False,
 ) -> SolveRun:
     """Run `n` trajectories of every problem through `runner`, problem after problem in the
     queue; `on_trajectory(problem_id, trajectory)` sees each one as it finishes. With
-    `early_stop` (over the same `n`), a problem whose vote is decided stops its other rows."""
+    `early_stop` (over the same `n`), a problem whose vote is decided stops its other rows;
+    with `confidence`, each trajectory says how sure the target was (`aggregate.confidence`)."""
     if n < 1:
         raise ValueError("n must be >= 1")
     if early_stop is not None and early_stop.n != n:
@@ -163,24 +168,19 @@ def solve_problems(
         req
         for p in problems
         for req in trajectory_requests(
-            p.problem_id, p.prompt_ids, range(n), sampling, drafter, p.store, record, each
+            p.problem_id,
+            p.prompt_ids,
+            range(n),
+            sampling,
+            drafter,
+            p.store,
+            record,
+            each,
+            confidence,
         )
     ]
 
-    def collect(res: TrajectoryResult) -> None:
-        req = res.request
-        nonce = req.run_nonce if req.salted else None
-        traj = Trajectory(
-            req.index, req.sampling.seed, res.output, res.top_ids, res.top_probs, nonce
-        )
-        results[req.problem_id].trajectories.append(traj)
-        if early_stop is not None and early_stop.finished(
-            req.problem_id, req.index, traj.output.text
-        ):
-            results[req.problem_id].stopped_early = True
-        if on_trajectory is not None:
-            on_trajectory(req.problem_id, traj)
-
+    collect = collector(results, early_stop, on_trajectory)
     try:
         report = runner.run(requests, collect, stop_skip(early_stop, skip))
     finally:  # the stores' final flush, whether the run finished or failed
@@ -193,6 +193,36 @@ def solve_problems(
     salted = drafter.kind != "plain" and not sampling.greedy  # else nothing uses the nonce
     nonce = sampling.run_nonce if salted else None
     return SolveRun([results[p.problem_id] for p in problems], report, nonce)
+
+
+def collector(
+    results: dict[str, SolveResult],
+    early_stop: EarlyStop | None,
+    on_trajectory: Callable[[str, Trajectory], None] | None,
+) -> Callable[[TrajectoryResult], None]:
+    """The runner's result callback: each finished trajectory into its problem's result, seen
+    by `early_stop` (which may decide the problem) and `on_trajectory`."""
+
+    def collect(res: TrajectoryResult) -> None:
+        req = res.request
+        nonce = req.run_nonce if req.salted else None
+        traj = Trajectory(
+            req.index,
+            req.sampling.seed,
+            res.output,
+            res.top_ids,
+            res.top_probs,
+            nonce,
+            confidence=res.confidence,
+        )
+        result = results[req.problem_id]
+        result.trajectories.append(traj)
+        if early_stop is not None:
+            result.stopped_early |= early_stop.finished(req.problem_id, req.index, res.output.text)
+        if on_trajectory is not None:
+            on_trajectory(req.problem_id, traj)
+
+    return collect
 
 
 def stop_skip(early_stop: EarlyStop | None, skip: Skip | None) -> Skip | None:

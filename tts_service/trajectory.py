@@ -40,6 +40,7 @@ class TrajectoryRequest:
     on_commit: OnCommit | None = None  # sees every step's tokens; False cancels the row
     wrap: Callable[[Drafter], Drafter] | None = None  # around the row's drafter (calibration)
     run_nonce: int = 0  # `trajectory_requests` draws one per call; a repeat here is refused
+    confidence: bool = False  # the target's confidence at every token, summarised at the end
 
     @property
     def salted(self) -> bool:
@@ -67,6 +68,7 @@ def trajectory_requests(
     store: NgramStore,
     record: bool = False,
     on_commit: Callable[[int], OnCommit | None] | None = None,
+    confidence: bool = False,
 ) -> list[TrajectoryRequest]:
     """Trajectories `indices` of one problem, the one seeding convention: trajectory i samples
     with `sampling.seed + i`, its drafts verified under `sampling.run_nonce` (drawn here when
@@ -83,6 +85,7 @@ def trajectory_requests(
             record,
             None if on_commit is None else on_commit(i),
             run_nonce=nonce,
+            confidence=confidence,
         )
         for i in indices
     ]
@@ -94,6 +97,7 @@ class TrajectoryResult:
     output: GenerationOutput
     top_ids: list[list[int]] | None = None
     top_probs: list[list[float]] | None = None
+    confidence: dict | None = None  # `aggregate.confidence.trajectory_confidence`'s
 
 
 @dataclass

@@ -39,6 +39,7 @@ def add_arguments(sol: argparse.ArgumentParser) -> None:
     add_common_flags(sol, SolveRequest)
     add_field(sol, SolveRequest, "n")
     add_field(sol, SolveRequest, "early_stop", action=argparse.BooleanOptionalAction)
+    add_field(sol, SolveRequest, "confidence", action=argparse.BooleanOptionalAction)
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
     add_field(sol, SolveRequest, "max_rows", type=int)
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             "task": args.task,
             "n": args.n,
             "early_stop": args.early_stop,
+            "confidence": args.confidence,
             "chat": not args.no_chat,
             "max_rows": args.max_rows,
             "store": store_flags(args),
@@ -168,6 +170,7 @@ def _solve_with(
                 record=record,
                 on_commit=progress.commit,
                 early_stop=EarlyStop(req.n, req.task) if req.early_stop else None,
+                confidence=req.confidence,
             )
         finally:  # while a local-redis server still runs
             host.close()

@@ -61,7 +61,14 @@ class JobConfig(StrictConfig):
     )
     chat: bool = True
     early_stop: bool = Field(
-        False, description="Stop launching a problem's trajectories once its vote is decided."
+        False,
+        description="Stop a problem once its vote is decided: its trajectories not launched "
+        "are dropped, those in flight cancelled (the answer all N would give).",
+    )
+    confidence: bool = Field(
+        False,
+        description="Each trajectory record's confidence (DeepConf's, from the target's top-k "
+        "at every committed token).",
     )
     max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
     log_trajectories: bool = Field(

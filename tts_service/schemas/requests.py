@@ -57,6 +57,11 @@ class SolveRequest(StrictConfig):
         "ahead by more than the trajectories still running: the answer all N would give); "
         "off: all N decode (for maj@k, pass@k).",
     )
+    confidence: bool = Field(
+        False,
+        description="Each trajectory's confidence (DeepConf's mean, lowest and bottom-10% "
+        "group, and tail), from the target's top-k at every committed token.",
+    )
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
     sampling: SamplingConfig = SamplingConfig()

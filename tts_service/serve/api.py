@@ -256,6 +256,7 @@ class SolveHttpRequest(BaseModel):
     method: MethodName | None = None
     return_trajectories: bool = False
     early_stop: bool = True  # stop the other trajectories once the vote is decided
+    confidence: bool = False  # each trajectory's confidence (DeepConf's), in stats.trajectories
     model: str | None = None
 
 

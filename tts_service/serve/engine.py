@@ -11,7 +11,6 @@ import contextlib
 import random
 import secrets
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from tts_service.aggregate.early_stop import EarlyStop, with_indices
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
-from tts_service.runner import TrajectoryRow, Waiting
+from tts_service.runner import fair_admission
 from tts_service.schemas import ServeConfig
 from tts_service.serve.api import (
     ApiError,
@@ -71,6 +70,7 @@ class Job:
     logprobs: int | None = None  # None: not asked; k: the chosen tokens' and k alternatives
     echo: bool = False  # completions: the prompt comes back first (with its logprobs)
     early_stop: bool = False  # /v1/solve: the other rows stop once the vote is decided
+    confidence: bool = False  # /v1/solve: each trajectory's confidence
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -112,22 +112,6 @@ def sampling_defaults(source: str, generator: Generator) -> dict:
         config = GenerationConfig.from_pretrained(source)
     given = config.to_diff_dict() if config is not None else {}
     return {ours: given[k] for k, ours in SAMPLING_DEFAULTS.items() if given.get(k) is not None}
-
-
-def fair_admission(waiting: Waiting, rows: Sequence[TrajectoryRow], full: bool) -> int | None:
-    """Serve's admission: the next row goes to the waiting submission holding the fewest rows,
-    and a submission holding none may join a full batch, so a short request never waits
-    behind a long one."""
-    held = Counter(id(r.submission) for r in rows)
-    best, fewest, seen = None, 0, set()
-    for i, (sub, _) in enumerate(waiting):  # each submission's oldest request
-        if id(sub) in seen:
-            continue
-        seen.add(id(sub))
-        rows = held[id(sub)]
-        if (not full or rows == 0) and (best is None or rows < fewest):
-            best, fewest = i, rows
-    return best
 
 
 class ServeEngine:
@@ -367,6 +351,7 @@ class ServeEngine:
             req.task,
             req.return_trajectories,
             early_stop=req.early_stop,
+            confidence=req.confidence,
         )
 
     # -- execution -----------------------------------------------------------------------
@@ -411,6 +396,7 @@ class ServeEngine:
                 on_commit=lambda p, i, tokens: keep_going(p * job.n + i, tokens),
                 on_result=on_result,
                 skip=lambda r: cancel.is_set() or (stop is not None and stop.stopped(r.problem_id)),
+                confidence=job.confidence,
             )
 
     def _trajectories(
@@ -507,6 +493,7 @@ class ServeEngine:
         except Cancelled:
             return {}
         done = [(r.request.index, r.output) for r in report.results]
+        sure = {r.request.index: r.confidence for r in report.results if r.confidence}
         answers = [extract_answer(o.text, job.task) for _, o in done]
         vote = with_indices(majority_vote(answers, job.task), [i for i, _ in done]).to_dict()
         stats = report.summary()
@@ -522,16 +509,23 @@ class ServeEngine:
             "method": job.method,
             "stats": {
                 **stats,
-                "trajectories": [{"index": i, "stats": o.stats.to_dict()} for i, o in done],
+                "trajectories": [
+                    {"index": i, "stats": o.stats.to_dict()} | _confidence(sure, i) for i, o in done
+                ],
             },
             "usage": job.usage(sum(len(o.token_ids) for _, o in done)),
         }
         if job.return_trajectories:
             body["trajectories"] = [
                 {"index": i, "text": o.text, "finish_reason": o.finish_reason, "answer": a}
+                | _confidence(sure, i)
                 for (i, o), a in zip(done, answers, strict=True)
             ]
         return body
+
+
+def _confidence(sure: dict[int, dict], index: int) -> dict:
+    return {"confidence": sure[index]} if index in sure else {}
 
 
 class ChoiceStream:
