@@ -211,12 +211,16 @@ def plain_steps_line(summary: dict, cfg: JobConfig) -> str | None:
 
 def problem_result(state, cfg: JobConfig) -> dict:
     from tts_service.aggregate import is_correct, majority_vote
+    from tts_service.aggregate.confidence import aggregate_vote
     from tts_service.aggregate.early_stop import with_indices
 
     answers = state.answers()
     order = sorted(state.records)
-    vote = with_indices(majority_vote(answers, state.problem.task), order)
     recs = [state.records[i] for i in order]
+    sure = [r.get("confidence") for r in recs]
+    task = state.problem.task
+    vote = aggregate_vote(cfg.aggregate, answers, None if None in sure else sure, task)
+    vote = with_indices(vote, order)
     tokens = sum(r["stats"]["new_tokens"] for r in recs)
     forwards = sum(r["stats"]["target_forwards"] for r in recs)
     correct = None
@@ -230,6 +234,11 @@ def problem_result(state, cfg: JobConfig) -> dict:
         "decoded": len(recs),
         "n": cfg.n,
         "cut": [i for i in range(cfg.n) if i not in state.records],  # stopped before they ended
+        **(
+            {"aggregate": cfg.aggregate, "majority": majority_vote(answers, task).answer}
+            if cfg.aggregate != "majority"
+            else {}
+        ),
         "trajectories": [
             {
                 **{k: v for k, v in r.items() if k not in ("top_ids", "top_probs", "prompt_ids")},

@@ -24,7 +24,7 @@ import yaml
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from tts_service.config import load_yaml
+from tts_service.config import first_error, load_yaml
 from tts_service.drafters.registry import (
     DEFAULT_METHOD,
     METHOD_NAMES,
@@ -131,8 +131,8 @@ def load_config(
     except JobInputError:
         raise
     except ValidationError as e:
-        first = e.errors()[0]
-        raise JobInputError(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from e
+        loc, msg = first_error(e)
+        raise JobInputError(f"{'.'.join(loc)}: {msg}") from e
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise JobInputError(f"--config: {e}") from e
     check_shards(cfg)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from store.base import NgramStore
 from tts_service.aggregate import extract_answer, majority_vote
+from tts_service.aggregate.confidence import aggregate_vote
 from tts_service.aggregate.early_stop import EarlyStop, with_indices
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
@@ -84,18 +85,23 @@ class SolveResult:
     n: int | None = None
     stopped_early: bool = False
 
-    def vote(self, task: str) -> dict:
-        """The aggregator's majority vote over the trajectories' answers (winners by index);
-        stopped early, what was decoded of the N asked for."""
+    def vote(self, task: str, aggregate: str = "majority") -> dict:
+        """The vote `aggregate` names over the trajectories' answers (winners by index; a
+        weighted or filtered one says what the majority would have voted); stopped early, what
+        was decoded of the N asked for."""
         answers = [extract_answer(t.output.text, task) for t in self.trajectories]
         order = [t.index for t in self.trajectories]
-        out = with_indices(majority_vote(answers, task), order).to_dict()
+        sure = [t.confidence for t in self.trajectories]
+        vote = aggregate_vote(aggregate, answers, None if None in sure else sure, task)
+        out = with_indices(vote, order).to_dict()
+        if aggregate != "majority":
+            out |= {"aggregate": aggregate, "majority": majority_vote(answers, task).answer}
         if self.n is not None:
             out |= {"decoded": len(self.trajectories), "n": self.n}
             out["stopped_early"] = self.stopped_early
         return out
 
-    def to_dict(self, task: str | None = None) -> dict:
+    def to_dict(self, task: str | None = None, aggregate: str = "majority") -> dict:
         tokens = sum(t.output.stats.new_tokens for t in self.trajectories)
         forwards = sum(t.output.stats.target_forwards for t in self.trajectories)
         out = {
@@ -113,7 +119,7 @@ class SolveResult:
             },
         }
         if task is not None:
-            out.update(self.vote(task))
+            out.update(self.vote(task, aggregate))
         return out
 
 
@@ -128,10 +134,10 @@ class SolveRun:
     def stats(self) -> dict:
         return self.report.summary()
 
-    def to_dict(self, task: str | None = None) -> dict:
+    def to_dict(self, task: str | None = None, aggregate: str = "majority") -> dict:
         return {
             "run_nonce": self.run_nonce,
-            "problems": [p.to_dict(task) for p in self.problems],
+            "problems": [p.to_dict(task, aggregate) for p in self.problems],
             "stats": self.stats(),
         }
 

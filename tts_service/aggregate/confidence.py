@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from tts_service.aggregate.extract import Task
 from tts_service.aggregate.vote import Vote, majority_vote
@@ -19,6 +20,12 @@ from tts_service.aggregate.vote import Vote, majority_vote
 FLOOR = 1e-12  # a top-k probability's floor before the log (a rounded-off zero)
 MAX_WINDOW = 2048  # DeepConf's window
 BOTTOM = 0.10  # the share of lowest groups `bottom10_group` averages
+SCORE = "bottom10_group"  # the trajectory confidence the weighted and filtered votes use
+FILTER_KEEP = 0.9  # the share `filtered` keeps (DeepConf's conservative setting; 0.1: aggressive)
+Aggregate = Literal["majority", "confidence", "filtered"]
+AGGREGATES: tuple[str, ...] = get_args(Aggregate)
+"""The votes a user can ask for: `majority` (the default: exact, early stop applies),
+`confidence` (weighted by `SCORE`), `filtered` (the `FILTER_KEEP` most confident vote)."""
 
 
 def token_confidence(top_probs: Sequence[float]) -> float:
@@ -73,3 +80,38 @@ def filtered_vote(
     count = max(1, math.ceil(keep * len(answers)))
     kept = sorted(sorted(range(len(answers)), key=lambda i: -scores[i])[:count])
     return majority_vote([answers[i] for i in kept], task)
+
+
+def aggregate_vote(
+    aggregate: str,
+    answers: Sequence[str | None],
+    confidences: Sequence[dict] | None,
+    task: Task,
+) -> Vote:
+    """The vote `aggregate` names over `answers` (`confidences`: each trajectory's
+    `trajectory_confidence`, needed by all but `majority`)."""
+    if aggregate == "majority":
+        return majority_vote(answers, task)
+    if confidences is None or len(confidences) != len(answers):
+        raise ValueError(f"aggregate {aggregate!r} needs every trajectory's confidence")
+    scores = [float(c[SCORE]) for c in confidences]
+    if aggregate == "confidence":
+        return majority_vote(answers, task, weights=scores)
+    if aggregate == "filtered":
+        return filtered_vote(answers, scores, FILTER_KEEP, task)
+    raise ValueError(f"unknown aggregate {aggregate!r} (choose {', '.join(AGGREGATES)})")
+
+
+def vote_fields(data: object) -> object:
+    """A request's raw fields with `aggregate`'s consequences (a schema's before-validator): a
+    weighted or filtered vote needs every trajectory's confidence and all N of them (the early
+    stop is exact for the majority only), so it turns early stop off and confidence on, unless
+    the request asked otherwise, which is a ValueError naming the field."""
+    if not isinstance(data, dict) or data.get("aggregate", "majority") == "majority":
+        return data
+    aggregate = data["aggregate"]
+    if data.get("early_stop"):
+        raise ValueError(f"early_stop: exact for the majority vote only, not {aggregate!r}")
+    if data.get("confidence") is False:
+        raise ValueError(f"confidence: the {aggregate!r} vote needs it")
+    return {**data, "early_stop": False, "confidence": True}

@@ -51,8 +51,10 @@ def majority_vote(
     answers: Sequence[str | None],
     task: Task,
     tests_outcomes: Sequence[bool] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> Vote:
-    """Group answers into equivalence classes and pick the largest.
+    """Group answers into equivalence classes and pick the largest (with `weights`, the class
+    whose members' weights sum highest: a confidence-weighted vote, `aggregate.confidence`).
 
     Equivalence: math uses `math_equal` against each class representative (first match wins);
     choice and code compare normalised forms. For code, `tests_outcomes[i]` (if given) says
@@ -71,6 +73,8 @@ def majority_vote(
             raise ValueError(
                 f"tests_outcomes has {len(tests_outcomes)} entries for {len(answers)} answers"
             )
+    if weights is not None and len(weights) != len(answers):
+        raise ValueError(f"weights has {len(weights)} entries for {len(answers)} answers")
     classes: list[_Class] = []
     by_rep: dict[str, _Class] = {}
     no_answer = 0
@@ -94,7 +98,12 @@ def majority_vote(
     votes = {c.rep: len(c.members) for c in classes}
     if not classes:
         return Vote(None, votes, 0.0, n, no_answer, ())
-    winner = max(classes, key=lambda c: len(c.members))  # max keeps the earliest on ties
+    size = (
+        (lambda c: len(c.members))
+        if weights is None
+        else (lambda c: sum(weights[i] for i in c.members))
+    )
+    winner = max(classes, key=size)  # max keeps the earliest on ties
     first = answers[winner.members[0]]
     return Vote(first, votes, len(winner.members) / n, n, no_answer, tuple(winner.members))
 

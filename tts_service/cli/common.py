@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from tts_service.cli.usage import UsageError
-from tts_service.config import load_yaml
+from tts_service.config import first_error, load_yaml
 from tts_service.drafters.registry import (
     DEFAULT_METHOD,
     DRAFTER_CONFIGS,
@@ -33,10 +33,12 @@ FLAG_OF_FIELD = {"url": "store"}
 
 
 def field_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = [str(x) for x in first["loc"] if not str(x).isdigit()]
+    """The first error as `--flag: message`; a check over several fields names its field as
+    its message's first word (`early_stop: ...`)."""
+    path, msg = first_error(err)
+    loc = [x for x in path if not x.isdigit()]
     name = FLAG_OF_FIELD.get(loc[-1], loc[-1]) if loc else "input"
-    return f"--{name.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}"
+    return f"--{name.replace('_', '-')}: {msg}"
 
 
 def schema_field(model: type[BaseModel], path: str) -> tuple[FieldInfo, Any]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from tts_service.aggregate.confidence import AGGREGATES
 from tts_service.cli.common import (
     add_common_flags,
     add_field,
@@ -40,6 +41,7 @@ def add_arguments(sol: argparse.ArgumentParser) -> None:
     add_field(sol, SolveRequest, "n")
     add_field(sol, SolveRequest, "early_stop", action=argparse.BooleanOptionalAction)
     add_field(sol, SolveRequest, "confidence", action=argparse.BooleanOptionalAction)
+    add_field(sol, SolveRequest, "aggregate", choices=AGGREGATES)
     sol.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     sol.add_argument("--log", help="append the trajectories to this JSONL trajectory log")
     add_field(sol, SolveRequest, "max_rows", type=int)
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             "n": args.n,
             "early_stop": args.early_stop,
             "confidence": args.confidence,
+            "aggregate": args.aggregate,
             "chat": not args.no_chat,
             "max_rows": args.max_rows,
             "store": store_flags(args),
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         writer = LogWriter(Path(args.log))
         for problem, result in zip(problems, solved.problems, strict=True):
             writer.write(logged_problem(problem.prompt_ids, result))
-    out = solved.to_dict(req.task)
+    out = solved.to_dict(req.task, req.aggregate)
     out["stats"] = with_setup(out["stats"], process_started())
     if args.json:
         print(json.dumps(out, ensure_ascii=False))
@@ -102,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"--- {p['id']} trajectory {t['index']} ({t['finish_reason']}) ---")
                 print(t["text"])
             cut = f", decoded {p['decoded']} of {p['n']}" if p.get("stopped_early") else ""
+            if "aggregate" in p:
+                cut += f", by {p['aggregate']} (majority: {p['majority']!r})"
             print(f"=== {p['id']}: answer {p['answer']!r}, votes {p['votes']}{cut} ===")
         print(json.dumps(out["stats"]), file=sys.stderr)
     return 0

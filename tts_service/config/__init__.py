@@ -11,6 +11,7 @@ from tts_service.config.base import (
     ExistingFile,
     StrictConfig,
     Text,
+    first_error,
     load_yaml,
 )
 from tts_service.config.decoding import (
@@ -38,6 +39,7 @@ __all__ = [
     "Text",
     "TreeName",
     "default_max_rows",
+    "first_error",
     "load_yaml",
     "resolve_tree_path",
 ]

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from store.config import StoreConfig
+from tts_service.aggregate.confidence import Aggregate, vote_fields
 from tts_service.config import MaxRows, ModelConfig, SamplingConfig, StrictConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.drafters.stand_config import StandDrafterConfig
@@ -70,6 +71,12 @@ class JobConfig(StrictConfig):
         description="Each trajectory record's confidence (DeepConf's, from the target's top-k "
         "at every committed token).",
     )
+    aggregate: Aggregate = Field(
+        "majority",
+        description="The vote: majority (exact), confidence (weighted) or filtered (the 90% "
+        "most confident vote); the last two change answers and need confidence, without "
+        "early_stop.",
+    )
     max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
     log_trajectories: bool = Field(
         False, description="Also write trajectory-log.jsonl (with top-k) for `tts replay`."
@@ -80,6 +87,8 @@ class JobConfig(StrictConfig):
         if self.tensor_parallel > 1 and self.sharding == "device_map":
             raise ValueError("tensor_parallel: > 1 needs sharding: tensor_parallel")
         return self
+
+    _vote_fields = model_validator(mode="before")(vote_fields)
 
 
 def read_problems(path: Path) -> list[Problem]:

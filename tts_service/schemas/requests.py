@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from store.config import StoreConfig
+from tts_service.aggregate.confidence import Aggregate, vote_fields
 from tts_service.config import (
     ExistingFile,
     MaxRows,
@@ -62,6 +63,12 @@ class SolveRequest(StrictConfig):
         description="Each trajectory's confidence (DeepConf's mean, lowest and bottom-10% "
         "group, and tail), from the target's top-k at every committed token.",
     )
+    aggregate: Aggregate = Field(
+        "majority",
+        description="The vote: majority (exact), confidence (weighted by each trajectory's "
+        "confidence) or filtered (the 90% most confident vote); the last two change answers, "
+        "need confidence and decode all N.",
+    )
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -83,6 +90,8 @@ class SolveRequest(StrictConfig):
         if (self.question is None) == (self.problems is None):
             raise ValueError("give exactly one of question or problems")
         return self
+
+    _vote_fields = model_validator(mode="before")(vote_fields)
 
 
 class CalibrateTreeRequest(StrictConfig):

@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from tts_service.aggregate.confidence import Aggregate, vote_fields
+from tts_service.config.base import first_error
 from tts_service.config.decoding import MAX_CONTEXT
 from tts_service.drafters.registry import MethodName
 
@@ -257,7 +259,10 @@ class SolveHttpRequest(BaseModel):
     return_trajectories: bool = False
     early_stop: bool = True  # stop the other trajectories once the vote is decided
     confidence: bool = False  # each trajectory's confidence (DeepConf's), in stats.trajectories
+    aggregate: Aggregate = "majority"  # or confidence / filtered: they change answers
     model: str | None = None
+
+    _vote_fields = model_validator(mode="before")(vote_fields)
 
 
 class ApiError(Exception):
@@ -350,11 +355,9 @@ def parse(model_cls: type[BaseModel], raw: bytes, strict: bool = True) -> BaseMo
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
+        loc, msg = first_error(e)
         # the field's path, without pydantic's names of union members and validators
-        path = [str(x) for x in first["loc"] if not (isinstance(x, str) and "[" in x)]
-        param = ".".join(path) or "body"
-        msg = first["msg"].removeprefix("Value error, ")
+        param = ".".join(x for x in loc if "[" not in x) or "body"
         raise ApiError(400, f"{param}: {msg}", param) from e
     if isinstance(req, _Request) and req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")

@@ -22,6 +22,7 @@ from store.factory import problem_id
 from store.redis_client import StoreUnavailableError
 from tts_service import startup
 from tts_service.aggregate import Task, extract_answer, majority_vote
+from tts_service.aggregate.confidence import aggregate_vote
 from tts_service.aggregate.early_stop import EarlyStop, with_indices
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
@@ -71,6 +72,7 @@ class Job:
     echo: bool = False  # completions: the prompt comes back first (with its logprobs)
     early_stop: bool = False  # /v1/solve: the other rows stop once the vote is decided
     confidence: bool = False  # /v1/solve: each trajectory's confidence
+    vote: str = "majority"  # /v1/solve: the vote (`aggregate.confidence.AGGREGATES`)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -352,6 +354,7 @@ class ServeEngine:
             req.return_trajectories,
             early_stop=req.early_stop,
             confidence=req.confidence,
+            vote=req.aggregate,
         )
 
     # -- execution -----------------------------------------------------------------------
@@ -493,9 +496,11 @@ class ServeEngine:
         except Cancelled:
             return {}
         done = [(r.request.index, r.output) for r in report.results]
-        sure = {r.request.index: r.confidence for r in report.results if r.confidence}
         answers = [extract_answer(o.text, job.task) for _, o in done]
-        vote = with_indices(majority_vote(answers, job.task), [i for i, _ in done]).to_dict()
+        sure = {r.request.index: r.confidence for r in report.results if r.confidence}
+        scores = [sure[i] for i, _ in done] if len(sure) == len(done) else None
+        voted = aggregate_vote(job.vote, answers, scores, job.task)
+        vote = with_indices(voted, [i for i, _ in done]).to_dict()
         stats = report.summary()
         body = {
             "answer": vote["answer"],
@@ -515,6 +520,8 @@ class ServeEngine:
             },
             "usage": job.usage(sum(len(o.token_ids) for _, o in done)),
         }
+        if job.vote != "majority":  # what the exact vote says beside it
+            body |= {"aggregate": job.vote, "majority": majority_vote(answers, job.task).answer}
         if job.return_trajectories:
             body["trajectories"] = [
                 {"index": i, "text": o.text, "finish_reason": o.finish_reason, "answer": a}

@@ -43,3 +43,41 @@ def test_the_filtered_vote_keeps_the_most_confident_share():
     assert filtered_vote(answers, scores, 0.01, "choice").answer == "B"  # at least one
     with pytest.raises(ValueError):
         filtered_vote(answers, scores[:2], 0.5, "choice")
+
+
+def _sure(score: float) -> dict:
+    return {"mean": score, "lowest_group": score, "bottom10_group": score, "tail": score}
+
+
+def test_the_three_votes_and_what_they_need():
+    from tts_service.aggregate.confidence import aggregate_vote
+
+    answers = ["A", "A", "A", "B", "B"]
+    sure = [_sure(s) for s in (1.0, 1.0, 1.0, 9.0, 9.0)]
+    assert aggregate_vote("majority", answers, None, "choice").answer == "A"
+    assert aggregate_vote("confidence", answers, sure, "choice").answer == "B"  # 18 > 3
+    flat = [_sure(1.0)] * 5
+    assert aggregate_vote("confidence", answers, flat, "choice").answer == "A"  # = majority
+    assert aggregate_vote("filtered", answers, sure, "choice").answer == "A"  # keeps 90%: 5
+    with pytest.raises(ValueError, match="needs every trajectory's confidence"):
+        aggregate_vote("filtered", answers, None, "choice")
+    with pytest.raises(ValueError, match="unknown aggregate"):
+        aggregate_vote("mode", answers, sure, "choice")
+
+
+def test_a_weighted_vote_turns_early_stop_off_and_confidence_on_unless_told_otherwise():
+    from tts_service.aggregate.confidence import vote_fields
+
+    assert vote_fields({"aggregate": "majority", "early_stop": True}) == {
+        "aggregate": "majority",
+        "early_stop": True,
+    }
+    assert vote_fields({"aggregate": "confidence"}) == {
+        "aggregate": "confidence",
+        "early_stop": False,
+        "confidence": True,
+    }
+    with pytest.raises(ValueError, match="^early_stop: exact for the majority vote only"):
+        vote_fields({"aggregate": "filtered", "early_stop": True})
+    with pytest.raises(ValueError, match="^confidence: the 'confidence' vote needs it"):
+        vote_fields({"aggregate": "confidence", "confidence": False})
