@@ -119,7 +119,16 @@ def test_three_tasks_and_two_methods_load_the_model_once_and_beat_while_decoding
     with each call), and a decoding job says how it is doing between finished trajectories."""
     monkeypatch.setattr("jobs.heartbeat.HEARTBEAT_S", 0.05)
     out = tmp_path / "eval"
-    _run(out, tiny_model_dir, "aime24,gpqa,lcb", "plain,stand", 1, tokens=64)
+    _run(
+        out,
+        tiny_model_dir,
+        "aime24,gpqa,lcb",
+        "plain,stand",
+        1,
+        "--set",
+        "confidence=true",
+        tokens=64,
+    )
     captured = capsys.readouterr()
     log = captured.out + captured.err
     assert log.count("[job] starting 1 actor(s)") == 1, log
@@ -128,6 +137,10 @@ def test_three_tasks_and_two_methods_load_the_model_once_and_beat_while_decoding
         (t, m) for t in ("aime24", "gpqa", "lcb") for m in ("plain", "stand")
     }
     accepted = {(r["task"], r["method"]): r["metrics"]["acceptance_length"]["value"] for r in runs}
+    for r in runs:  # the same samples by the confidence-weighted and the filtered vote
+        assert 0 <= r["metrics"]["confidence_maj@n"]["value"] <= 1
+        assert 0 <= r["metrics"]["filtered_maj@n"]["value"] <= 1
+    assert "confidence-weighted maj@N" in (out / "report.md").read_text()
     assert all(accepted[(t, "plain")] == 1.0 for t in ("aime24", "gpqa", "lcb"))  # per call
     top = (out / "report.md").read_text().splitlines()[4]  # every answer cut at 64 tokens
     assert top.startswith("> **Warning**: aime24/plain: 100% of trajectories stopped at")

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from tts_service.aggregate.early_stop import with_indices
 from tts_service.aggregate.extract import Task
 from tts_service.aggregate.vote import Vote, majority_vote
 
@@ -74,12 +75,13 @@ def filtered_vote(
     answers: Sequence[str | None], scores: Sequence[float], keep: float, task: Task
 ) -> Vote:
     """The majority vote of the `keep` share (at least one) of trajectories with the highest
-    `scores` (DeepConf's offline filter: η = 10% or 90% of them, by lowest group confidence)."""
+    `scores` (DeepConf's offline filter: η = 10% or 90% of them, by lowest group confidence);
+    its winners named by their positions in `answers`."""
     if len(answers) != len(scores) or not 0 < keep <= 1:
         raise ValueError("one score per answer, and 0 < keep <= 1")
     count = max(1, math.ceil(keep * len(answers)))
     kept = sorted(sorted(range(len(answers)), key=lambda i: -scores[i])[:count])
-    return majority_vote([answers[i] for i in kept], task)
+    return with_indices(majority_vote([answers[i] for i in kept], task), kept)
 
 
 def aggregate_vote(

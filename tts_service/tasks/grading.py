@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tts_service.aggregate import Task, extract_answer, is_correct, majority_vote, normalize_code
+from tts_service.aggregate.confidence import aggregate_vote
 from tts_service.tasks.items import EvalItem, TestCase
 from tts_service.tasks.metrics import ks_for
 from tts_service.tasks.sandbox import Limits, run_python
@@ -200,6 +201,20 @@ def majority_correct(
     return out
 
 
+def weighted_correct(
+    answers: list[str | None], correct: list[bool], sure: list[dict] | None, kind: str
+) -> dict[str, bool]:
+    """Whether the confidence-weighted and the filtered votes of all N are correct (nothing
+    without every trajectory's confidence): the same samples as maj@N, other votes."""
+    if sure is None:
+        return {}
+    out = {}
+    for name in ("confidence", "filtered"):
+        vote = aggregate_vote(name, answers, sure, kind)
+        out[f"{name}_correct"] = bool(vote.winner_indices) and correct[vote.winner_indices[0]]
+    return out
+
+
 def grader_error(answer: str | None, error: BaseException | str) -> Grade:
     """A trajectory the grader could not grade: wrong, with the reason kept."""
     why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
@@ -230,6 +245,7 @@ def grade_item(
     vote = majority_vote(answers, item.answer_kind)
     trajectories = [_trajectory_row(item, rec, g) for rec, g in zip(records, grades, strict=True)]
     maj = majority_correct(answers, correct, item.answer_kind, ks_for(len(records)))
+    sure = [r.get("confidence") for r in records]
     return {
         "id": item.id,
         "task": item.task,
@@ -238,6 +254,7 @@ def grade_item(
         "vote": {"answer": vote.answer, "share": vote.share, "no_answer": vote.num_no_answer},
         "correct": correct,
         "maj_correct": {str(k): v for k, v in maj.items()},
+        **weighted_correct(answers, correct, None if None in sure else sure, item.answer_kind),
         "trajectories": trajectories,
         "grader_errors": sum("grader_error" in t for t in trajectories),
         "stats": {

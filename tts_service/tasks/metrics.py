@@ -6,6 +6,8 @@ Definitions (each item has N trajectories, in index order):
   trajectories; pass@N is "any trajectory correct".
 - maj@k: the majority vote of the item's first k trajectories is correct (votes by equivalence
   class, as `aggregate.majority_vote`; for code, by normalised program). maj@N uses all N.
+- confidence_maj@N and filtered_maj@N (runs with `confidence: true`): the same N samples voted
+  by confidence weight, and by the 90% most confident (`aggregate.confidence`).
 - acceptance length: committed tokens per target forward, bonus token included (1.0 is plain).
 - no-answer rate: the fraction of an item's trajectories with no extractable answer, averaged
   over items; truncation rate: likewise for trajectories stopped by the token limit
@@ -38,6 +40,8 @@ class ItemOutcome:
     target_forwards: int  # 0 when unknown (an OpenAI-compatible endpoint)
     no_answer: int = 0  # trajectories with no extracted answer
     truncated: int = 0  # trajectories stopped by the token limit (finish_reason "length")
+    confidence_correct: bool | None = None  # the confidence-weighted vote of all N
+    filtered_correct: bool | None = None  # the vote of the 90% most confident
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,17 @@ def summarize(
         if forwards.any()
         else None  # unknown: the trajectories came from an endpoint
     )
+    weighted = {
+        f"{name}_maj@n": est([getattr(o, f"{name}_correct") for o in outcomes])
+        for name in ("confidence", "filtered")
+        if all(getattr(o, f"{name}_correct") is not None for o in outcomes)
+    }
     return {
         "items": len(outcomes),
         "n": n,
         "pass@1": est(counts / n),
         "maj@n": est([o.maj_correct[n] for o in outcomes]),
+        **weighted,
         "pass@n": est(counts > 0),
         "no_answer_rate": est([o.no_answer / n for o in outcomes]),
         "truncation_rate": est([o.truncated / n for o in outcomes]),

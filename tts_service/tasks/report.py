@@ -99,6 +99,8 @@ def outcome(row: dict) -> ItemOutcome:
         target_forwards=stats["target_forwards"],
         no_answer=sum(t["answer"] is None for t in trajectories),
         truncated=sum(t["finish_reason"] == "length" for t in trajectories),
+        confidence_correct=row.get("confidence_correct"),
+        filtered_correct=row.get("filtered_correct"),
     )
 
 
@@ -260,6 +262,13 @@ def markdown(report: dict) -> str:
                 f"| {sp['wall_s']:.1f} / {sp['setup_s']:.1f} / {sp['decode_s']:.1f} "
                 f"| {_cell(m['acceptance_length'])} | {_speed_cell(r)} |"
             )
+        lines += [""] + [
+            f"- `{r['method']}`, the same samples by other votes: confidence-weighted maj@N "
+            f"{_cell(r['metrics']['confidence_maj@n'])}, filtered (90% most confident) maj@N "
+            f"{_cell(r['metrics']['filtered_maj@n'])}"
+            for r in runs
+            if "confidence_maj@n" in r["metrics"]
+        ]
         lines += ["", *_sessions(runs)]
         lines += ["Accuracy against the number of trajectories k (maj@k / pass@k):", ""]
         ks = sorted({k for r in runs for k in r["metrics"]["curve"]["k"]})
