@@ -94,10 +94,15 @@ class RunnerHost:
         return len(self.runner.decoder.active)
 
     def progress(self) -> dict[str, int]:
-        """Rows decoding and tokens committed since the host started (another thread's read:
-        a moment's snapshot, for a job's heartbeat)."""
-        decoder = self.runner.decoder
-        return {"rows": len(decoder.active), "tokens": decoder.forwards.new_tokens}
+        """Rows decoding, and tokens, forwards and rows a forward summed since the host started
+        (another thread's read: a moment's snapshot, for a job's heartbeat)."""
+        decoder, f = self.runner.decoder, self.runner.decoder.forwards
+        return {
+            "rows": len(decoder.active),
+            "tokens": f.new_tokens,
+            "forwards": f.forwards,
+            "row_forwards": f.row_forwards,
+        }
 
     def problem_store(self, scope_id: str) -> NgramStore:
         """The store a problem's trajectories share, read before the global scope.

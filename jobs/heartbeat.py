@@ -27,6 +27,7 @@ class Pulse:
     problems: tuple[int, int]
     finished_tokens: int  # of the trajectories done
     max_new_tokens: int
+    rows_per_forward: float | None = None  # since the heartbeat began (None: unknown)
 
 
 def time_left(p: Pulse) -> tuple[float, str] | None:
@@ -43,6 +44,8 @@ def time_left(p: Pulse) -> tuple[float, str] | None:
 def pulse_line(p: Pulse) -> str:
     rate = p.tokens / p.elapsed_s if p.elapsed_s > 0 else 0.0
     rows = "" if p.rows is None else f", {p.rows} rows running"
+    if p.rows_per_forward is not None:
+        rows += f" ({p.rows_per_forward:.1f} a forward so far)"
     left = time_left(p)
     eta = "" if left is None else f", {left[1]} {_duration(left[0])} left"
     return (
@@ -71,21 +74,26 @@ class Heartbeat:
         self.max_new_tokens = max_new_tokens
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tts-heartbeat", daemon=True)
-        self._base = 0
+        self._base: dict[str, int] = {}
         self._began = time.perf_counter()
 
     def __enter__(self) -> Heartbeat:
-        self._base = self._poll()[0]  # the actors may have decoded an earlier task already
+        self._base = self._poll()  # the actors may have decoded an earlier task already
         self._began = time.perf_counter()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind, error, tb) -> None:
         self._stop.set()
         self._thread.join(timeout=POLL_S + 1)
+        if kind is None and self.actors:  # how full the batch stayed: freed rows refilled?
+            pulse = self.pulse()
+            if pulse.rows_per_forward is not None:
+                print(f"[job] decoded: {pulse.rows_per_forward:.1f} rows a forward", flush=True)
 
-    def _poll(self) -> tuple[int, int | None]:
-        """(tokens, rows) summed over the actors that answered within `POLL_S`."""
+    def _poll(self) -> dict[str, int]:
+        """Rows, tokens, forwards and rows a forward, summed over the actors that answered
+        within `POLL_S` (no `rows` when none did)."""
         import ray
 
         refs = [a.progress.remote() for a in self.actors]
@@ -95,21 +103,23 @@ class Heartbeat:
             with contextlib.suppress(ray.exceptions.RayError):  # dead: the pool retries its work
                 counts.append(ray.get(ref))
         if not counts:
-            return 0, None
-        return sum(c["tokens"] for c in counts), sum(c["rows"] for c in counts)
+            return {}
+        return {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
 
     def pulse(self) -> Pulse:
-        tokens, rows = self._poll()
-        prog = self.progress
+        now, base, prog = self._poll(), self._base, self.progress
         finished = prog.tokens
+        since = {k: v - base.get(k, 0) for k, v in now.items()}
+        forwards = since.get("forwards", 0)
         return Pulse(
-            max(tokens - self._base, finished) if rows is not None else finished,
-            rows,
+            max(since["tokens"], finished) if now else finished,
+            now.get("rows"),
             time.perf_counter() - self._began,
             (prog.trajectories, prog.totals[0]),
             (prog.problems, prog.totals[1]),
             finished,
             self.max_new_tokens,
+            since["row_forwards"] / forwards if forwards > 0 else None,
         )
 
     def _loop(self) -> None:

@@ -42,3 +42,7 @@ def test_no_rate_no_estimate_and_silent_actors_show_no_rows():
     line = pulse_line(_pulse(tokens=0, rows=None))
     assert "rows running" not in line and "left" not in line and "0 tokens" in line
     assert "1.5 h" in pulse_line(_pulse(elapsed_s=5400.0))
+
+
+def test_rows_a_forward_say_whether_freed_rows_were_refilled():
+    assert "16 rows running (13.9 a forward so far)" in pulse_line(_pulse(rows_per_forward=13.94))
