@@ -196,6 +196,7 @@ def solve_problems(
         res = results[p.problem_id]
         res.trajectories.sort(key=lambda t: t.index)
         res.store_stats = p.store.stats()
+        res.stopped_early = early_stop is not None and len(res.trajectories) < n
     salted = drafter.kind != "plain" and not sampling.greedy  # else nothing uses the nonce
     nonce = sampling.run_nonce if salted else None
     return SolveRun([results[p.problem_id] for p in problems], report, nonce)
@@ -221,10 +222,9 @@ def collector(
             nonce,
             confidence=res.confidence,
         )
-        result = results[req.problem_id]
-        result.trajectories.append(traj)
+        results[req.problem_id].trajectories.append(traj)
         if early_stop is not None:
-            result.stopped_early |= early_stop.finished(req.problem_id, req.index, res.output.text)
+            early_stop.note(req.problem_id, req.index, res.output.text)
         if on_trajectory is not None:
             on_trajectory(req.problem_id, traj)
 

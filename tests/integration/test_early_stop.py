@@ -71,6 +71,33 @@ def test_a_job_cancels_the_rows_in_flight_and_a_rerun_keeps_the_cut(ray_local, t
     assert len((out / "trajectories.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_cancelled_problem_s_call_returns_at_its_next_step(ray_local):
+    """The actor's side of a job's early stop: a long call (ignore_eos, 2,000 tokens: minutes
+    here) returns what finished, nothing, soon after `cancel` names its problem."""
+    import time
+
+    import ray
+
+    from actors.pool import start_actors
+
+    cfg = JobConfig.model_validate(
+        {
+            "model": {"name": "smollm2-135m", "device": "cpu", "dtype": "float32"},
+            "sampling": {"temperature": 0.0, "max_new_tokens": 2000, "ignore_eos": True},
+            "replicas": 1,
+            "cpus_per_replica": 1,
+        }
+    )
+    (actor,) = start_actors(cfg, 1, None)
+    try:
+        call = actor.run.remote("job", "p", QUESTION, [0, 1])
+        time.sleep(2.0)  # decoding
+        ray.get(actor.cancel.remote("job", "p"), timeout=30)  # answered beside the run
+        assert ray.get(call, timeout=60) == []  # long before 2,000 tokens
+    finally:
+        ray.kill(actor)
+
+
 @pytest.fixture(scope="module")
 def smollm2_app(ray_local):
     from ray import serve

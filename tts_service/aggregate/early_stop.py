@@ -7,6 +7,7 @@ that groups answers transitively (normalised strings: choice, code, and math ans
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,16 +46,21 @@ def with_indices(vote: Vote, order: list[int]) -> Vote:
 
 
 class EarlyStop:
-    """One run's problems' votes as their trajectories finish (`finished`), and the runner's
-    skip test (`stopped`): a decided problem's rows leave the batch at the next step and their
-    slots go to whatever waits. Thread-safe: results arrive in the runner's thread, a server
-    asks from others."""
+    """One run's problems' votes as their trajectories finish, and the runner's skip test
+    (`stopped`): a decided problem's rows leave the batch at the next step and their slots go
+    to whatever waits. `finished` decides at once (a job's driver, tests); `note` hands the
+    answer's extraction and the vote to a thread of its own, so that a runner never waits for
+    them (math-verify runs in a child process: milliseconds a call, its start ~0.35 s), and
+    the decision lands a step or two later (rows finished meanwhile are kept: exact still).
+    Thread-safe."""
 
     def __init__(self, n: int, task: Task) -> None:
         self.n, self.task = n, task
         self.answers: dict[str, dict[int, str | None]] = {}
         self.decided: dict[str, Vote] = {}
         self._lock = threading.Lock()
+        self._todo: queue.SimpleQueue[tuple[str, int, str]] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
 
     def finished(self, problem_id: str, index: int, text: str) -> bool:
         """Trajectory `index` of `problem_id` finished with `text`: True if this decides the
@@ -71,15 +77,26 @@ class EarlyStop:
                 return True
             return False
 
+    def note(self, problem_id: str, index: int, text: str) -> None:
+        """`finished`, in the early stop's own thread."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._decide, name="tts-vote", daemon=True)
+            self._worker.start()
+        self._todo.put((problem_id, index, text))
+
+    def _decide(self) -> None:
+        while True:
+            self.finished(*self._todo.get())
+
     def stopped(self, problem_id: str) -> bool:
         return problem_id in self.decided
 
     def noting(self, on_result: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        """A runner's result callback: `finished` sees each trajectory (a
+        """A runner's result callback: `note` sees each trajectory (a
         `trajectory.TrajectoryResult`), then `on_result` if given."""
 
         def note(res: Any) -> None:
-            self.finished(res.request.problem_id, res.request.index, res.output.text)
+            self.note(res.request.problem_id, res.request.index, res.output.text)
             if on_result is not None:
                 on_result(res)
 

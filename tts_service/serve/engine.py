@@ -510,7 +510,7 @@ class ServeEngine:
             "task": job.task,
             "n": job.n,
             "decoded": len(done),
-            "stopped_early": stop is not None and stop.stopped("0"),
+            "stopped_early": len(done) < job.n,
             "method": job.method,
             "stats": {
                 **stats,
