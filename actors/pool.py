@@ -131,9 +131,9 @@ def still_to_run(
 
 
 def chunk_size(cfg: JobConfig) -> int:
-    """Trajectories per call: `batch`, or with `early_stop` one (the pool decides a problem's
-    vote as each trajectory returns, and cancels the rest in flight)."""
-    return 1 if cfg.early_stop else cfg.batch
+    """Trajectories per call: `batch` (the pool decides a problem's vote as each call returns,
+    and cancels the rest in flight)."""
+    return cfg.batch
 
 
 def calls_per_actor(cfg: JobConfig) -> int:

@@ -263,7 +263,7 @@ def problem_line(result: dict, problem: Problem) -> str:
         f"[job] problem {problem.id}: vote {result['answer']!r}, share {result['share']:.2f} "
         f"({won} of {n}), votes {result['votes']}, no answer {result['no_answer']}"
     )
-    if result.get("stopped_early"):
+    if result.get("stopped_early") and n < result["n"]:
         line += f", decoded {n} of {result['n']} (the vote was decided)"
     if problem.answer is not None:
         line += f", reference {problem.answer!r}, correct {result['correct']}"
