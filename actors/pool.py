@@ -125,21 +125,14 @@ def still_to_run(
         if states[p.id].stopped_early:
             continue
         todo = [i for i in range(cfg.n) if i not in states[p.id].records]
-        size = chunk_size(cfg)
-        chunks += [Chunk(p, todo[k : k + size]) for k in range(0, len(todo), size)]
+        chunks += [Chunk(p, todo[k : k + cfg.batch]) for k in range(0, len(todo), cfg.batch)]
     return states, chunks
 
 
-def chunk_size(cfg: JobConfig) -> int:
-    """Trajectories per call: `batch` (the pool decides a problem's vote as each call returns,
-    and cancels the rest in flight)."""
-    return cfg.batch
-
-
 def calls_per_actor(cfg: JobConfig) -> int:
-    """Calls kept in flight per actor: enough chunks (`chunk_size`) to keep its `max_rows`
-    rows full, plus one waiting (an actor runs that many calls concurrently)."""
-    return -(-(cfg.max_rows or default_max_rows("cpu")) // chunk_size(cfg)) + 1
+    """Calls kept in flight per actor: enough chunks of `batch` trajectories to keep its
+    `max_rows` rows full, plus one waiting (an actor runs that many calls concurrently)."""
+    return -(-(cfg.max_rows or default_max_rows("cpu")) // cfg.batch) + 1
 
 
 def pick_actor(
