@@ -125,14 +125,23 @@ def still_to_run(
         if states[p.id].stopped_early:
             continue
         todo = [i for i in range(cfg.n) if i not in states[p.id].records]
-        chunks += [Chunk(p, todo[k : k + cfg.batch]) for k in range(0, len(todo), cfg.batch)]
+        size = chunk_size(cfg)
+        chunks += [Chunk(p, todo[k : k + size]) for k in range(0, len(todo), size)]
     return states, chunks
 
 
+def chunk_size(cfg: JobConfig) -> int:
+    """Trajectories per call: `batch`, or with `early_stop` one (the pool decides a problem's
+    vote as each trajectory returns, and cancels the rest in flight)."""
+    return 1 if cfg.early_stop else cfg.batch
+
+
 def calls_per_actor(cfg: JobConfig) -> int:
-    """Calls kept in flight per actor: enough chunks of `batch` trajectories to keep its
-    `max_rows` rows full, plus one waiting (an actor runs that many calls concurrently)."""
-    return -(-(cfg.max_rows or default_max_rows("cpu")) // cfg.batch) + 1
+    """Calls kept in flight per actor: enough chunks (`chunk_size`) for its `max_rows` rows and
+    half as many again waiting, so that a freed row is refilled at once, not after a round
+    trip to the driver (an actor runs that many calls concurrently)."""
+    rows, size = cfg.max_rows or default_max_rows("cpu"), chunk_size(cfg)
+    return -(-rows // size) + -(-rows // (2 * size))
 
 
 def pick_actor(

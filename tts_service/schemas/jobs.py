@@ -67,7 +67,7 @@ class JobConfig(StrictConfig):
         "are dropped, those in flight cancelled (the answer all N would give).",
     )
     confidence: bool = Field(
-        False,
+        True,
         description="Each trajectory record's confidence (DeepConf's, from the target's top-k "
         "at every committed token).",
     )

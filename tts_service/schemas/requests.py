@@ -59,9 +59,9 @@ class SolveRequest(StrictConfig):
         "off: all N decode (for maj@k, pass@k).",
     )
     confidence: bool = Field(
-        False,
+        True,
         description="Each trajectory's confidence (DeepConf's mean, lowest and bottom-10% "
-        "group, and tail), from the target's top-k at every committed token.",
+        "group, and tail), from the target's top-k at every committed token (costs ~1%).",
     )
     aggregate: Aggregate = Field(
         "majority",

@@ -258,7 +258,7 @@ class SolveHttpRequest(BaseModel):
     method: MethodName | None = None
     return_trajectories: bool = False
     early_stop: bool = True  # stop the other trajectories once the vote is decided
-    confidence: bool = False  # each trajectory's confidence (DeepConf's), in stats.trajectories
+    confidence: bool = True  # each trajectory's confidence (DeepConf's), in stats.trajectories
     aggregate: Aggregate = "majority"  # or confidence / filtered: they change answers
     model: str | None = None
 
