@@ -111,13 +111,20 @@ def resume_conflict(out: Path, cfg: JobConfig, problems: list[Problem]) -> str |
         settings, questions = before["settings"], before["questions"]
     except (OSError, ValueError, TypeError, KeyError):
         return "a run.json that cannot be read"
-    differs = first_difference(settings, run_settings(cfg))
+    differs = first_difference(with_defaults(settings), run_settings(cfg))
     if differs:
         return f"a run with {differs}"
     for pid, digest in _question_digests(problems).items():
         if questions.get(pid, digest) != digest:
             return f"a run where problem {pid!r} has another question"
     return None
+
+
+def with_defaults(settings: dict) -> dict:
+    """A recorded run's settings with the top-level fields added since it ran at their
+    defaults (an older run resumes as long as it differs in nothing it knew)."""
+    added = {k: v for k, v in run_settings(JobConfig()).items() if k not in settings}
+    return added | settings
 
 
 def claim_run_dir(out: Path, cfg: JobConfig, problems: list[Problem]) -> None:

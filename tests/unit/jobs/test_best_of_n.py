@@ -93,3 +93,19 @@ def test_a_step_without_a_draft_counts_as_plain():
     stats.record_step(0, 0, 1)
     stats.record_step(4, 2, 3)
     assert stats.to_dict()["plain_steps"] == 1 and stats.target_forwards == 2
+
+
+def test_a_run_recorded_before_a_field_existed_resumes_at_its_default(tmp_path):
+    """`aggregate` came later: a run.json without it is the majority run it was; one that
+    records another vote is another run."""
+    from jobs.best_of_n import resume_conflict
+    from jobs.common import run_settings
+    from tts_service.schemas import JobConfig
+
+    cfg = JobConfig()
+    settings = run_settings(cfg)
+    del settings["aggregate"]
+    (tmp_path / "run.json").write_text(json.dumps({"settings": settings, "questions": {}}))
+    assert resume_conflict(tmp_path, cfg, []) is None
+    other = cfg.model_copy(update={"aggregate": "filtered"})
+    assert "aggregate='majority', not 'filtered'" in resume_conflict(tmp_path, other, [])
