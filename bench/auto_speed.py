@@ -85,6 +85,7 @@ def command(method: str, cell: Cell, problems: Path, args: argparse.Namespace) -
         *("--problems", str(problems), "--n", str(cell.n), "--max-rows", str(cell.rows)),
         *("--temperature", str(cell.temperature), "--max-new-tokens", str(args.max_new_tokens)),
         *("--seed", str(args.seed), "--json", "--method", method),
+        "--no-early-stop",  # the same N trajectories as the peer decodes
     ]
 
 
