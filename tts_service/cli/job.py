@@ -74,7 +74,7 @@ def check_entry_model(words: list[str]) -> None:
     if not any(w in ("jobs.best_of_n", "jobs.evaluate") for w in words):
         return
     named = [b for a, b in zip(words, words[1:], strict=False) if a == "--model"]
-    named += [w.split("=", 1)[1] for w in words if w.startswith("model.name=")]
+    named += [w.split("=", 1)[1] for w in words if w.startswith(("model.name=", "--model="))]
     from tts_service.model_check import ModelNotFoundError, check_model
 
     for name in named:
