@@ -34,7 +34,7 @@ def _solve(smollm2, early_stop: EarlyStop | None) -> dict:
 
 def test_a_decided_problem_stops_its_waiting_rows_and_votes_as_all_n(smollm2):
     full = _solve(smollm2, None)
-    early = _solve(smollm2, EarlyStop(3, "math"))
+    early = _solve(smollm2, EarlyStop(3, "math", in_thread=False))  # decided before the next step
     assert full["answer"] is not None and len(full["trajectories"]) == 3
     assert early["stopped_early"] and (early["decoded"], early["n"]) == (2, 3)
     assert early["answer"] == full["answer"]  # 2 agreeing of 3: the third cannot change it
@@ -116,6 +116,7 @@ def smollm2_app(ray_local):
     serve.run(build_app(cfg), name="tts-early-stop", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.delete("tts-early-stop")
+    serve.shutdown()  # the next module's Serve starts on its own port
 
 
 def test_v1_solve_stops_a_decided_vote_with_the_same_answer(smollm2_app):

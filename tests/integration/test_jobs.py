@@ -351,14 +351,17 @@ def test_what_is_still_to_run_skips_finished_and_decided_problems(tiny_model_dir
     cfg = _cfg(tiny_model_dir, n=8, batch=4, early_stop=True)
     states, chunks = still_to_run(cfg, PROBLEMS, records)
     assert states["p1"].stopped_early and len(states["p1"].records) == 6  # 5 of 8: decided
+    # under early stop one trajectory a call, so the vote is decided as each one ends
     assert [(c.problem.id, c.indices) for c in chunks] == [
-        ("p2", [2, 3, 4, 5]),
-        ("p2", [6, 7]),
-        ("p3", [0, 1, 2, 3]),
-        ("p3", [4, 5, 6, 7]),
+        *(("p2", [i]) for i in range(2, 8)),
+        *(("p3", [i]) for i in range(8)),
     ]
     without = cfg.model_copy(update={"early_stop": False})
     assert [c.indices for c in still_to_run(without, PROBLEMS[:1], records)[1]] == [[6, 7]]
+    assert [c.indices for c in still_to_run(without, PROBLEMS[2:], records)[1]] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
 
 
 def test_a_rerun_with_nothing_missing_starts_neither_ray_nor_a_model(

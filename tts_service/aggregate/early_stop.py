@@ -54,8 +54,8 @@ class EarlyStop:
     the decision lands a step or two later (rows finished meanwhile are kept: exact still).
     Thread-safe."""
 
-    def __init__(self, n: int, task: Task) -> None:
-        self.n, self.task = n, task
+    def __init__(self, n: int, task: Task, in_thread: bool = True) -> None:
+        self.n, self.task, self.in_thread = n, task, in_thread
         self.answers: dict[str, dict[int, str | None]] = {}
         self.decided: dict[str, Vote] = {}
         self._lock = threading.Lock()
@@ -78,7 +78,11 @@ class EarlyStop:
             return False
 
     def note(self, problem_id: str, index: int, text: str) -> None:
-        """`finished`, in the early stop's own thread."""
+        """`finished`, in the early stop's own thread (`in_thread`; else at once: tests that
+        need the decision before the next step)."""
+        if not self.in_thread:
+            self.finished(problem_id, index, text)
+            return
         if self._worker is None:
             self._worker = threading.Thread(target=self._decide, name="tts-vote", daemon=True)
             self._worker.start()
