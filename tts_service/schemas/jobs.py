@@ -73,9 +73,9 @@ class JobConfig(StrictConfig):
     )
     aggregate: Aggregate = Field(
         "majority",
-        description="The vote: majority (exact), confidence (weighted) or filtered (the 90% "
-        "most confident vote); the last two change answers and need confidence, without "
-        "early_stop.",
+        description="The vote: majority (exact), confidence (weighted) or filtered (the most "
+        "confident nine tenths vote); the last two change answers and need confidence, "
+        "without early_stop.",
     )
     max_retries: int = Field(3, ge=0, description="Resubmissions of a failed actor call.")
     log_trajectories: bool = Field(

@@ -60,14 +60,15 @@ class SolveRequest(StrictConfig):
     )
     confidence: bool = Field(
         True,
-        description="Each trajectory's confidence (DeepConf's mean, lowest and bottom-10% "
-        "group, and tail), from the target's top-k at every committed token (costs ~1%).",
+        description="Each trajectory's confidence (DeepConf's mean, lowest and bottom-tenth "
+        "group, and tail), from the target's top-k at every committed token (about a "
+        "hundredth of the whole command).",
     )
     aggregate: Aggregate = Field(
         "majority",
         description="The vote: majority (exact), confidence (weighted by each trajectory's "
-        "confidence) or filtered (the 90% most confident vote); the last two change answers, "
-        "need confidence and decode all N.",
+        "confidence) or filtered (the most confident nine tenths vote); the last two change "
+        "answers, need confidence and decode all N.",
     )
     model: ModelConfig = ModelConfig()
     drafter: DrafterConfig = StandDrafterConfig()
