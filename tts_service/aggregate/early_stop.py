@@ -15,6 +15,8 @@ from typing import Any
 from tts_service.aggregate.extract import Task, extract_answer
 from tts_service.aggregate.vote import Vote, leader_is_final, majority_vote
 
+IDLE_S = 1.0  # how long the deciding thread waits for another answer before it ends
+
 
 def decided_vote(
     answers: Mapping[int, str | None],
@@ -83,14 +85,25 @@ class EarlyStop:
         if not self.in_thread:
             self.finished(problem_id, index, text)
             return
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._decide, name="tts-vote", daemon=True)
-            self._worker.start()
-        self._todo.put((problem_id, index, text))
+        with self._lock:
+            self._todo.put((problem_id, index, text))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._decide, name="tts-vote", daemon=True)
+                self._worker.start()
 
     def _decide(self) -> None:
+        """Decide what `note` queued; end once idle for `IDLE_S` (a server makes one early stop
+        a request: none of their threads outlives its work)."""
         while True:
-            self.finished(*self._todo.get())
+            try:
+                item = self._todo.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._todo.empty():
+                        self._worker = None
+                        return
+                continue
+            self.finished(*item)
 
     def stopped(self, problem_id: str) -> bool:
         return problem_id in self.decided

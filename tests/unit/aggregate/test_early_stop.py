@@ -95,3 +95,24 @@ def test_early_stop_decides_each_problem_once_and_is_the_runner_s_skip_test():
     assert stop.stopped("p") and not stop.stopped("q")
     assert not stop.finished("p", 1, TEXTS["choice"]("B"))  # already decided
     assert not EarlyStop(2, "choice").finished("q", 0, "no answer here")
+
+
+def test_the_deciding_thread_ends_when_idle_and_comes_back(monkeypatch):
+    """A server makes one early stop a request: its thread must not outlive the work."""
+    import time
+
+    from tts_service.aggregate import early_stop
+
+    monkeypatch.setattr(early_stop, "IDLE_S", 0.05)
+    stop = EarlyStop(3, "choice")
+    stop.note("p", 0, TEXTS["choice"]("A"))
+    stop.note("p", 1, TEXTS["choice"]("A"))
+    deadline = time.monotonic() + 5
+    while not stop.stopped("p") or stop._worker is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stop.note("q", 0, TEXTS["choice"]("B"))  # a new thread for new work
+    stop.note("q", 1, TEXTS["choice"]("B"))
+    while not stop.stopped("q"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
