@@ -20,7 +20,7 @@ from pathlib import Path
 from tts_service.aggregate import extract_answer, is_correct, majority_vote, normalize_answer
 from tts_service.aggregate.confidence import (
     filtered_vote,
-    token_confidence,
+    token_confidences,
     trajectory_confidence,
 )
 from tts_service.aggregate.early_stop import EarlyStop
@@ -69,7 +69,7 @@ def problem_row(log: str, row: dict, tokenizer, refs: dict) -> dict:
     voted = majority_vote([answers[i] for i in kept], task)
     same = normalize_answer(voted.answer, task) == normalize_answer(full.answer, task)
     scores = [
-        trajectory_confidence([token_confidence(p) for p in probs])["lowest_group"]
+        trajectory_confidence(token_confidences(probs))["lowest_group"]
         for probs in row["top_probs"]
     ]
     votes = {"full": full, "early": voted}

@@ -217,35 +217,27 @@ def plain_steps_line(summary: dict, cfg: JobConfig) -> str | None:
 
 
 def problem_result(state, cfg: JobConfig) -> dict:
-    from tts_service.aggregate import is_correct, majority_vote
-    from tts_service.aggregate.confidence import aggregate_vote
-    from tts_service.aggregate.early_stop import with_indices
+    from tts_service.aggregate import is_correct
+    from tts_service.aggregate.confidence import labelled_vote
 
     answers = state.answers()
     order = sorted(state.records)
     recs = [state.records[i] for i in order]
     sure = [r.get("confidence") for r in recs]
-    task = state.problem.task
-    vote = aggregate_vote(cfg.aggregate, answers, None if None in sure else sure, task)
-    vote = with_indices(vote, order)
+    vote = labelled_vote(cfg.aggregate, answers, sure, order, state.problem.task)
     tokens = sum(r["stats"]["new_tokens"] for r in recs)
     forwards = sum(r["stats"]["target_forwards"] for r in recs)
     correct = None
     if state.problem.answer is not None and state.problem.task != "code":
-        correct = is_correct(vote.answer, state.problem.answer, state.problem.task)
+        correct = is_correct(vote["answer"], state.problem.answer, state.problem.task)
     return {
         "id": state.problem.id,
-        **vote.to_dict(),
+        **vote,
         "correct": correct,
         "stopped_early": state.stopped_early,
         "decoded": len(recs),
         "n": cfg.n,
         "cut": [i for i in range(cfg.n) if i not in state.records],  # stopped before they ended
-        **(
-            {"aggregate": cfg.aggregate, "majority": majority_vote(answers, task).answer}
-            if cfg.aggregate != "majority"
-            else {}
-        ),
         "trajectories": [
             {
                 **{k: v for k, v in r.items() if k not in ("top_ids", "top_probs", "prompt_ids")},

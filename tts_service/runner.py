@@ -29,10 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, cast, get_args
 
-import numpy as np
-
 from store.base import NgramStore
-from tts_service.aggregate.confidence import FLOOR, trajectory_confidence
+from tts_service.aggregate.confidence import token_confidences, trajectory_confidence
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.allocate import DraftCost, SlotStats, SpeculationPlanner, StepCost
@@ -201,7 +199,7 @@ class TrajectoryRecorder(Drafter):
 
     def _keep(self, topk: NodeTopK, nodes: list[int]) -> None:
         probs = topk.probs[nodes]
-        self.confidences += (-np.log(np.maximum(probs, FLOOR)).mean(axis=1)).tolist()
+        self.confidences += token_confidences(probs)
         if self.keep_topk:
             self.top_ids += topk.ids[nodes].tolist()
             self.top_probs += probs.tolist()

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from store.base import NgramStore
-from tts_service.aggregate import extract_answer, majority_vote
-from tts_service.aggregate.confidence import aggregate_vote
-from tts_service.aggregate.early_stop import EarlyStop, with_indices
+from tts_service.aggregate import extract_answer
+from tts_service.aggregate.confidence import labelled_vote
+from tts_service.aggregate.early_stop import EarlyStop
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig
 from tts_service.engine.decode import GenerationOutput, OnCommit
@@ -83,19 +83,19 @@ class SolveResult:
     trajectories: list[Trajectory] = field(default_factory=list)
     store_stats: dict = field(default_factory=dict)
     n: int | None = None
-    stopped_early: bool = False
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether its vote was decided before all of the N asked for had finished."""
+        return self.n is not None and len(self.trajectories) < self.n
 
     def vote(self, task: str, aggregate: str = "majority") -> dict:
-        """The vote `aggregate` names over the trajectories' answers (winners by index; a
-        weighted or filtered one says what the majority would have voted); stopped early, what
-        was decoded of the N asked for."""
+        """The vote `aggregate` names over the trajectories' answers (`labelled_vote`);
+        stopped early, what was decoded of the N asked for."""
         answers = [extract_answer(t.output.text, task) for t in self.trajectories]
         order = [t.index for t in self.trajectories]
         sure = [t.confidence for t in self.trajectories]
-        vote = aggregate_vote(aggregate, answers, None if None in sure else sure, task)
-        out = with_indices(vote, order).to_dict()
-        if aggregate != "majority":
-            out |= {"aggregate": aggregate, "majority": majority_vote(answers, task).answer}
+        out = labelled_vote(aggregate, answers, sure, order, task)
         if self.n is not None:
             out |= {"decoded": len(self.trajectories), "n": self.n}
             out["stopped_early"] = self.stopped_early
@@ -188,7 +188,7 @@ def solve_problems(
 
     collect = collector(results, early_stop, on_trajectory)
     try:
-        report = runner.run(requests, collect, stop_skip(early_stop, skip))
+        report = runner.run(requests, collect, early_stop.skipping(skip) if early_stop else skip)
     finally:  # the stores' final flush, whether the run finished or failed
         for p in problems:
             p.store.close()
@@ -196,7 +196,6 @@ def solve_problems(
         res = results[p.problem_id]
         res.trajectories.sort(key=lambda t: t.index)
         res.store_stats = p.store.stats()
-        res.stopped_early = early_stop is not None and len(res.trajectories) < n
     salted = drafter.kind != "plain" and not sampling.greedy  # else nothing uses the nonce
     nonce = sampling.run_nonce if salted else None
     return SolveRun([results[p.problem_id] for p in problems], report, nonce)
@@ -229,13 +228,6 @@ def collector(
             on_trajectory(req.problem_id, traj)
 
     return collect
-
-
-def stop_skip(early_stop: EarlyStop | None, skip: Skip | None) -> Skip | None:
-    """The runner's skip test: `skip`'s, and a decided problem's rows."""
-    if early_stop is None:
-        return skip
-    return lambda req: early_stop.stopped(req.problem_id) or (skip is not None and skip(req))
 
 
 def solve(

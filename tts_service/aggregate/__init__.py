@@ -16,7 +16,13 @@ from tts_service.aggregate.normalize import (
     normalize_code,
     normalize_math,
 )
-from tts_service.aggregate.vote import Vote, is_correct, leader_is_final, majority_vote
+from tts_service.aggregate.vote import (
+    Vote,
+    is_correct,
+    leader_is_final,
+    majority_vote,
+    with_indices,
+)
 
 __all__ = [
     "TASKS",
@@ -31,4 +37,5 @@ __all__ = [
     "normalize_choice",
     "normalize_code",
     "normalize_math",
+    "with_indices",
 ]

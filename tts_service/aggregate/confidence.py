@@ -14,9 +14,10 @@ import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from tts_service.aggregate.early_stop import with_indices
+import numpy as np
+
 from tts_service.aggregate.extract import Task
-from tts_service.aggregate.vote import Vote, majority_vote
+from tts_service.aggregate.vote import Vote, majority_vote, with_indices
 
 FLOOR = 1e-12  # a top-k probability's floor before the log (a rounded-off zero)
 MAX_WINDOW = 2048  # DeepConf's window
@@ -29,9 +30,16 @@ AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 `confidence` (weighted by `SCORE`), `filtered` (the `FILTER_KEEP` most confident vote)."""
 
 
+def token_confidences(top_probs: np.ndarray | Sequence[Sequence[float]]) -> list[float]:
+    """Each position's confidence: -mean log p over the target's top-k probabilities there
+    (`top_probs`: [positions, k])."""
+    probs = np.asarray(top_probs, dtype=np.float64).reshape(len(top_probs), -1)
+    return (-np.log(np.maximum(probs, FLOOR)).mean(axis=1)).tolist()
+
+
 def token_confidence(top_probs: Sequence[float]) -> float:
-    """-mean log p over the target's top-k probabilities at one position."""
-    return -sum(math.log(max(p, FLOOR)) for p in top_probs) / len(top_probs)
+    """One position's `token_confidences`."""
+    return token_confidences([top_probs])[0]
 
 
 def window_for(length: int) -> int:
@@ -102,6 +110,23 @@ def aggregate_vote(
     if aggregate == "filtered":
         return filtered_vote(answers, scores, FILTER_KEEP, task)
     raise ValueError(f"unknown aggregate {aggregate!r} (choose {', '.join(AGGREGATES)})")
+
+
+def labelled_vote(
+    aggregate: str,
+    answers: Sequence[str | None],
+    confidences: Sequence[dict | None],
+    order: Sequence[int],
+    task: Task,
+) -> dict:
+    """The vote `aggregate` names as every report shows it (`Vote.to_dict`, its winners by the
+    trajectory indices in `order`); a weighted or filtered one also says which it is and what
+    the `majority` voted. `confidences`: each trajectory's (None where one has none)."""
+    sure = None if None in confidences else confidences
+    out = with_indices(aggregate_vote(aggregate, answers, sure, task), order).to_dict()
+    if aggregate != "majority":
+        out |= {"aggregate": aggregate, "majority": majority_vote(answers, task).answer}
+    return out
 
 
 def vote_fields(data: object) -> object:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tts_service.aggregate.extract import Task, extract_answer
-from tts_service.aggregate.vote import Vote, leader_is_final, majority_vote
+from tts_service.aggregate.vote import Vote, leader_is_final, majority_vote, with_indices
 
 IDLE_S = 1.0  # how long the deciding thread waits for another answer before it ends
 
@@ -36,15 +36,6 @@ def decided_vote(
     if vote.answer is None or not leader_is_final(vote.votes, n - len(answers)):
         return None
     return with_indices(vote, order)
-
-
-def with_indices(vote: Vote, order: list[int]) -> Vote:
-    """`vote` over answers listed in `order` (their trajectory indices), its winners named by
-    index rather than by position in the list."""
-    winners = tuple(order[k] for k in vote.winner_indices)
-    return Vote(
-        vote.answer, vote.votes, vote.share, vote.num_trajectories, vote.num_no_answer, winners
-    )
 
 
 class EarlyStop:
@@ -107,6 +98,11 @@ class EarlyStop:
 
     def stopped(self, problem_id: str) -> bool:
         return problem_id in self.decided
+
+    def skipping(self, skip: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
+        """A runner's skip test: a decided problem's rows (a `trajectory.TrajectoryRequest`'s
+        `problem_id`), and whatever `skip` skips."""
+        return lambda req: self.stopped(req.problem_id) or (skip is not None and skip(req))
 
     def noting(self, on_result: Callable[[Any], None] | None) -> Callable[[Any], None]:
         """A runner's result callback: `note` sees each trajectory (a

@@ -108,6 +108,15 @@ def majority_vote(
     return Vote(first, votes, len(winner.members) / n, n, no_answer, tuple(winner.members))
 
 
+def with_indices(vote: Vote, order: Sequence[int]) -> Vote:
+    """`vote` over answers listed in `order` (their trajectory indices), its winners named by
+    index rather than by position in the list."""
+    winners = tuple(order[k] for k in vote.winner_indices)
+    return Vote(
+        vote.answer, vote.votes, vote.share, vote.num_trajectories, vote.num_no_answer, winners
+    )
+
+
 def leader_is_final(votes: dict[str, int], remaining: int) -> bool:
     """Whether the leader wins even if all `remaining` trajectories back the runner-up.
 

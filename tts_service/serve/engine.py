@@ -22,8 +22,8 @@ from store.factory import problem_id
 from store.redis_client import StoreUnavailableError
 from tts_service import startup
 from tts_service.aggregate import Task, extract_answer, majority_vote
-from tts_service.aggregate.confidence import aggregate_vote
-from tts_service.aggregate.early_stop import EarlyStop, with_indices
+from tts_service.aggregate.confidence import labelled_vote
+from tts_service.aggregate.early_stop import EarlyStop
 from tts_service.config import SamplingConfig
 from tts_service.drafters.registry import DrafterConfig, method_drafter
 from tts_service.generation import Generator, InputTooLongError
@@ -43,7 +43,7 @@ from tts_service.serve.api import (
 )
 from tts_service.serve.logprobs import LogprobFormat, ScoredTokens
 from tts_service.textstream import StableText
-from tts_service.trajectory import RunReport, TrajectoryResult
+from tts_service.trajectory import RunReport, TrajectoryRequest, TrajectoryResult
 
 _DRAFTER = TypeAdapter(DrafterConfig)
 HttpRequest = CompletionRequest | ChatCompletionRequest | SolveHttpRequest
@@ -384,8 +384,9 @@ class ServeEngine:
         is set (the client went away), or with `stop` once its prompt's vote is decided.
         `on_commit(choice, tokens)` sees every step."""
         keep_going = on_commit or (lambda _i, _t: not cancel.is_set())
+        skip: Callable[[TrajectoryRequest], bool] = lambda _r: cancel.is_set()  # noqa: E731
         if stop is not None:
-            on_result = stop.noting(on_result)
+            on_result, skip = stop.noting(on_result), stop.skipping(skip)
         with contextlib.ExitStack() as stores:  # the request's end is its stores'
             problems = [
                 (str(p), ids, stores.enter_context(contextlib.closing(self._store(ids))))
@@ -398,7 +399,7 @@ class ServeEngine:
                 job.drafter,
                 on_commit=lambda p, i, tokens: keep_going(p * job.n + i, tokens),
                 on_result=on_result,
-                skip=lambda r: cancel.is_set() or (stop is not None and stop.stopped(r.problem_id)),
+                skip=skip,
                 confidence=job.confidence,
             )
 
@@ -498,9 +499,8 @@ class ServeEngine:
         done = [(r.request.index, r.output) for r in report.results]
         answers = [extract_answer(o.text, job.task) for _, o in done]
         sure = {r.request.index: r.confidence for r in report.results if r.confidence}
-        scores = [sure[i] for i, _ in done] if len(sure) == len(done) else None
-        voted = aggregate_vote(job.vote, answers, scores, job.task)
-        vote = with_indices(voted, [i for i, _ in done]).to_dict()
+        order = [i for i, _ in done]
+        vote = labelled_vote(job.vote, answers, [sure.get(i) for i in order], order, job.task)
         stats = report.summary()
         body = {
             "answer": vote["answer"],
@@ -520,8 +520,7 @@ class ServeEngine:
             },
             "usage": job.usage(sum(len(o.token_ids) for _, o in done)),
         }
-        if job.vote != "majority":  # what the exact vote says beside it
-            body |= {"aggregate": job.vote, "majority": majority_vote(answers, job.task).answer}
+        body |= {k: vote[k] for k in ("aggregate", "majority") if k in vote}  # a weighted one
         if job.return_trajectories:
             body["trajectories"] = [
                 {"index": i, "text": o.text, "finish_reason": o.finish_reason, "answer": a}
