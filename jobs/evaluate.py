@@ -525,7 +525,8 @@ def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
             since = time.perf_counter()
     out = jobs[0].out
     paths = report.write(out)
-    for r in json.loads(paths[0].read_text())["runs"] if paths else []:
+    written = json.loads(paths[0].read_text()) if paths else {"runs": []}
+    for r in written["runs"]:
         m, sp, acc = r["metrics"], r["speed"], r["metrics"]["acceptance_length"]
         rates = (sp["tokens_per_s"], sp["decode_tokens_per_s"])
         tps_text, decode_text = (f"{x:.1f}" if x else "-" for x in rates)
@@ -540,7 +541,7 @@ def run(jobs: list[EvalJob], started: float | None = None) -> list[Path]:
             f"{sp['setup_s']:.1f} s + decode {sp['decode_s']:.1f} s) acceptance length {acc_text}",
             flush=True,
         )
-    for warning in report.run_warnings(json.loads(paths[0].read_text())) if paths else []:
+    for warning in report.run_warnings(written):
         print(f"[eval] warning: {warning}", flush=True)
     print(f"[eval] report: {', '.join(str(p) for p in paths)}", flush=True)
     return paths

@@ -239,8 +239,8 @@ def _sessions(runs: list[dict]) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = ["# Evaluation report", "", f"Generated {report['generated']}.", ""]
-    lines += [f"> **Warning**: {w}" for w in run_warnings(report)]
-    lines += [""] if run_warnings(report) else []
+    warnings = [f"> **Warning**: {w}" for w in run_warnings(report)]
+    lines += [*warnings, ""] if warnings else []
     for task in sorted({r["task"] for r in report["runs"]}):
         runs = [r for r in report["runs"] if r["task"] == task]
         lines += [f"## {TITLES.get(task, task)} (`{task}`)", ""]
