@@ -17,7 +17,14 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tts_service.aggregate import Task, extract_answer, is_correct, majority_vote, normalize_code
+from tts_service.aggregate import (
+    Task,
+    Vote,
+    extract_answer,
+    is_correct,
+    majority_vote,
+    normalize_code,
+)
 from tts_service.aggregate.confidence import aggregate_vote
 from tts_service.tasks.items import EvalItem, TestCase
 from tts_service.tasks.metrics import ks_for
@@ -192,13 +199,14 @@ def grade(item: EvalItem, text: str, limits: Limits | None = None) -> Grade:
 def majority_correct(
     answers: list[str | None], correct: list[bool], kind: Task, ks: list[int]
 ) -> dict[int, bool]:
-    """k -> whether the majority vote of the first k trajectories is correct. Members of a
-    class are equivalent, so the vote is as correct as its first member."""
-    out = {}
-    for k in ks:
-        vote = majority_vote(answers[:k], kind)
-        out[k] = bool(vote.winner_indices) and correct[vote.winner_indices[0]]
-    return out
+    """k -> whether the majority vote of the first k trajectories is correct."""
+    return {k: vote_correct(majority_vote(answers[:k], kind), correct) for k in ks}
+
+
+def vote_correct(vote: Vote, correct: list[bool]) -> bool:
+    """Whether `vote` (winners by position in `correct`) is correct: members of a class are
+    equivalent, so the vote is as correct as its first member; no winner is wrong."""
+    return bool(vote.winner_indices) and correct[vote.winner_indices[0]]
 
 
 def weighted_correct(
@@ -208,11 +216,10 @@ def weighted_correct(
     without every trajectory's confidence): the same samples as maj@N, other votes."""
     if sure is None:
         return {}
-    out = {}
-    for name in ("confidence", "filtered"):
-        vote = aggregate_vote(name, answers, sure, kind)
-        out[f"{name}_correct"] = bool(vote.winner_indices) and correct[vote.winner_indices[0]]
-    return out
+    return {
+        f"{name}_correct": vote_correct(aggregate_vote(name, answers, sure, kind), correct)
+        for name in ("confidence", "filtered")
+    }
 
 
 def grader_error(answer: str | None, error: BaseException | str) -> Grade:
