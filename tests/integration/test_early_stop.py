@@ -43,16 +43,17 @@ def test_a_decided_problem_stops_its_waiting_rows_and_votes_as_all_n(smollm2):
 
 
 def test_a_job_cancels_the_rows_in_flight_and_a_rerun_keeps_the_cut(ray_local, tmp_path):
-    """One row at a time (`max_rows: 1`), so the vote is decided by the first two to finish
-    while the third's call is in flight with its whole trajectory to go. With two rows, which
-    calls share the first step is the actor's threads' race: when the first two to finish were
-    the two that started together, the third had the same length left and finished too."""
+    """One plain row at a time, so the vote is decided by the first two to finish while the
+    third's call is in flight with all its forwards to go. With two rows the third started when
+    the first finished, beside the second, and drafting from their identical greedy text it
+    caught up and finished with the second, before the cancel could land."""
     from jobs.best_of_n import run as run_job
 
     cfg = JobConfig.model_validate(
         {
             "model": {"name": "smollm2-135m", "device": "cpu", "dtype": "float32"},
             "sampling": {"temperature": 0.0, "max_new_tokens": 48},
+            "drafter": {"kind": "plain"},
             "n": 3,
             "max_rows": 1,
             "replicas": 1,
