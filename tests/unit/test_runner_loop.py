@@ -30,7 +30,8 @@ def test_a_caller_waits_at_most_the_step_in_progress(tiny_model):
     runner = TrajectoryRunner(make_generator(tiny_model), 4)
     loop = RunnerLoop(runner)
     forwards = runner.decoder.forwards
-    long = loop.submit(_requests("long", 500))  # a forward a token
+    done = threading.Event()  # the long row leaves at the test's end: no step outlives it
+    long = loop.submit(_requests("long", 500), skip=lambda _req: done.is_set())  # a token a step
     while forwards.forwards < 3:  # the long row is decoding
         time.sleep(0.01)
     waited = []
@@ -42,6 +43,8 @@ def test_a_caller_waits_at_most_the_step_in_progress(tiny_model):
         waited.append((submitted - before, forwards.forwards - submitted))
         short.wait(timeout=60)
     assert not long.done.is_set()  # every call above came while the long row decoded
+    done.set()
+    long.wait(timeout=60)
     assert max(max(w) for w in waited) <= 1, waited
 
 
@@ -79,7 +82,8 @@ def test_a_caller_blocked_during_a_step_goes_before_the_next():
         target=loop.between_steps, args=(lambda: runner.events.append("caller"),)
     )
     caller.start()
-    time.sleep(0.2)  # blocked on the loop's lock
+    while not loop._callers:  # the caller is waiting for the loop's lock
+        time.sleep(0.001)
     runner.release.set()
     caller.join(10)
     while runner.steps < 3:  # the loop goes on after the caller
